@@ -1,0 +1,89 @@
+"""In-memory state of checkpoints and writer sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tally_server.domain.ledger import WriterLedger
+
+
+class CompletedSet:
+    """The live completed set of one checkpoint (§2.4), with a sequence number per completion.
+
+    The sequence lets each writer see "the completed set as it stood when it opened" without
+    copying it: a source counts for that writer if it was completed at or before its open sequence.
+    """
+
+    def __init__(self, initial: Iterable[str] = ()) -> None:
+        self._seq = 0
+        self._completed: dict[str, int] = dict.fromkeys(initial, 0)
+
+    def __contains__(self, source_id: object) -> bool:
+        return source_id in self._completed
+
+    def __len__(self) -> int:
+        return len(self._completed)
+
+    def add(self, sources: Iterable[str]) -> None:
+        self._seq += 1
+        for sid in sources:
+            self._completed.setdefault(sid, self._seq)
+
+    def discard(self, source_id: str) -> bool:
+        return self._completed.pop(source_id, None) is not None
+
+    def as_of_now(self) -> Callable[[str], bool]:
+        """A view of the set frozen at this moment (later additions are invisible to it)."""
+        cutoff = self._seq
+        completed = self._completed
+
+        def view(source_id: str) -> bool:
+            seq = completed.get(source_id)
+            return seq is not None and seq <= cutoff
+
+        return view
+
+    def sources(self) -> list[str]:
+        return list(self._completed)
+
+
+class WriterState:
+    OPEN = "open"
+    CLOSED = "closed"
+    EXPIRED = "expired"
+    LOST = "lost"  # was open when the coordinator stopped
+
+
+@dataclass
+class WriterSession:
+    handle: str
+    writer_id: str
+    checkpoint: str
+    host: str
+    pid: int
+    labels: dict[str, str]
+    fingerprint: dict[str, str]
+    opened_at: float  # wall clock, for people
+    last_seen_at: float  # wall clock
+    lease_deadline: float  # monotonic
+    ledger: WriterLedger
+    state: str = WriterState.OPEN
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    completed: CompletedSet
+    created_at: float
+    last_activity_at: float
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    writers: dict[str, WriterSession] = field(default_factory=dict)  # by writer_id, live only
+    anomalies: int = 0
+    unreadable_files: list[str] = field(default_factory=list)
+
+    def pending_sources(self) -> int:
+        return sum(len(w.ledger.pending) - len(w.ledger.settling) for w in self.writers.values())
+
+    def settling_sources(self) -> int:
+        return sum(len(w.ledger.settling) for w in self.writers.values())

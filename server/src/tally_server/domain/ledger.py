@@ -1,0 +1,162 @@
+"""The counting rules of one writer (DESIGN §2), exactly as NeMo Curator 1.4.0's actor applies them.
+
+Pure and synchronous: the caller passes the clock and decides when to persist. A source whose
+pending count is zero at the end of a batch becomes *ready*; with ``settle_s == 0`` it is handed
+back for completion at once (the anchor's behaviour), otherwise it *settles* until its deadline
+and any delta for it in the meantime cancels the settle (§2.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+Delta = tuple[str, str, int]
+
+
+@dataclass
+class ApplyCounts:
+    """Per-call and cumulative outcome counters."""
+
+    applied: int = 0
+    skipped: int = 0
+    rewritten: int = 0
+    anomalies: int = 0
+    completed: int = 0
+
+    def add(self, other: ApplyCounts) -> None:
+        self.applied += other.applied
+        self.skipped += other.skipped
+        self.rewritten += other.rewritten
+        self.anomalies += other.anomalies
+        self.completed += other.completed
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """A delta for a source already completed for this writer: the source is un-completed."""
+
+    task_id: str
+    source_id: str
+    old_delta: int | None
+    new_delta: int
+
+
+@dataclass
+class BatchResult:
+    counts: ApplyCounts = field(default_factory=ApplyCounts)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    # Sources to complete now (settle window 0); the caller persists them, then calls completed().
+    complete_now: list[str] = field(default_factory=list)
+
+
+class WriterLedger:
+    """Pending counters, dedup map and own completions of one writer."""
+
+    def __init__(self, completed_before_open: Callable[[str], bool], settle_s: float) -> None:
+        # The checkpoint's completed set as it stood when the writer opened (§2, "completed
+        # for this writer"); completions by other writers since then are not anomalies here.
+        self._completed_before_open = completed_before_open
+        self.settle_s = settle_s
+        self.pending: dict[str, int] = {}
+        self.applied: dict[str, int] = {}
+        self.own_completed: set[str] = set()
+        # Sources this writer un-completed through an anomaly: no longer completed for it, even if
+        # they were completed before it opened (the anchor drops them from its set at once).
+        self.uncompleted: set[str] = set()
+        # source -> monotonic deadline after which it completes.
+        self.settling: dict[str, float] = {}
+        self.totals = ApplyCounts()
+
+    def is_completed(self, source_id: str) -> bool:
+        if source_id in self.own_completed:
+            return True
+        return source_id not in self.uncompleted and self._completed_before_open(source_id)
+
+    def apply(self, batch: Iterable[Delta], now: float) -> BatchResult:
+        result = BatchResult()
+        counts = result.counts
+        pending, applied, settling = self.pending, self.applied, self.settling
+        # Insertion-ordered set of sources whose count must be re-examined at the end of the batch.
+        recheck: dict[str, None] = {}
+        for task_id, sid, d in batch:
+            if sid in settling:
+                del settling[sid]  # any delta cancels the settle; re-examined below
+                recheck[sid] = None
+            existing = applied.get(task_id)
+            if existing is not None:
+                if existing == d:
+                    counts.skipped += 1
+                    continue
+                if self.is_completed(sid):
+                    self._anomaly(result, task_id, sid, existing, d)
+                    continue
+                applied[task_id] = d
+                pending[sid] = pending.get(sid, 0) - existing + d
+                counts.rewritten += 1
+            else:
+                if self.is_completed(sid):
+                    self._anomaly(result, task_id, sid, None, d)
+                    continue
+                applied[task_id] = d
+                pending[sid] = pending.get(sid, 0) + d
+                counts.applied += 1
+            if pending[sid] == 0:
+                recheck[sid] = None
+        # The anchor completes a source that touched zero anywhere in the batch, even if a later
+        # delta of the same batch moved it again (and then loses that count). Tally completes only
+        # what is still at zero at the end of the batch; every other case is identical.
+        for sid in recheck:
+            if pending.get(sid) == 0:
+                if self.settle_s <= 0:
+                    result.complete_now.append(sid)
+                else:
+                    settling[sid] = now + self.settle_s
+        self.totals.add(counts)
+        return result
+
+    def _anomaly(self, result: BatchResult, task_id: str, sid: str, old: int | None, new: int) -> None:
+        result.counts.anomalies += 1
+        result.anomalies.append(Anomaly(task_id, sid, old, new))
+        self.own_completed.discard(sid)
+        self.uncompleted.add(sid)
+
+    def due(self, now: float) -> list[str]:
+        """Take the settling sources whose window has passed (they are then completing)."""
+        ready = [sid for sid, deadline in self.settling.items() if deadline <= now]
+        for sid in ready:
+            del self.settling[sid]
+        return ready
+
+    def take_all_settling(self) -> list[str]:
+        """On close: no more deltas can arrive, so every settling source completes."""
+        ready = list(self.settling)
+        self.settling.clear()
+        return ready
+
+    def mark_completing(self, sources: Iterable[str]) -> list[str]:
+        """Record sources as completed for this writer before they are persisted.
+
+        From here on a delta for them is an anomaly, as in the anchor. Returns the ones that
+        still qualify (pending zero and not already completed), which the caller persists.
+        """
+        out = []
+        for sid in sources:
+            if self.pending.get(sid) == 0 and sid not in self.own_completed:
+                self.own_completed.add(sid)
+                del self.pending[sid]
+                out.append(sid)
+        self.totals.completed += len(out)
+        return out
+
+    def revert_completing(self, sources: Iterable[str], now: float) -> None:
+        """Persisting failed: the sources are not completed; settle them again so they are retried.
+
+        A source un-completed meanwhile by an anomaly stays un-completed.
+        """
+        for sid in sources:
+            if sid in self.own_completed:
+                self.own_completed.discard(sid)
+                self.pending[sid] = 0
+                self.settling[sid] = now
+                self.totals.completed -= 1

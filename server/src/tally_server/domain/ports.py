@@ -1,0 +1,131 @@
+"""What the domain needs from storage. Implemented in ``tally_server.store``; blocking calls,
+run by the service off the event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class UnreadableFile:
+    path: str
+    error: str
+
+
+@dataclass
+class LoadedCheckpoint:
+    """The union of a checkpoint folder's ``*.mdb`` files."""
+
+    completed: set[str]
+    files: list[str]
+    unreadable: list[UnreadableFile]
+
+
+@dataclass(frozen=True)
+class PutCompleted:
+    """Persist ``sources`` as completed in the writer's own file."""
+
+    checkpoint: str
+    writer_id: str
+    sources: Sequence[str]
+
+
+@dataclass(frozen=True)
+class DeleteCompleted:
+    """Un-complete ``sources`` in every writer file of the checkpoint that holds them."""
+
+    checkpoint: str
+    sources: Sequence[str]
+
+
+CompletionOp = PutCompleted | DeleteCompleted
+
+
+class CompletionStore(Protocol):
+    """NeMo-compatible completion files, one LMDB file per writer (DESIGN §3)."""
+
+    def exists(self, checkpoint: str) -> bool:
+        """Whether the checkpoint's folder exists (creates nothing)."""
+        ...
+
+    def load(self, checkpoint: str) -> LoadedCheckpoint:
+        """Union of every ``*.mdb`` in the checkpoint folder; unreadable files are listed, not counted."""
+        ...
+
+    def commit(self, ops: Sequence[CompletionOp]) -> None:
+        """Apply ops in order, one synced transaction per file touched. Durable when it returns."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class CheckpointRecord:
+    name: str
+    created_at: float
+    last_activity_at: float
+    fingerprint: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WriterRecord:
+    handle: str
+    checkpoint: str
+    writer_id: str
+    host: str
+    pid: int
+    labels: dict[str, str]
+    fingerprint: dict[str, str]
+    state: str
+    opened_at: float
+    last_seen_at: float
+    closed_at: float | None = None
+    pending_sources: int = 0
+    applied: int = 0
+    skipped: int = 0
+    rewritten: int = 0
+    anomalies: int = 0
+    completed: int = 0
+
+
+@dataclass
+class EventRecord:
+    checkpoint: str
+    kind: str  # e.g. writer_opened, writer_closed, writer_expired, anomaly, unreadable_file
+    message: str
+    at: float
+    writer_id: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+
+class Registry(Protocol):
+    """Checkpoints, writers and events in a SQL database."""
+
+    def upsert_checkpoint(self, record: CheckpointRecord) -> None: ...
+
+    def get_checkpoint(self, name: str) -> CheckpointRecord | None: ...
+
+    def list_checkpoints(self) -> list[CheckpointRecord]: ...
+
+    def upsert_writer(self, record: WriterRecord) -> None:
+        """Insert or update by ``handle``."""
+        ...
+
+    def list_writers(self, checkpoint: str) -> list[WriterRecord]: ...
+
+    def mark_open_writers(self, state: str, at: float) -> list[WriterRecord]:
+        """Set every writer still ``open`` to ``state`` (after a restart); returns them."""
+        ...
+
+    def add_event(self, event: EventRecord) -> None: ...
+
+    def list_events(
+        self, checkpoint: str, *, limit: int = 100, before_id: int | None = None
+    ) -> list[EventRecord]:
+        """Newest first; ``before_id`` pages backwards."""
+        ...
+
+    def close(self) -> None: ...

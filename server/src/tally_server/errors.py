@@ -1,0 +1,53 @@
+"""Transport-neutral errors. Transports map ``ErrorCode`` to gRPC status codes and HTTP statuses."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorCode(StrEnum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class TallyServerError(Exception):
+    """A refusal with a code and a message that says what was wrong and what to do."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidArgument(TallyServerError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class NotFound(TallyServerError):
+    code = ErrorCode.NOT_FOUND
+
+
+class AlreadyExists(TallyServerError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(TallyServerError):
+    code = ErrorCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(TallyServerError):
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(TallyServerError):
+    code = ErrorCode.UNAVAILABLE
