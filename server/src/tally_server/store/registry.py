@@ -1,0 +1,291 @@
+"""The registry: checkpoints, writers and events in a SQL database through SQLAlchemy 2.
+
+SQLite in the data directory by default (``default_sqlite_url``), PostgreSQL by URL
+(``postgresql+psycopg://user@host/db``). Completion state is not here: it lives in the LMDB
+files (``lmdb_files``), so losing the registry never loses a completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.pool import StaticPool
+
+from tally_server.domain.checkpoint import WriterState
+from tally_server.domain.ports import CheckpointRecord, EventRecord, WriterRecord
+
+REGISTRY_FILENAME = "registry.sqlite3"
+
+_SUPPORTED_DIALECTS = ("sqlite", "postgresql")
+
+metadata = sa.MetaData()
+
+# JSONB on PostgreSQL: binary storage and equality, where plain JSON keeps text verbatim.
+_Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+# Epoch seconds as float, the unit the domain uses; DOUBLE PRECISION keeps sub-millisecond.
+_Time = sa.Double[float]()
+# Counters can pass 2**31 over a long run; SQLite's INTEGER is 64-bit already.
+_Count = sa.BigInteger()
+
+checkpoints_table = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("name", sa.String(), primary_key=True),
+    sa.Column("created_at", _Time, nullable=False),
+    sa.Column("last_activity_at", _Time, nullable=False),
+    sa.Column("fingerprint", _Json, nullable=False),
+)
+
+writers_table = sa.Table(
+    "writers",
+    metadata,
+    sa.Column("handle", sa.String(), primary_key=True),
+    sa.Column("checkpoint", sa.String(), nullable=False),
+    sa.Column("writer_id", sa.String(), nullable=False),
+    sa.Column("host", sa.String(), nullable=False),
+    sa.Column("pid", sa.Integer(), nullable=False),
+    sa.Column("labels", _Json, nullable=False),
+    sa.Column("fingerprint", _Json, nullable=False),
+    sa.Column("state", sa.String(), nullable=False),
+    sa.Column("opened_at", _Time, nullable=False),
+    sa.Column("last_seen_at", _Time, nullable=False),
+    sa.Column("closed_at", _Time, nullable=True),
+    sa.Column("pending_sources", _Count, nullable=False),
+    sa.Column("applied", _Count, nullable=False),
+    sa.Column("skipped", _Count, nullable=False),
+    sa.Column("rewritten", _Count, nullable=False),
+    sa.Column("anomalies", _Count, nullable=False),
+    sa.Column("completed", _Count, nullable=False),
+    sa.Index("ix_writers_checkpoint", "checkpoint"),
+)
+
+events_table = sa.Table(
+    "events",
+    metadata,
+    # SQLite only auto-assigns ids to a column declared exactly INTEGER PRIMARY KEY.
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("checkpoint", sa.String(), nullable=False),
+    sa.Column("kind", sa.String(), nullable=False),
+    sa.Column("message", sa.Text(), nullable=False),
+    sa.Column("at", _Time, nullable=False),
+    sa.Column("writer_id", sa.String(), nullable=True),
+    sa.Column("data", _Json, nullable=False),
+    sa.Index("ix_events_checkpoint_id", "checkpoint", "id"),
+)
+
+
+def default_sqlite_url(data_dir: Path) -> str:
+    """The registry URL used when none is configured: ``<data_dir>/registry.sqlite3``."""
+    path = (Path(data_dir) / REGISTRY_FILENAME).absolute()
+    return sa.URL.create("sqlite", database=str(path)).render_as_string()
+
+
+class SqlRegistry:
+    """Checkpoints, writers and events in SQLite or PostgreSQL; creates its tables on start.
+
+    Methods block; the service calls them from one worker thread at a time (not always the same
+    thread, hence ``check_same_thread=False`` for SQLite).
+
+    Args:
+        url: an SQLAlchemy URL, e.g. ``sqlite:////var/lib/tally/registry.sqlite3`` or
+            ``postgresql+psycopg://tally@db:5432/tally``.
+    """
+
+    def __init__(self, url: str) -> None:
+        parsed = sa.make_url(url)
+        dialect = parsed.get_backend_name()
+        if dialect not in _SUPPORTED_DIALECTS:
+            raise ValueError(
+                f"registry database {parsed.render_as_string()!r} uses {dialect!r}; "
+                "use sqlite:///<path> or postgresql+psycopg://<user>@<host>/<db>"
+            )
+        self._engine = _create_engine(parsed)
+        try:
+            metadata.create_all(self._engine)
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # ------------------------------------------------------------ checkpoints
+
+    def upsert_checkpoint(self, record: CheckpointRecord) -> None:
+        """Insert or update by ``name``."""
+        with self._engine.begin() as conn:
+            self._upsert(conn, checkpoints_table, dataclasses.asdict(record))
+
+    def get_checkpoint(self, name: str) -> CheckpointRecord | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(checkpoints_table).where(checkpoints_table.c.name == name)
+            ).one_or_none()
+        return None if row is None else _checkpoint(row)
+
+    def list_checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint, by name."""
+        with self._engine.connect() as conn:
+            rows = conn.execute(sa.select(checkpoints_table).order_by(checkpoints_table.c.name)).all()
+        return [_checkpoint(row) for row in rows]
+
+    # ---------------------------------------------------------------- writers
+
+    def upsert_writer(self, record: WriterRecord) -> None:
+        """Insert or update by ``handle``."""
+        with self._engine.begin() as conn:
+            self._upsert(conn, writers_table, dataclasses.asdict(record))
+
+    def list_writers(self, checkpoint: str) -> list[WriterRecord]:
+        """The checkpoint's writers, oldest first."""
+        w = writers_table.c
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(writers_table).where(w.checkpoint == checkpoint).order_by(w.opened_at, w.handle)
+            ).all()
+        return [_writer(row) for row in rows]
+
+    def mark_open_writers(self, state: str, at: float) -> list[WriterRecord]:
+        """Set every writer still ``open`` to ``state`` with ``closed_at = at``; returns them.
+
+        Called after a restart: those writers' pending state did not survive the old process.
+        """
+        w = writers_table.c
+        with self._engine.begin() as conn:
+            # One statement, so a writer opened concurrently is either updated and returned or
+            # left alone, never updated silently.
+            rows = conn.execute(
+                sa.update(writers_table)
+                .where(w.state == WriterState.OPEN)
+                .values(state=state, closed_at=at)
+                .returning(*writers_table.c)
+            ).all()
+        return sorted((_writer(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
+
+    # ----------------------------------------------------------------- events
+
+    def add_event(self, event: EventRecord) -> None:
+        """Append ``event``; the database assigns its id, which is stored into ``event.id``."""
+        values = dataclasses.asdict(event)
+        del values["id"]  # ids only ever come from the database, so paging by id stays ordered
+        with self._engine.begin() as conn:
+            new_id = conn.execute(
+                sa.insert(events_table).values(values).returning(events_table.c.id)
+            ).scalar_one()
+        event.id = int(new_id)
+
+    def list_events(
+        self, checkpoint: str, *, limit: int = 100, before_id: int | None = None
+    ) -> list[EventRecord]:
+        """The checkpoint's events, newest first; ``before_id`` pages backwards."""
+        e = events_table.c
+        query = sa.select(events_table).where(e.checkpoint == checkpoint)
+        if before_id is not None:
+            query = query.where(e.id < before_id)
+        query = query.order_by(e.id.desc()).limit(max(limit, 0))
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_event(row) for row in rows]
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self._engine.dispose()
+
+    def __enter__(self) -> SqlRegistry:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _upsert(self, conn: Connection, table: sa.Table, values: dict[str, Any]) -> None:
+        keys = [column.name for column in table.primary_key.columns]
+        updates = {name: value for name, value in values.items() if name not in keys}
+        # Both dialects spell it INSERT ... ON CONFLICT DO UPDATE: one atomic round trip.
+        if self._engine.dialect.name == "postgresql":
+            pg = postgresql.insert(table).values(values)
+            conn.execute(pg.on_conflict_do_update(index_elements=keys, set_=updates))
+        else:
+            lite = sqlite.insert(table).values(values)
+            conn.execute(lite.on_conflict_do_update(index_elements=keys, set_=updates))
+
+
+def _create_engine(url: sa.URL) -> Engine:
+    if url.get_backend_name() != "sqlite":
+        # pre_ping: a pooled connection may have been cut by a database restart.
+        return sa.create_engine(url, pool_pre_ping=True)
+    database = url.database or ""
+    in_memory = database in ("", ":memory:") or url.query.get("mode") == "memory"
+    if in_memory:
+        # One shared connection, or each pooled connection would see its own empty database.
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False}, poolclass=StaticPool)
+    else:
+        if not database.startswith("file:"):
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False})
+
+    @sa.event.listens_for(engine, "connect")
+    def _configure(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            # WAL lets the dashboard read while the worker writes. synchronous=NORMAL is durable
+            # across process crashes; a power loss may drop the last registry commits, which
+            # holds only bookkeeping (completions are fsynced in the LMDB files).
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=10000")
+        finally:
+            cursor.close()
+
+    return engine
+
+
+def _checkpoint(row: Row[Any]) -> CheckpointRecord:
+    return CheckpointRecord(
+        name=row.name,
+        created_at=row.created_at,
+        last_activity_at=row.last_activity_at,
+        fingerprint=dict(row.fingerprint),
+    )
+
+
+def _writer(row: Row[Any]) -> WriterRecord:
+    return WriterRecord(
+        handle=row.handle,
+        checkpoint=row.checkpoint,
+        writer_id=row.writer_id,
+        host=row.host,
+        pid=row.pid,
+        labels=dict(row.labels),
+        fingerprint=dict(row.fingerprint),
+        state=row.state,
+        opened_at=row.opened_at,
+        last_seen_at=row.last_seen_at,
+        closed_at=row.closed_at,
+        pending_sources=row.pending_sources,
+        applied=row.applied,
+        skipped=row.skipped,
+        rewritten=row.rewritten,
+        anomalies=row.anomalies,
+        completed=row.completed,
+    )
+
+
+def _event(row: Row[Any]) -> EventRecord:
+    return EventRecord(
+        checkpoint=row.checkpoint,
+        kind=row.kind,
+        message=row.message,
+        at=row.at,
+        writer_id=row.writer_id,
+        data=dict(row.data),
+        id=row.id,
+    )

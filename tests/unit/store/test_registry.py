@@ -1,0 +1,175 @@
+"""SqlRegistry on real databases: SQLite in tmp_path and PostgreSQL (marker ``postgres``)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from tally_server.domain.ports import CheckpointRecord, EventRecord, WriterRecord
+from tally_server.store.registry import SqlRegistry, default_sqlite_url
+
+
+def writer(handle: str, checkpoint: str = "run", **overrides: object) -> WriterRecord:
+    record = WriterRecord(
+        handle=handle,
+        checkpoint=checkpoint,
+        writer_id=f"host-{handle}",
+        host="node-7",
+        pid=4242,
+        labels={"slurm_job_id": "981", "note": "ünïcode ✓"},
+        fingerprint={"pipeline": "abc123", "input": "def456"},
+        state="open",
+        opened_at=1_700_000_000.125,
+        last_seen_at=1_700_000_010.5,
+    )
+    for name, value in overrides.items():
+        setattr(record, name, value)
+    return record
+
+
+def test_checkpoints_upsert_get_list(registry: SqlRegistry) -> None:
+    assert registry.get_checkpoint("curation/run-42") is None
+    assert registry.list_checkpoints() == []
+
+    first = CheckpointRecord("curation/run-42", 1_700_000_000.0, 1_700_000_000.0, {"pipeline": "p1"})
+    registry.upsert_checkpoint(first)
+    registry.upsert_checkpoint(CheckpointRecord("alpha", 1.5, 2.25))
+
+    assert registry.get_checkpoint("curation/run-42") == first
+    assert registry.get_checkpoint("alpha") == CheckpointRecord("alpha", 1.5, 2.25, {})
+
+    updated = CheckpointRecord("curation/run-42", 1_700_000_000.0, 1_700_000_123.456789, {"pipeline": "p2"})
+    registry.upsert_checkpoint(updated)
+
+    assert registry.get_checkpoint("curation/run-42") == updated
+    assert [c.name for c in registry.list_checkpoints()] == ["alpha", "curation/run-42"]
+    assert registry.list_checkpoints()[1] == updated
+
+
+def test_writers_upsert_list_round_trip(registry: SqlRegistry) -> None:
+    a = writer("h-a")
+    b = writer("h-b", opened_at=1_700_000_001.0, labels={}, fingerprint={})
+    other = writer("h-c", checkpoint="other")
+    for record in (b, a, other):
+        registry.upsert_writer(record)
+
+    assert registry.list_writers("run") == [a, b]  # oldest first
+    assert registry.list_writers("other") == [other]
+    assert registry.list_writers("missing") == []
+
+    a_later = writer(
+        "h-a",
+        state="closed",
+        last_seen_at=1_700_000_099.0,
+        closed_at=1_700_000_100.0,
+        pending_sources=3,
+        applied=2**40,  # counters outgrow 32 bits on long runs
+        skipped=5,
+        rewritten=6,
+        anomalies=7,
+        completed=8,
+        labels={"k": "v2"},
+    )
+    registry.upsert_writer(a_later)
+
+    assert registry.list_writers("run") == [a_later, b]
+
+
+def test_mark_open_writers(registry: SqlRegistry) -> None:
+    registry.upsert_writer(writer("h-1"))
+    registry.upsert_writer(writer("h-2", checkpoint="other", opened_at=1_700_000_005.0))
+    closed = writer("h-3", state="closed", closed_at=1_700_000_050.0)
+    registry.upsert_writer(closed)
+
+    marked = registry.mark_open_writers("lost", 1_700_000_200.0)
+
+    assert [(w.handle, w.state, w.closed_at) for w in marked] == [
+        ("h-1", "lost", 1_700_000_200.0),
+        ("h-2", "lost", 1_700_000_200.0),
+    ]
+    assert marked[0].labels == writer("h-1").labels
+    assert {w.handle: w.state for w in registry.list_writers("run")} == {"h-1": "lost", "h-3": "closed"}
+    assert registry.list_writers("run")[1] == closed
+    assert registry.mark_open_writers("lost", 1_700_000_300.0) == []
+
+
+def test_events_newest_first_with_paging(registry: SqlRegistry) -> None:
+    added: list[EventRecord] = []
+    for i in range(7):
+        event = EventRecord(
+            checkpoint="run",
+            kind="anomaly" if i % 2 else "writer_opened",
+            message=f"event {i}",
+            at=1_700_000_000.0 + i,
+            writer_id=None if i == 0 else f"host-{i}",
+            data={"task_id": f"t{i}", "old": -1, "new": i, "nested": {"ok": True, "list": [1, "x"]}},
+        )
+        registry.add_event(event)
+        added.append(event)
+        registry.add_event(EventRecord("other", "writer_opened", f"noise {i}", 0.0))
+
+    ids = [e.id for e in added if isinstance(e.id, int)]  # add_event stores the new id
+    assert len(ids) == len(added)
+    assert ids == sorted(ids)
+
+    newest = registry.list_events("run")
+    assert newest == list(reversed(added))
+    assert newest[-1].writer_id is None
+    assert newest[0].data == {"task_id": "t6", "old": -1, "new": 6, "nested": {"ok": True, "list": [1, "x"]}}
+
+    page1 = registry.list_events("run", limit=3)
+    page2 = registry.list_events("run", limit=3, before_id=page1[-1].id)
+    page3 = registry.list_events("run", limit=3, before_id=page2[-1].id)
+    assert [e.message for e in page1 + page2 + page3] == [f"event {i}" for i in range(6, -1, -1)]
+    assert len(page3) == 1
+    assert registry.list_events("run", limit=3, before_id=ids[0]) == []
+    assert registry.list_events("run", limit=0) == []
+    assert registry.list_events("missing") == []
+
+
+def test_state_survives_reopening(registry_url: str) -> None:
+    with SqlRegistry(registry_url) as first:
+        first.upsert_checkpoint(CheckpointRecord("run", 1.0, 2.0, {"input": "x"}))
+        first.upsert_writer(writer("h-1"))
+        first.add_event(EventRecord("run", "writer_opened", "opened", 3.0, "host-h-1"))
+
+    with SqlRegistry(registry_url) as second:  # create_all on existing tables is a no-op
+        assert second.get_checkpoint("run") == CheckpointRecord("run", 1.0, 2.0, {"input": "x"})
+        assert second.list_writers("run") == [writer("h-1")]
+        assert [e.message for e in second.list_events("run")] == ["opened"]
+
+
+def test_default_sqlite_url_creates_a_wal_database_in_the_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "not" / "yet" / "there"
+    url = default_sqlite_url(data_dir)
+    assert url == f"sqlite:///{data_dir / 'registry.sqlite3'}"
+
+    with SqlRegistry(url) as reg:
+        reg.upsert_checkpoint(CheckpointRecord("run", 1.0, 1.0))
+
+    with closing(sqlite3.connect(data_dir / "registry.sqlite3")) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        indexes = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"checkpoints", "writers", "events"} <= tables
+    assert {"ix_writers_checkpoint", "ix_events_checkpoint_id"} <= indexes
+
+
+def test_registry_can_be_used_from_another_thread(tmp_path: Path) -> None:
+    with SqlRegistry(default_sqlite_url(tmp_path)) as reg:
+        reg.upsert_checkpoint(CheckpointRecord("run", 1.0, 1.0))
+        results: list[object] = []
+        thread = threading.Thread(target=lambda: results.append(reg.get_checkpoint("run")))
+        thread.start()
+        thread.join()
+
+    assert results == [CheckpointRecord("run", 1.0, 1.0)]
+
+
+def test_unsupported_database_is_refused() -> None:
+    with pytest.raises(ValueError, match="sqlite"):
+        SqlRegistry("mysql+pymysql://user@localhost/db")
