@@ -1,0 +1,3 @@
+from tally_server.cli import main
+
+main()

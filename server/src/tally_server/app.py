@@ -1,0 +1,100 @@
+"""Composition root: stores → service → gRPC + HTTP, all in one asyncio event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from tally_server.grpc_api.server import SERVICE_NAME, build_server
+from tally_server.http_api.app import create_app
+from tally_server.service import CoordinatorService
+from tally_server.settings import Settings, split_listen
+from tally_server.store.lmdb_files import LmdbCompletionStore
+from tally_server.store.registry import SqlRegistry
+
+log = logging.getLogger(__name__)
+
+
+def build_service(settings: Settings) -> CoordinatorService:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return CoordinatorService(
+        completions=LmdbCompletionStore(settings.data_dir),
+        registry=SqlRegistry(settings.resolved_registry_url()),
+        limits=settings.limits,
+        settle_ms=settings.settle_ms,
+        lease_ttl_s=settings.lease_ttl_s,
+    )
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: ``serve`` owns SIGTERM/SIGINT for both transports."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind_http(listen: str) -> socket.socket:
+    host, port = split_listen(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores."""
+    service = build_service(settings)
+    await service.start()
+    grpc_server, grpc_port, health = build_server(service, settings.grpc_listen, settings.max_message_bytes)
+    http_sock = _bind_http(settings.http_listen)
+    config = uvicorn.Config(
+        create_app(service, settings),
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+    )
+    http_server = _Uvicorn(config)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    await health.set("", 1)  # SERVING
+    await health.set(SERVICE_NAME, 1)
+    http_task = loop.create_task(http_server.serve(sockets=[http_sock]), name="tally-http")
+    while not http_server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await http_task  # re-raise the startup failure
+    grpc_host, _ = split_listen(settings.grpc_listen)
+    http_host, http_port = http_sock.getsockname()[:2]
+    # Tests and scripts read these two lines to find the ports when started with port 0.
+    print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
+    print(f"http listening on {_address(http_host, http_port)}", flush=True)
+    log.info("tally serving; data in %s, registry %s", settings.data_dir, settings.resolved_registry_url())
+
+    await stop.wait()
+    log.info("shutting down: refusing new work, flushing completions")
+    await health.enter_graceful_shutdown()
+    http_server.should_exit = True
+    await grpc_server.stop(settings.shutdown_grace_s)
+    await http_task
+    await service.shutdown()
+    log.info("shutdown complete")

@@ -1,0 +1,73 @@
+"""The ``tally`` command."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from tally_server import logs
+from tally_server.settings import Settings
+
+app = typer.Typer(help="Tally: checkpoint coordination for resumable batch pipelines.", no_args_is_help=True)
+
+
+@app.callback()
+def _main() -> None:
+    """Tally: checkpoint coordination for resumable batch pipelines."""
+
+
+@app.command()
+def serve(
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Data directory [env TALLY_DATA_DIR; ./tally-data].")
+    ] = None,
+    grpc_listen: Annotated[
+        str | None, typer.Option(help="gRPC HOST:PORT, 0 = free port [TALLY_GRPC_LISTEN; 127.0.0.1:50051].")
+    ] = None,
+    http_listen: Annotated[
+        str | None, typer.Option(help="HTTP HOST:PORT, 0 = free port [TALLY_HTTP_LISTEN; 127.0.0.1:8080].")
+    ] = None,
+    registry_url: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL of the registry [TALLY_REGISTRY_URL; SQLite in data dir]."),
+    ] = None,
+    settle_ms: Annotated[
+        int | None, typer.Option(help="Settle window in ms, 0 = NeMo's [TALLY_SETTLE_MS; 250].")
+    ] = None,
+    lease_ttl_s: Annotated[
+        float | None, typer.Option(help="Writer lease in seconds [TALLY_LEASE_TTL_S; 30].")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="Log level [TALLY_LOG_LEVEL; INFO].")] = None,
+    log_format: Annotated[str | None, typer.Option(help="text or json [TALLY_LOG_FORMAT; text].")] = None,
+) -> None:
+    """Run the coordinator (gRPC + HTTP) until SIGTERM."""
+    flags: dict[str, Any] = {
+        "data_dir": data_dir,
+        "grpc_listen": grpc_listen,
+        "http_listen": http_listen,
+        "registry_url": registry_url,
+        "settle_ms": settle_ms,
+        "lease_ttl_s": lease_ttl_s,
+        "log_level": log_level,
+        "log_format": log_format,
+    }
+    try:
+        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    logs.configure(settings.log_level, settings.log_format)
+    from tally_server.app import serve as run
+
+    try:
+        asyncio.run(run(settings))
+    except OSError as exc:
+        typer.echo(f"tally serve: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,1 @@
+"""gRPC transport: translates tally.v1 messages to service calls and errors to status codes."""

@@ -1,0 +1,41 @@
+"""Builds the grpc.aio server: Coordinator, health checking and reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.grpc_api.interceptors import ErrorInterceptor
+from tally_server.grpc_api.servicer import CoordinatorServicer
+from tally_server.service import CoordinatorService
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def build_server(
+    service: CoordinatorService, listen: str, max_message_bytes: int
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Return the (not yet started) server, the bound port and its health servicer."""
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
+    return server, port, health

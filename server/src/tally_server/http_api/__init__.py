@@ -1,0 +1,1 @@
+"""HTTP transport (FastAPI): the same operations as gRPC under /v1, plus health endpoints."""

@@ -1,0 +1,108 @@
+"""JSON bodies of the HTTP API (field names match the tally.v1 protobuf messages)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class OpenWriterBody(BaseModel):
+    checkpoint: str = Field(description="Checkpoint name, e.g. 'curation/run-42'.")
+    writer_id: str = Field(default="", description="Empty: the server picks one.")
+    fingerprint: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    host: str = ""
+    pid: int = 0
+
+
+class OpenWriterReply(BaseModel):
+    handle: str
+    writer_id: str
+    lease_ttl_s: float
+    completed_count: int
+    settle_ms: int
+
+
+class KeepAliveReply(BaseModel):
+    lease_ttl_s: float
+
+
+class DeltaBody(BaseModel):
+    task_id: str
+    source_id: str
+    delta: int
+
+
+class ApplyDeltasBody(BaseModel):
+    deltas: list[DeltaBody]
+    batch_seq: int = 0
+
+
+class Counts(BaseModel):
+    applied: int
+    skipped: int
+    rewritten: int
+    anomalies: int
+    completed: int
+
+
+class ApplyDeltasReply(BaseModel):
+    counts: Counts
+
+
+class AreCompletedBody(BaseModel):
+    checkpoint: str
+    source_ids: list[str]
+
+
+class AreCompletedReply(BaseModel):
+    completed: list[bool]
+
+
+class FlushReply(BaseModel):
+    completed: int
+
+
+class CloseWriterReply(BaseModel):
+    counts: Counts
+    incomplete_sources: list[str]
+    incomplete_count: int
+
+
+class WriterStatus(BaseModel):
+    writer_id: str
+    host: str
+    pid: int
+    labels: dict[str, str]
+    state: str
+    pending_sources: int
+    counts: Counts
+    opened_at: float
+    last_seen_at: float
+
+
+class CheckpointStatus(BaseModel):
+    name: str
+    completed_count: int
+    live_writers: int
+    pending_sources: int
+    settling_sources: int
+    anomalies: int
+    unreadable_files: int
+    created_at: float
+    last_activity_at: float
+    writers: list[WriterStatus]
+    fingerprint: dict[str, str]
+
+
+class ListCheckpointsReply(BaseModel):
+    checkpoints: list[CheckpointStatus]
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: dict[str, object] = Field(default_factory=dict)
+
+
+class ErrorReply(BaseModel):
+    error: ErrorDetail

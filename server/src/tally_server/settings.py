@@ -1,0 +1,96 @@
+"""Server settings: flags of ``tally serve``, ``TALLY_*`` environment variables, sane defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tally_server.domain.validation import Limits
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:8080"`` → ``("127.0.0.1", 8080)``; ``"[::1]:0"`` → ``("::1", 0)``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"listen address {value!r} must be HOST:PORT (PORT 0 picks a free port)")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address {value!r} has port {port} outside 0-65535")
+    return host.strip("[]"), int(port)
+
+
+class Settings(BaseSettings):
+    """Everything ``tally serve`` can be told. Each field is also ``TALLY_<FIELD>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TALLY_", extra="forbid")
+
+    data_dir: Path = Field(
+        default=Path("./tally-data"),
+        description="Where completion files (checkpoints/<name>/.nemo_curator_metadata/*.mdb) and the "
+        "default SQLite registry live.",
+    )
+    grpc_listen: str = Field(default="127.0.0.1:50051", description="gRPC HOST:PORT; port 0 picks one.")
+    http_listen: str = Field(default="127.0.0.1:8080", description="HTTP HOST:PORT; port 0 picks one.")
+    registry_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the registry (checkpoints, writers, events); default SQLite in "
+        "data_dir. PostgreSQL: postgresql+psycopg://user@host:5432/db.",
+    )
+    settle_ms: int = Field(
+        default=250,
+        ge=0,
+        le=600_000,
+        description="How long a source whose count reached zero waits before it is completed; any delta "
+        "for it meanwhile cancels. 0 completes at once, exactly like NeMo Curator's actor.",
+    )
+    lease_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A writer that sends nothing (not even a heartbeat) for this long is closed and its "
+        "pending state dropped.",
+    )
+    shutdown_grace_s: float = Field(
+        default=10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
+    )
+    max_deltas_per_call: int = Field(default=100_000, gt=0, description="Deltas accepted per ApplyDeltas.")
+    max_ids_per_query: int = Field(default=100_000, gt=0, description="Source ids accepted per AreCompleted.")
+    max_id_bytes: int = Field(
+        default=511,
+        gt=0,
+        le=511,
+        description="Longest task or source id, in UTF-8 bytes (source ids are LMDB keys: at most 511).",
+    )
+    max_labels: int = Field(default=64, gt=0, description="Labels (and fingerprint components) per writer.")
+    max_name_bytes: int = Field(default=255, gt=0, description="Longest checkpoint name or writer id.")
+    max_writers_per_checkpoint: int = Field(
+        default=10_000, gt=0, description="Live writers allowed on one checkpoint."
+    )
+    max_message_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="Largest gRPC message or HTTP body accepted."
+    )
+    log_level: str = Field(default="INFO", description="Python logging level name.")
+    log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")
+
+    @field_validator("grpc_listen", "http_listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        split_listen(value)
+        return value
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_deltas_per_call=self.max_deltas_per_call,
+            max_ids_per_query=self.max_ids_per_query,
+            max_id_bytes=self.max_id_bytes,
+            max_name_bytes=self.max_name_bytes,
+            max_writers_per_checkpoint=self.max_writers_per_checkpoint,
+            max_labels=self.max_labels,
+        )
+
+    def resolved_registry_url(self) -> str:
+        if self.registry_url:
+            return self.registry_url
+        return f"sqlite:///{(self.data_dir / 'registry.sqlite3').resolve()}"

@@ -1,0 +1,140 @@
+"""Start a real ``tally serve`` process on free ports, for tests and for users' own test suites.
+
+with running_server(settle_ms=0) as server:
+    client = tally.Client(server.grpc_address)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen[str]
+    grpc_address: str
+    http_address: str
+    data_dir: Path
+    log_path: Path
+    stdout_lines: list[str] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_address}"
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM and wait: the graceful path (flush everything, exit 0)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> int:
+        """SIGKILL: the crash path."""
+        if self.process.poll() is None:
+            self.process.kill()
+        return self.process.wait(30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "tally"
+    if script.exists():
+        return [str(script), "serve"]
+    return [sys.executable, "-m", "tally_server", "serve"]
+
+
+@contextlib.contextmanager
+def running_server(
+    data_dir: Path | str | None = None,
+    *,
+    settle_ms: int = 250,
+    lease_ttl_s: float = 30.0,
+    registry_url: str | None = None,
+    grpc_listen: str = "127.0.0.1:0",
+    http_listen: str = "127.0.0.1:0",
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+    startup_timeout: float = 60.0,
+) -> Iterator[RunningServer]:
+    """Start ``tally serve`` on free loopback ports; yield its addresses; SIGTERM it on exit."""
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tally-test-"))
+        data = Path(data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        log_path = data / "tally-serve.log"
+        command = [
+            *_command(),
+            "--data-dir",
+            str(data),
+            "--grpc-listen",
+            grpc_listen,
+            "--http-listen",
+            http_listen,
+            "--settle-ms",
+            str(settle_ms),
+            "--lease-ttl-s",
+            str(lease_ttl_s),
+            *(["--registry-url", registry_url] if registry_url else []),
+            *(args or []),
+        ]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        log_file = stack.enter_context(open(log_path, "a"))  # noqa: SIM115
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+        )
+        lines: list[str] = []
+        found: dict[str, str] = {}
+        ready = threading.Event()
+
+        def read_stdout() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                lines.append(line.rstrip("\n"))
+                for kind in ("grpc", "http"):
+                    prefix = f"{kind} listening on "
+                    if line.startswith(prefix):
+                        found[kind] = line[len(prefix) :].strip()
+                if len(found) == 2:
+                    ready.set()
+            ready.set()  # process ended
+
+        reader = threading.Thread(target=read_stdout, name="tally-serve-stdout", daemon=True)
+        reader.start()
+        server = RunningServer(process, "", "", data, log_path, lines)
+        try:
+            if not ready.wait(startup_timeout) or len(found) != 2:
+                process.kill()
+                process.wait(30)
+                raise RuntimeError(
+                    f"tally serve did not start (exit {process.poll()}); log:\n{server.log()[-4000:]}"
+                )
+            server.grpc_address, server.http_address = found["grpc"], found["http"]
+            yield server
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(30)
+            reader.join(10)
+            if process.stdout is not None:
+                process.stdout.close()

@@ -1,0 +1,57 @@
+"""Shared fixtures: real ``tally serve`` processes on free ports, fixture paths, PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tally_server.testing import RunningServer, running_server
+
+REPO = Path(__file__).resolve().parents[1]
+# The NeMo Curator recordings live in the shared folder beside the repository (read-only).
+FIXTURES = REPO.parent / "shared" / "fixtures"
+NEMO_TRACE = FIXTURES / "nemo_curator_1.4.0_trace_fanout_filter.jsonl"
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "TALLY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def load_trace() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in NEMO_TRACE.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RunningServer]:
+    """A coordinator with settle_ms=0: NeMo Curator's exact behaviour, no timing involved."""
+    with running_server(tmp_path / "data", settle_ms=0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    admin = sqlalchemy.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"tally_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
+    except sqlalchemy.exc.OperationalError as exc:
+        admin.dispose()
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {exc.orig}")
+    url = admin.url.set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sqlalchemy.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
