@@ -248,7 +248,7 @@ class CoordinatorService:
     async def _event(
         self, checkpoint: str, kind: str, message: str, writer_id: str | None = None, **data: Any
     ) -> None:
-        log.info("%s: %s", checkpoint, message)
+        log.info("%s [%s] %s", checkpoint, kind, message)
         await self._in_registry(
             self._registry.add_event,
             EventRecord(checkpoint, kind, message, self._wall(), writer_id, dict(data)),

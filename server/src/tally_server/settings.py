@@ -68,7 +68,7 @@ class Settings(BaseSettings):
         default=10_000, gt=0, description="Live writers allowed on one checkpoint."
     )
     max_message_bytes: int = Field(
-        default=64 * 1024 * 1024, gt=0, description="Largest gRPC message or HTTP body accepted."
+        default=64 * 1024 * 1024, gt=0, description="Largest gRPC message accepted or sent."
     )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")
@@ -91,6 +91,6 @@ class Settings(BaseSettings):
         )
 
     def resolved_registry_url(self) -> str:
-        if self.registry_url:
-            return self.registry_url
-        return f"sqlite:///{(self.data_dir / 'registry.sqlite3').resolve()}"
+        from tally_server.store.registry import default_sqlite_url
+
+        return self.registry_url or default_sqlite_url(self.data_dir)
