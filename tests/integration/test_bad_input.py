@@ -169,3 +169,16 @@ def test_unknown_checkpoint_status_is_not_found_and_are_completed_is_false(
     ) == [False]
     assert http.get("/v1/checkpoints/never/made").status_code == 404
     assert not (server.data_dir / "checkpoints" / "never").exists()
+
+
+def test_oversize_http_body_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    from tally_server.testing import running_server
+
+    with running_server(tmp_path / "data", settle_ms=0, env={"TALLY_MAX_MESSAGE_BYTES": "1000"}) as small:
+        body = {"checkpoint": "cp", "source_ids": ["s" * 100] * 20}
+        reply = httpx.post(f"{small.http_url}/v1/are-completed", json=body)
+        assert reply.status_code == 413
+        assert "max_message_bytes" in reply.json()["error"]["message"]
+        assert httpx.post(
+            f"{small.http_url}/v1/are-completed", json={"checkpoint": "cp", "source_ids": ["s"]}
+        ).json() == {"completed": [False]}

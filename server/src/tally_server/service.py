@@ -547,7 +547,7 @@ class CoordinatorService:
 
     async def _settle_loop(self) -> None:
         # Completes settling sources whose window passed, and retries completions whose commit failed.
-        interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05)
+        interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
         while True:
             await asyncio.sleep(interval)
             now = self._clock()

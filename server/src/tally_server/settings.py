@@ -68,7 +68,9 @@ class Settings(BaseSettings):
         default=10_000, gt=0, description="Live writers allowed on one checkpoint."
     )
     max_message_bytes: int = Field(
-        default=64 * 1024 * 1024, gt=0, description="Largest gRPC message accepted or sent."
+        default=64 * 1024 * 1024,
+        gt=0,
+        description="Largest gRPC message accepted or sent, and largest HTTP request body (413 above it).",
     )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tally_server import __version__
 from tally_server.errors import ErrorCode, TallyServerError
@@ -48,12 +49,35 @@ def _status(view: CheckpointView) -> s.CheckpointStatus:
     return s.CheckpointStatus.model_validate(dataclasses.asdict(view))
 
 
+class BodyLimit:
+    """Refuses a request whose declared body is larger than the limit, before reading it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            declared = dict(scope["headers"]).get(b"content-length", b"0")
+            if declared.isdigit() and int(declared) > self.limit:
+                message = (
+                    f"request body is {int(declared)} bytes, over the limit of {self.limit} "
+                    "(setting max_message_bytes); send smaller batches"
+                )
+                response = _error(413, ErrorCode.RESOURCE_EXHAUSTED, message)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
     app = FastAPI(
         title="Tally coordinator",
         version=__version__,
         description="Checkpoint coordination for resumable batch pipelines (the HTTP face of tally.v1).",
     )
+
+    app.add_middleware(BodyLimit, limit=settings.max_message_bytes)
 
     @app.exception_handler(TallyServerError)
     async def _domain_error(request: Request, exc: TallyServerError) -> JSONResponse:
