@@ -18,7 +18,8 @@ def test_async_writer_completes_and_sees_live_completions(server: RunningServer,
 
     async def run() -> tuple[list[bool], list[bool], int, tuple[str, ...]]:
         async with tally.AsyncClient(address) as client:
-            async with client.writer(checkpoint, writer_id="a0") as w0, client.writer(checkpoint, writer_id="a1") as w1:
+            w0, w1 = client.writer(checkpoint, writer_id="a0"), client.writer(checkpoint, writer_id="a1")
+            async with w0, w1:
                 before = await w1.are_completed(["x", "y"])
                 w0.apply_deltas(tree("x"))
                 w0.apply_deltas(tree("y")[:2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,6 +13,8 @@ from google.protobuf.message import DecodeError
 from tally_server.errors import ErrorCode, TallyServerError
 
 log = logging.getLogger(__name__)
+
+DETAILS_KEY = "tally-error-details"
 
 STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -68,6 +71,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             try:
                 return await inner(request, context)
             except TallyServerError as exc:
+                if exc.details:
+                    # The SDK reads these back into TallyError.details (HTTP carries them in the body).
+                    context.set_trailing_metadata(((DETAILS_KEY, json.dumps(exc.details, default=str)),))
                 await context.abort(STATUS[exc.code], exc.message)
             except grpc.aio.AbortError:
                 raise

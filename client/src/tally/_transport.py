@@ -1,0 +1,143 @@
+"""The one interface between the SDK and the wire, and the factory that picks an implementation.
+
+Clients and writers speak only to a ``Transport`` / ``AsyncTransport``; the address scheme
+chooses the implementation once, in :func:`make_transport` / :func:`make_async_transport`.
+Implementations raise only :class:`tally.TallyError` subclasses, never wire-library errors.
+Every call takes an explicit ``timeout`` in seconds for that single attempt; retrying is the
+caller's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tally._config import ClientConfig
+from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+
+
+class Transport(Protocol):
+    """Blocking transport."""
+
+    def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter: ...
+
+    def keep_alive(self, handle: str, timeout: float) -> float:
+        """Renew the lease; returns the lease TTL in seconds."""
+        ...
+
+    def apply_deltas(
+        self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
+    ) -> ApplyCounts: ...
+
+    def are_completed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> list[bool]: ...
+
+    def flush(self, handle: str, timeout: float) -> int:
+        """Server-side barrier; returns the writer's durable completions so far."""
+        ...
+
+    def close_writer(self, handle: str, timeout: float) -> CloseResult: ...
+
+    def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus: ...
+
+    def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncTransport(Protocol):
+    """asyncio transport: the same operations as :class:`Transport`, awaitable."""
+
+    async def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter: ...
+
+    async def keep_alive(self, handle: str, timeout: float) -> float: ...
+
+    async def apply_deltas(
+        self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
+    ) -> ApplyCounts: ...
+
+    async def are_completed(
+        self, checkpoint: str, source_ids: Sequence[str], timeout: float
+    ) -> list[bool]: ...
+
+    async def flush(self, handle: str, timeout: float) -> int: ...
+
+    async def close_writer(self, handle: str, timeout: float) -> CloseResult: ...
+
+    async def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus: ...
+
+    async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed address: which wire to speak, where, and whether over TLS."""
+
+    scheme: str  # "grpc" or "http"
+    target: str  # gRPC target "host:port", or HTTP base URL without trailing slash
+    tls: bool
+
+
+_SCHEMES = {
+    "grpc": ("grpc", False),
+    "grpcs": ("grpc", True),
+    "http": ("http", False),
+    "https": ("http", True),
+}
+
+
+def parse_address(address: str) -> Endpoint:
+    """Parse ``host:port``, ``grpc[s]://host:port`` or ``http[s]://host:port[/prefix]``.
+
+    Raises:
+        ValueError: Unknown scheme or missing host.
+    """
+    scheme, sep, rest = address.strip().partition("://")
+    if not sep:
+        scheme, rest = "grpc", address.strip()
+    scheme = scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ValueError(
+            f"unsupported address scheme {scheme!r} in {address!r}; "
+            "use host:port, grpc://, grpcs://, http:// or https://"
+        )
+    wire, tls = _SCHEMES[scheme]
+    rest = rest.rstrip("/")
+    host = rest.split("/", 1)[0]
+    if not host:
+        raise ValueError(f"address {address!r} has no host; expected e.g. 127.0.0.1:50051")
+    if wire == "grpc":
+        if "/" in rest:
+            raise ValueError(f"a gRPC address takes no path: {address!r}")
+        return Endpoint("grpc", rest, tls)
+    return Endpoint("http", f"{'https' if tls else 'http'}://{rest}", tls)
+
+
+def make_transport(config: ClientConfig) -> Transport:
+    """Create the blocking transport for ``config.address``.
+
+    Implementations are imported here, lazily, so ``import tally`` stays cheap and an HTTP-only
+    user never loads grpc.
+    """
+    endpoint = parse_address(config.address)
+    if endpoint.scheme == "grpc":
+        from tally._grpc import GrpcTransport
+
+        return GrpcTransport(endpoint.target, token=config.token, tls=endpoint.tls)
+    from tally._http import HttpTransport
+
+    return HttpTransport(endpoint.target, token=config.token)
+
+
+def make_async_transport(config: ClientConfig) -> AsyncTransport:
+    """Create the asyncio transport for ``config.address`` (see :func:`make_transport`)."""
+    endpoint = parse_address(config.address)
+    if endpoint.scheme == "grpc":
+        from tally._grpc import AsyncGrpcTransport
+
+        return AsyncGrpcTransport(endpoint.target, token=config.token, tls=endpoint.tls)
+    from tally._http import AsyncHttpTransport, HttpTransport
+
+    return AsyncHttpTransport(HttpTransport(endpoint.target, token=config.token))

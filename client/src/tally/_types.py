@@ -1,0 +1,160 @@
+"""Public value types returned by the SDK, plus the internal records the transports exchange.
+
+All public types are frozen dataclasses built by ``_convert``; users never see wire messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: One delta: ``(task_id, source_id, delta)``.
+Delta = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class ApplyCounts:
+    """What the coordinator did with a writer's deltas.
+
+    Attributes:
+        applied: Deltas that changed a pending count.
+        skipped: Retried deltas recognised by task id and ignored.
+        rewritten: Deltas whose task id came back with a different value and replaced it.
+        anomalies: Deltas for a source this writer already completed (the source was un-completed).
+        completed: Sources completed.
+    """
+
+    applied: int = 0
+    skipped: int = 0
+    rewritten: int = 0
+    anomalies: int = 0
+    completed: int = 0
+
+    def __add__(self, other: ApplyCounts) -> ApplyCounts:
+        return ApplyCounts(
+            self.applied + other.applied,
+            self.skipped + other.skipped,
+            self.rewritten + other.rewritten,
+            self.anomalies + other.anomalies,
+            self.completed + other.completed,
+        )
+
+
+@dataclass(frozen=True)
+class WriterStatus:
+    """One writer of a checkpoint, as the coordinator sees it.
+
+    Attributes:
+        writer_id: The writer's id (NeMo Curator style ``<host>-<pid>`` by default).
+        host: Host the writer runs on.
+        pid: Process id of the writer.
+        labels: Free-form labels given at open (e.g. SLURM job ids).
+        state: Lifecycle state reported by the server (e.g. ``"live"``).
+        pending_sources: Sources with a non-zero pending count in this writer.
+        counts: Totals of what the writer's deltas did.
+        opened_at: Open time, seconds since the epoch.
+        last_seen_at: Last heartbeat or call, seconds since the epoch.
+    """
+
+    writer_id: str
+    host: str
+    pid: int
+    labels: Mapping[str, str]
+    state: str
+    pending_sources: int
+    counts: ApplyCounts
+    opened_at: float
+    last_seen_at: float
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """A checkpoint's live state.
+
+    Attributes:
+        name: Checkpoint name, e.g. ``curation/run-42``.
+        completed_count: Sources in the completed set.
+        live_writers: Writers currently holding a lease.
+        pending_sources: Sources pending in any live writer.
+        settling_sources: Sources whose count reached zero and are inside the settle window.
+        anomalies: Anomalies recorded (deltas for already completed sources).
+        unreadable_files: Completion files that could not be read (never counted as complete).
+        created_at: Creation time, seconds since the epoch.
+        last_activity_at: Last change, seconds since the epoch.
+        writers: The checkpoint's writers.
+        fingerprint: The fingerprint recorded by the first writer.
+    """
+
+    name: str
+    completed_count: int
+    live_writers: int
+    pending_sources: int
+    settling_sources: int
+    anomalies: int
+    unreadable_files: int
+    created_at: float
+    last_activity_at: float
+    writers: tuple[WriterStatus, ...]
+    fingerprint: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class CloseResult:
+    """Outcome of closing a writer.
+
+    Attributes:
+        counts: Totals of what the writer's deltas did.
+        incomplete_sources: Sources still pending at close (as many as the server lists); they
+            replay on the next run.
+        incomplete_count: How many sources were still pending in total.
+    """
+
+    counts: ApplyCounts = field(default_factory=ApplyCounts)
+    incomplete_sources: tuple[str, ...] = ()
+    incomplete_count: int = 0
+
+
+@dataclass(frozen=True)
+class WriterHealth:
+    """A snapshot of a writer's client-side state, cheap to take at any time.
+
+    Attributes:
+        open: The writer is open (opened and neither closed nor stopped).
+        lease_lost: The coordinator dropped the writer; its pending state is gone.
+        last_error: The most recent error seen by the background sender or heartbeat, if any.
+        buffered: Deltas accepted by ``apply_deltas`` and not yet acknowledged by the server.
+        batches_sent: Batches acknowledged by the server.
+        retries: Batch resends after a retryable failure.
+        dropped: Deltas discarded (after a lost lease, a refused batch, or after close).
+    """
+
+    open: bool
+    lease_lost: bool
+    last_error: str | None
+    buffered: int
+    batches_sent: int
+    retries: int
+    dropped: int = 0
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """What a writer presents when it opens (internal: transports turn it into a request)."""
+
+    checkpoint: str
+    writer_id: str
+    fingerprint: Mapping[str, str]
+    labels: Mapping[str, str]
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class OpenedWriter:
+    """The coordinator's answer to an open (internal)."""
+
+    handle: str
+    writer_id: str
+    lease_ttl_s: float
+    completed_count: int
+    settle_ms: int

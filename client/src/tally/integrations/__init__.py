@@ -1,0 +1,1 @@
+"""Integrations of the Tally SDK with pipeline frameworks (NeMo Curator drop-in, generic tracker)."""

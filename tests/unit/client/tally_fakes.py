@@ -1,0 +1,214 @@
+"""Test doubles for the SDK's own Transport interface (no grpc mocking).
+
+``FakeTransport`` implements ``tally._transport.Transport``; tests script failures per method and
+hold calls at a gate to control exactly what is in flight. ``AsyncFakeTransport`` runs the same
+fake in worker threads so that a held call never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from tally._client import AsyncClient, Client
+from tally._config import ClientConfig
+from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+from tally._writer import _WriterBase
+from tally.errors import NotFound, TallyError
+
+# Generous bound for waits on events that should happen promptly; never a synchronization sleep.
+WAIT_S = 10.0
+
+
+def make_status(name: str, completed: int = 0) -> CheckpointStatus:
+    return CheckpointStatus(
+        name=name,
+        completed_count=completed,
+        live_writers=0,
+        pending_sources=0,
+        settling_sources=0,
+        anomalies=0,
+        unreadable_files=0,
+        created_at=1.0,
+        last_activity_at=2.0,
+        writers=(),
+        fingerprint={},
+    )
+
+
+class FakeTransport:
+    """An in-memory coordinator behind the Transport protocol."""
+
+    def __init__(self, *, lease_ttl_s: float = 30.0, settle_ms: int = 250) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self.settle_ms = settle_ms
+        self._cond = threading.Condition()
+        self.calls: list[str] = []  # method names, in call order
+        self.attempts: list[tuple[int, list[Delta]]] = []  # every ApplyDeltas attempt
+        self.applied: list[Delta] = []  # deltas of successful attempts, in order
+        self.specs: list[WriterSpec] = []
+        self.completed: set[str] = set()
+        self.checkpoint_names: list[str] = []
+        self._failures: dict[str, deque[TallyError]] = defaultdict(deque)
+        self._gates: dict[str, threading.Event] = {}
+        self.closed = False
+
+    # ---------------------------------------------------------------- scripting
+
+    def fail(self, method: str, *errors: TallyError) -> None:
+        """The next calls of ``method`` raise ``errors``, one per call."""
+        with self._cond:
+            self._failures[method].extend(errors)
+
+    def hold(self, method: str) -> threading.Event:
+        """Calls of ``method`` wait until the returned event is set."""
+        gate = threading.Event()
+        self._gates[method] = gate
+        return gate
+
+    def count(self, method: str) -> int:
+        with self._cond:
+            return self.calls.count(method)
+
+    def wait_calls(self, method: str, n: int) -> None:
+        """Block until ``method`` was called at least ``n`` times."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.calls.count(method) >= n, WAIT_S), (
+                f"{method} called {self.calls.count(method)} times, expected {n}"
+            )
+
+    def _enter(self, method: str) -> None:
+        with self._cond:
+            self.calls.append(method)
+            self._cond.notify_all()
+        gate = self._gates.get(method)
+        if gate is not None:
+            assert gate.wait(WAIT_S), f"{method} held at its gate for too long"
+        with self._cond:
+            if self._failures[method]:
+                raise self._failures[method].popleft()
+
+    # ---------------------------------------------------------------- Transport
+
+    def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter:
+        self._enter("open_writer")
+        self.specs.append(spec)
+        return OpenedWriter(
+            handle=f"h-{len(self.specs)}",
+            writer_id=spec.writer_id,
+            lease_ttl_s=self.lease_ttl_s,
+            completed_count=len(self.completed),
+            settle_ms=self.settle_ms,
+        )
+
+    def keep_alive(self, handle: str, timeout: float) -> float:
+        self._enter("keep_alive")
+        return self.lease_ttl_s
+
+    def apply_deltas(
+        self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
+    ) -> ApplyCounts:
+        with self._cond:
+            self.attempts.append((batch_seq, list(deltas)))
+        self._enter("apply_deltas")
+        with self._cond:
+            self.applied.extend(deltas)
+        return ApplyCounts(applied=len(deltas))
+
+    def are_completed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> list[bool]:
+        self._enter("are_completed")
+        return [sid in self.completed for sid in source_ids]
+
+    def flush(self, handle: str, timeout: float) -> int:
+        self._enter("flush")
+        return len(self.completed)
+
+    def close_writer(self, handle: str, timeout: float) -> CloseResult:
+        self._enter("close_writer")
+        return CloseResult(
+            counts=ApplyCounts(applied=len(self.applied)), incomplete_sources=("s9",), incomplete_count=1
+        )
+
+    def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus:
+        self._enter("get_checkpoint")
+        if name not in self.checkpoint_names:
+            raise NotFound(f"checkpoint {name!r} does not exist")
+        return make_status(name)
+
+    def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
+        self._enter("list_checkpoints")
+        return [make_status(n) for n in self.checkpoint_names]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class AsyncFakeTransport:
+    """The AsyncTransport face of a FakeTransport."""
+
+    def __init__(self, fake: FakeTransport) -> None:
+        self.fake = fake
+
+    async def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter:
+        return await asyncio.to_thread(self.fake.open_writer, spec, timeout)
+
+    async def keep_alive(self, handle: str, timeout: float) -> float:
+        return await asyncio.to_thread(self.fake.keep_alive, handle, timeout)
+
+    async def apply_deltas(
+        self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
+    ) -> ApplyCounts:
+        return await asyncio.to_thread(self.fake.apply_deltas, handle, deltas, batch_seq, timeout)
+
+    async def are_completed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> list[bool]:
+        return await asyncio.to_thread(self.fake.are_completed, checkpoint, source_ids, timeout)
+
+    async def flush(self, handle: str, timeout: float) -> int:
+        return await asyncio.to_thread(self.fake.flush, handle, timeout)
+
+    async def close_writer(self, handle: str, timeout: float) -> CloseResult:
+        return await asyncio.to_thread(self.fake.close_writer, handle, timeout)
+
+    async def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus:
+        return await asyncio.to_thread(self.fake.get_checkpoint, name, timeout)
+
+    async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
+        return await asyncio.to_thread(self.fake.list_checkpoints, timeout)
+
+    async def close(self) -> None:
+        self.fake.close()
+
+
+# Zero backoff keeps retry tests instant; small batches make coalescing visible.
+TEST_CONFIG = ClientConfig(
+    address="fake:1", timeout=WAIT_S, max_batch=100, retry_initial_s=0.0, retry_max_s=0.0
+)
+
+
+def make_client(fake: FakeTransport, **overrides: object) -> Client:
+    client = Client.__new__(Client)
+    client._init(replace(TEST_CONFIG, **overrides), fake)  # type: ignore[arg-type]
+    return client
+
+
+def make_async_client(fake: FakeTransport, **overrides: object) -> AsyncClient:
+    client = AsyncClient.__new__(AsyncClient)
+    client._init(replace(TEST_CONFIG, **overrides), AsyncFakeTransport(fake))  # type: ignore[arg-type]
+    return client
+
+
+def wait_state(writer: _WriterBase, predicate: Callable[[], bool]) -> None:
+    """Block until ``predicate`` (which reads writer internals, lock held) is true."""
+    with writer._changed:
+        assert writer._changed.wait_for(predicate, WAIT_S), "writer state not reached in time"
+
+
+def deltas(n: int, prefix: str = "t", source: str = "s") -> list[Delta]:
+    return [(f"{prefix}{i}", f"{source}{i % 7}", 1) for i in range(n)]
+
+
+def no_tally_threads() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("tally-")]

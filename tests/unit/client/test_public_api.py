@@ -1,0 +1,69 @@
+"""The public surface of ``tally`` is pinned, and importing it stays light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import tally
+
+EXPECTED_ALL = [
+    "AlreadyExists",
+    "ApplyCounts",
+    "AsyncClient",
+    "AsyncWriter",
+    "CheckpointStatus",
+    "Client",
+    "ClientConfig",
+    "CloseResult",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "LeaseLost",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "StatusCode",
+    "TallyError",
+    "Unauthenticated",
+    "Unavailable",
+    "Writer",
+    "WriterHealth",
+    "WriterStatus",
+]
+
+FORBIDDEN = ("tally_server", "fastapi", "ray", "sqlalchemy")
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    assert tally.__all__ == EXPECTED_ALL
+    assert sorted(tally.__all__) == tally.__all__
+    for name in tally.__all__:
+        assert getattr(tally, name) is not None
+
+
+def test_version() -> None:
+    assert tally.__version__ == "0.1.0"
+
+
+def test_every_exported_exception_is_a_tally_error() -> None:
+    exceptions = [
+        obj
+        for obj in map(vars(tally).get, EXPECTED_ALL)
+        if isinstance(obj, type) and issubclass(obj, Exception)
+    ]
+    assert len(exceptions) == 11
+    assert all(issubclass(exc, tally.TallyError) for exc in exceptions)
+    assert issubclass(tally.LeaseLost, tally.NotFound)
+
+
+def test_import_tally_stays_light() -> None:
+    # A fresh interpreter: this test process may have imported anything already.
+    code = "import json, sys, tally; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    modules = json.loads(out)
+    leaked = [m for m in modules if m.split(".")[0] in FORBIDDEN]
+    assert leaked == []
+    # The transports load lazily: a plain import needs neither grpc nor the generated stubs.
+    assert "grpc" not in modules and "tally.v1" not in modules
