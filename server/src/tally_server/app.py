@@ -92,6 +92,7 @@ async def serve(settings: Settings) -> None:
 
     await stop.wait()
     log.info("shutting down: refusing new work, flushing completions")
+    service.stop_accepting()
     await health.enter_graceful_shutdown()
     http_server.should_exit = True
     await grpc_server.stop(settings.shutdown_grace_s)

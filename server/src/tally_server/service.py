@@ -13,11 +13,12 @@ dedicated threads. Ordering guarantees that matter:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,12 +32,20 @@ from tally_server.domain.ports import (
     CompletionStore,
     DeleteCompleted,
     EventRecord,
+    ProgressRecord,
     PutCompleted,
     Registry,
     WriterRecord,
 )
 from tally_server.domain.validation import Limits
-from tally_server.errors import AlreadyExists, NotFound, ResourceExhausted, Unavailable
+from tally_server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,6 +78,49 @@ class WriterView:
     counts: ApplyCounts
     opened_at: float
     last_seen_at: float
+    closed_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class EventView:
+    id: int
+    checkpoint: str
+    kind: str
+    message: str
+    at: float
+    writer_id: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EventPage:
+    events: list[EventView]
+    next_before_id: int  # 0: no older events
+
+
+@dataclass(frozen=True)
+class ProgressSample:
+    at: float
+    completed_count: int
+
+
+@dataclass(frozen=True)
+class CompletedPage:
+    source_ids: list[str]
+    next_after: str  # "": last page
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    imported: int
+    completed_count: int
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    moved_to: str
+    files_moved: int
+    writers_closed: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +138,29 @@ class CheckpointView:
     fingerprint: dict[str, str]
 
 
+@dataclass
+class ServiceStats:
+    """Cumulative counters since the process started, read by the metrics collector at scrape time.
+
+    ``commit_observers`` are called after every group commit with (seconds, ops, sources).
+    """
+
+    deltas_applied: int = 0
+    deltas_skipped: int = 0
+    deltas_rewritten: int = 0
+    anomalies: int = 0
+    completions: int = 0
+    writers_opened: int = 0
+    writers_expired: int = 0
+    commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
+
+    def count(self, counts: ApplyCounts) -> None:
+        self.deltas_applied += counts.applied
+        self.deltas_skipped += counts.skipped
+        self.deltas_rewritten += counts.rewritten
+        self.anomalies += counts.anomalies
+
+
 # Sent back with incomplete sources on close; the full count is reported separately.
 _MAX_INCOMPLETE_LISTED = 1000
 
@@ -97,12 +172,14 @@ class GroupCommitter:
     resumed in submission order, which is what keeps live-set effects in commit order.
     """
 
-    def __init__(self, store: CompletionStore) -> None:
+    def __init__(self, store: CompletionStore, stats: ServiceStats) -> None:
         self._store = store
+        self._stats = stats
         self._queue: list[tuple[CompletionOp, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._closing = False
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
+        # Also runs other file operations (reset) so they never interleave with a commit.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
         self._task: asyncio.Task[None] | None = None
         self.groups = 0
         self.ops = 0
@@ -128,8 +205,9 @@ class GroupCommitter:
                     return
                 continue
             group, self._queue = self._queue, []
+            started = time.perf_counter()
             try:
-                await loop.run_in_executor(self._executor, self._store.commit, [op for op, _ in group])
+                await loop.run_in_executor(self.executor, self._store.commit, [op for op, _ in group])
             except Exception as exc:
                 log.exception("completion commit of %d ops failed", len(group))
                 for _, future in group:
@@ -140,6 +218,10 @@ class GroupCommitter:
             else:
                 self.groups += 1
                 self.ops += len(group)
+                elapsed = time.perf_counter() - started
+                sources = sum(len(op.sources) for op, _ in group)
+                for observe in self._stats.commit_observers:
+                    observe(elapsed, len(group), sources)
                 for _, future in group:
                     if not future.done():
                         future.set_result(None)
@@ -152,7 +234,7 @@ class GroupCommitter:
         if self._task is not None:
             await self._task
             self._task = None
-        self._executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
 
 
 @dataclass
@@ -175,6 +257,7 @@ class CoordinatorService:
         limits: Limits,
         settle_ms: int,
         lease_ttl_s: float,
+        progress_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -183,6 +266,7 @@ class CoordinatorService:
         self.limits = limits
         self.settle_ms = settle_ms
         self.lease_ttl_s = lease_ttl_s
+        self.progress_interval_s = progress_interval_s
         self._clock = clock
         self._wall = wall_clock
         self._checkpoints: dict[str, Checkpoint] = {}
@@ -191,10 +275,14 @@ class CoordinatorService:
         self._runtimes: dict[str, _Runtime] = {}
         self._registry_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-registry")
         self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
-        self._committer = GroupCommitter(completions)
+        self.stats = ServiceStats()
+        self._committer = GroupCommitter(completions, self.stats)
         self._background: list[asyncio.Task[None]] = []
         self._finalizers: set[asyncio.Task[None]] = set()
         self._accepting = False
+        self._resetting: set[str] = set()
+        # Completed count last written as a progress sample, per checkpoint.
+        self._sampled: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,8 +302,13 @@ class CoordinatorService:
         self._background = [
             loop.create_task(self._settle_loop(), name="tally-settle"),
             loop.create_task(self._lease_loop(), name="tally-leases"),
+            loop.create_task(self._progress_loop(), name="tally-progress"),
         ]
         self._accepting = True
+
+    def stop_accepting(self) -> None:
+        """Refuse new work (UNAVAILABLE, so clients retry elsewhere or later) and end watch streams."""
+        self._accepting = False
 
     async def shutdown(self) -> None:
         """Close every writer (finalizing settling sources), drain commits, close the stores."""
@@ -230,6 +323,7 @@ class CoordinatorService:
                 log.exception("closing writer %s during shutdown failed", handle)
         if self._finalizers:
             await asyncio.gather(*self._finalizers, return_exceptions=True)
+        await self._sample_progress()
         await self._committer.close()
         self._completions.close()
         self._registry.close()
@@ -239,6 +333,13 @@ class CoordinatorService:
     @property
     def ready(self) -> bool:
         return self._accepting
+
+    def gauges(self) -> dict[str, tuple[int, int, int]]:
+        """Per loaded checkpoint: (live writers, pending sources, completed sources)."""
+        return {
+            name: (len(cp.writers), cp.pending_sources(), len(cp.completed))
+            for name, cp in self._checkpoints.items()
+        }
 
     # ------------------------------------------------------------------ helpers
 
@@ -354,6 +455,8 @@ class CoordinatorService:
         validation.labels(labels, self.limits)
         validation.labels(fingerprint, self.limits)
         validation.host(host, self.limits)
+        if checkpoint in self._resetting:
+            raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._checkpoint(checkpoint, create=True)
         assert cp is not None
         live = cp.writers.get(writer_id)
@@ -386,6 +489,7 @@ class CoordinatorService:
         )
         cp.writers[writer_id] = session
         self._sessions[session.handle] = session
+        self.stats.writers_opened += 1
         self._runtimes[session.handle] = _Runtime()
         cp.last_activity_at = now
         if fingerprint and not cp.fingerprint:
@@ -421,6 +525,7 @@ class CoordinatorService:
             self._renew(session)
             cp = self._checkpoints[session.checkpoint]
             result = session.ledger.apply(batch, self._clock())
+            self.stats.count(result.counts)
             completing = session.ledger.mark_completing(result.complete_now)
             cp.last_activity_at = session.last_seen_at
             counts = result.counts
@@ -437,13 +542,22 @@ class CoordinatorService:
                 runtime.changed.notify_all()
             return counts
 
-    async def _persist(self, cp: Checkpoint, session: WriterSession, sources: list[str]) -> None:
+    async def _persist(
+        self, cp: Checkpoint, session: WriterSession, sources: list[str], *, counted: bool = False
+    ) -> None:
+        """Commit ``sources`` as completed, then make them visible.
+
+        ``counted``: the caller already raised ``commits_in_flight`` synchronously, when it marked
+        the sources completing; a flush or close arriving before this coroutine runs must wait.
+        """
         runtime = self._runtimes[session.handle]
-        runtime.commits_in_flight += 1
+        if not counted:
+            runtime.commits_in_flight += 1
         try:
             await self._committer.submit(PutCompleted(cp.name, session.writer_id, sources))
             # Durable now; only from here on may anyone see it.
             cp.completed.add(sources)
+            self.stats.completions += len(sources)
         finally:
             runtime.commits_in_flight -= 1
             async with runtime.changed:
@@ -520,6 +634,8 @@ class CoordinatorService:
             async with runtime.changed:
                 await runtime.changed.wait_for(lambda: runtime.commits_in_flight == 0)
             session.state = state
+            if state == WriterState.EXPIRED:
+                self.stats.writers_expired += 1
             incomplete = list(session.ledger.pending)
             del cp.writers[session.writer_id]
             del self._sessions[session.handle]
@@ -556,6 +672,7 @@ class CoordinatorService:
                     continue
                 completing = session.ledger.mark_completing(session.ledger.due(now))
                 if completing:
+                    self._runtimes[session.handle].commits_in_flight += 1
                     task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
                     self._finalizers.add(task)
                     task.add_done_callback(self._finalizers.discard)
@@ -563,7 +680,7 @@ class CoordinatorService:
     async def _finalize(self, session: WriterSession, sources: list[str]) -> None:
         cp = self._checkpoints[session.checkpoint]
         try:
-            await self._persist(cp, session, sources)
+            await self._persist(cp, session, sources, counted=True)
         except Exception:
             log.warning("persisting %d completions of %s failed; will retry", len(sources), session.writer_id)
             session.ledger.revert_completing(sources, self._clock())
@@ -583,6 +700,206 @@ class CoordinatorService:
                         )
                     except NotFound:
                         pass
+
+    async def _progress_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress_interval_s)
+            try:
+                await self._sample_progress()
+            except Exception:
+                log.exception("writing progress samples failed; will retry")
+
+    async def _sample_progress(self) -> None:
+        """Persist the completed count of every checkpoint whose count changed since its last sample."""
+        now = self._wall()
+        samples = []
+        for name, cp in self._checkpoints.items():
+            count = len(cp.completed)
+            if self._sampled.get(name) != count:
+                samples.append(ProgressRecord(name, now, count))
+        if samples:
+            await self._in_registry(self._registry.add_samples, samples)
+            for sample in samples:
+                self._sampled[sample.checkpoint] = sample.completed_count
+
+    # ------------------------------------------------------------------ status
+
+    async def _existing(self, name: str) -> Checkpoint:
+        validation.checkpoint_name(name, self.limits)
+        cp = await self._checkpoint(name, create=False)
+        if cp is None:
+            raise NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")
+        return cp
+
+    async def list_writers(
+        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+    ) -> list[WriterView]:
+        """Live writers (fresh counters from memory), then past ones from the registry, newest first."""
+        cp = await self._existing(checkpoint)
+        live = self._view(cp).writers
+        if not include_closed:
+            return live[: max(limit, 0)]
+        records = await self._in_registry(self._registry.list_writers, checkpoint)
+        live_ids = {w.writer_id for w in live}
+        past = [
+            WriterView(
+                writer_id=r.writer_id,
+                host=r.host,
+                pid=r.pid,
+                labels=dict(r.labels),
+                state=r.state,
+                pending_sources=r.pending_sources,
+                counts=ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed),
+                opened_at=r.opened_at,
+                last_seen_at=r.last_seen_at,
+                closed_at=r.closed_at or 0.0,
+            )
+            for r in sorted(records, key=lambda r: r.opened_at, reverse=True)
+            if r.state != WriterState.OPEN or r.writer_id not in live_ids
+        ]
+        return (live + past)[: max(limit, 0)]
+
+    async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
+        await self._existing(checkpoint)
+        if not 0 < limit <= 1000:
+            raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
+        records = await self._in_registry(
+            lambda: self._registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
+        )
+        page = records[:limit]
+        events = [
+            EventView(r.id or 0, r.checkpoint, r.kind, r.message, r.at, r.writer_id or "", dict(r.data))
+            for r in page
+        ]
+        more = len(records) > limit
+        return EventPage(events, events[-1].id if more and events else 0)
+
+    async def progress(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressSample]:
+        """Persisted samples, plus the live count now, so a plot always ends at the present."""
+        cp = await self._existing(checkpoint)
+        records = await self._in_registry(lambda: self._registry.list_samples(checkpoint, since=since))
+        samples = [ProgressSample(r.at, r.completed_count) for r in records]
+        samples.append(ProgressSample(self._wall(), len(cp.completed)))
+        return samples
+
+    async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
+        """A status snapshot now and then whenever it changes, checked every ``interval_s``."""
+        cp = await self._existing(checkpoint)
+        interval_s = min(max(interval_s, 0.05), 60.0)
+        last: tuple[Any, ...] | None = None
+        while self._accepting:
+            view = self._view(cp)
+            key = (
+                view.completed_count,
+                view.pending_sources,
+                view.settling_sources,
+                view.live_writers,
+                view.anomalies,
+                view.unreadable_files,
+            )
+            if key != last:
+                last = key
+                yield view
+            await asyncio.sleep(interval_s)
+
+    async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
+        cp = await self._existing(checkpoint)
+        if not 0 < limit <= self.limits.max_ids_per_query:
+            raise InvalidArgument(
+                f"limit {limit} is out of range; ask for 1 to {self.limits.max_ids_per_query} ids per page "
+                "(setting max_ids_per_query)"
+            )
+        # Byte order, the order LMDB keeps the keys in.
+        ordered = sorted(cp.completed.sources(), key=lambda sid: sid.encode())
+        key = after.encode()
+        start = 0
+        if after:
+            start = bisect.bisect_right([sid.encode() for sid in ordered], key)
+        page = ordered[start : start + limit]
+        more = start + limit < len(ordered)
+        return CompletedPage(page, page[-1] if more and page else "")
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], *, import_id: str
+    ) -> ImportResult:
+        """Adopt completions made elsewhere, written to their own file ``<import_id>.mdb``."""
+        self._check_accepting()
+        validation.checkpoint_name(checkpoint, self.limits)
+        validation.writer_id(import_id, self.limits)
+        validation.source_ids(source_ids, self.limits)
+        if checkpoint in self._resetting:
+            raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
+        cp = await self._checkpoint(checkpoint, create=True)
+        assert cp is not None
+        if import_id in cp.writers:
+            raise AlreadyExists(f"{import_id!r} is a live writer of {checkpoint!r}; choose another import_id")
+        new = [sid for sid in dict.fromkeys(source_ids) if sid not in cp.completed]
+        if new:
+            await self._committer.submit(PutCompleted(cp.name, import_id, new))
+            cp.completed.add(new)
+            self.stats.completions += len(new)
+        cp.last_activity_at = self._wall()
+        await self._event(
+            checkpoint,
+            "imported",
+            f"{len(new)} completed sources imported into {import_id}.mdb "
+            f"({len(source_ids) - len(new)} were already completed)",
+            import_id,
+            imported=len(new),
+            offered=len(source_ids),
+        )
+        return ImportResult(len(new), len(cp.completed))
+
+    async def reset_checkpoint(self, name: str, *, force: bool = False) -> ResetResult:
+        """Start a checkpoint over: its files go to the trash folder (never deleted)."""
+        self._check_accepting()
+        cp = await self._existing(name)
+        if cp.writers and not force:
+            ids = ", ".join(sorted(cp.writers)[:10])
+            raise FailedPrecondition(
+                f"checkpoint {name!r} has {len(cp.writers)} live writers ({ids}); stop them first, or force "
+                "the reset (their pending state is dropped and their clients get NOT_FOUND)",
+                live_writers=len(cp.writers),
+            )
+        if name in self._resetting:
+            raise Unavailable(f"checkpoint {name!r} is already being reset")
+        self._resetting.add(name)
+        try:
+            closed = 0
+            for session in list(cp.writers.values()):
+                try:
+                    await self._close(session, WriterState.RESET, "closed by a forced checkpoint reset")
+                    closed += 1
+                except NotFound:
+                    pass
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._wall())) + f"-{uuid.uuid4().hex[:6]}"
+            loop = asyncio.get_running_loop()
+            moved_to, files = await loop.run_in_executor(
+                self._committer.executor, self._completions.trash, name, stamp
+            )
+            cp.completed = CompletedSet()
+            cp.anomalies = 0
+            cp.unreadable_files = []
+            cp.fingerprint = {}
+            cp.last_activity_at = self._wall()
+            self._sampled.pop(name, None)
+            await self._in_registry(self._registry.delete_samples, name)
+            await self._in_registry(
+                self._registry.upsert_checkpoint,
+                CheckpointRecord(name, cp.created_at, cp.last_activity_at, {}),
+            )
+            await self._event(
+                name,
+                "checkpoint_reset",
+                f"checkpoint reset: {files} files moved to {moved_to or '(nothing to move)'}; "
+                f"{closed} live writers closed",
+                moved_to=moved_to,
+                files_moved=files,
+                writers_closed=closed,
+            )
+            return ResetResult(moved_to, files, closed)
+        finally:
+            self._resetting.discard(name)
 
     # ------------------------------------------------------------------ reads
 
@@ -626,11 +943,7 @@ class CoordinatorService:
         )
 
     async def get_checkpoint(self, name: str) -> CheckpointView:
-        validation.checkpoint_name(name, self.limits)
-        cp = await self._checkpoint(name, create=False)
-        if cp is None:
-            raise NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")
-        return self._view(cp)
+        return self._view(await self._existing(name))
 
     async def list_checkpoints(self) -> list[CheckpointView]:
         records = await self._in_registry(self._registry.list_checkpoints)

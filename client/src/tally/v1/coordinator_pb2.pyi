@@ -152,7 +152,7 @@ class GetCheckpointRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class WriterStatus(_message.Message):
-    __slots__ = ("writer_id", "host", "pid", "labels", "state", "pending_sources", "counts", "opened_at", "last_seen_at")
+    __slots__ = ("writer_id", "host", "pid", "labels", "state", "pending_sources", "counts", "opened_at", "last_seen_at", "closed_at")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class WriterStatus(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_AT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
     writer_id: str
     host: str
     pid: int
@@ -178,7 +179,8 @@ class WriterStatus(_message.Message):
     counts: ApplyCounts
     opened_at: float
     last_seen_at: float
-    def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ...) -> None: ...
+    closed_at: float
+    def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ..., closed_at: _Optional[float] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
     __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint")
@@ -222,3 +224,139 @@ class ListCheckpointsResponse(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+
+class ListWritersRequest(_message.Message):
+    __slots__ = ("checkpoint", "include_closed", "limit")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    include_closed: bool
+    limit: int
+    def __init__(self, checkpoint: _Optional[str] = ..., include_closed: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListWritersResponse(_message.Message):
+    __slots__ = ("writers",)
+    WRITERS_FIELD_NUMBER: _ClassVar[int]
+    writers: _containers.RepeatedCompositeFieldContainer[WriterStatus]
+    def __init__(self, writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("id", "checkpoint", "kind", "message", "at", "writer_id", "data_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    checkpoint: str
+    kind: str
+    message: str
+    at: float
+    writer_id: str
+    data_json: str
+    def __init__(self, id: _Optional[int] = ..., checkpoint: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., at: _Optional[float] = ..., writer_id: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
+
+class ListEventsRequest(_message.Message):
+    __slots__ = ("checkpoint", "limit", "before_id")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    limit: int
+    before_id: int
+    def __init__(self, checkpoint: _Optional[str] = ..., limit: _Optional[int] = ..., before_id: _Optional[int] = ...) -> None: ...
+
+class ListEventsResponse(_message.Message):
+    __slots__ = ("events", "next_before_id")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BEFORE_ID_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    next_before_id: int
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., next_before_id: _Optional[int] = ...) -> None: ...
+
+class ProgressSample(_message.Message):
+    __slots__ = ("at", "completed_count")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    completed_count: int
+    def __init__(self, at: _Optional[float] = ..., completed_count: _Optional[int] = ...) -> None: ...
+
+class GetProgressRequest(_message.Message):
+    __slots__ = ("checkpoint", "since")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    since: float
+    def __init__(self, checkpoint: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
+
+class GetProgressResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[ProgressSample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[ProgressSample, _Mapping]]] = ...) -> None: ...
+
+class WatchCheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint", "interval_ms")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    interval_ms: int
+    def __init__(self, checkpoint: _Optional[str] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+
+class ListCompletedRequest(_message.Message):
+    __slots__ = ("checkpoint", "after", "limit")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    after: str
+    limit: int
+    def __init__(self, checkpoint: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListCompletedResponse(_message.Message):
+    __slots__ = ("source_ids", "next_after")
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    next_after: str
+    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
+class ImportCompletedRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_ids", "import_id")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    import_id: str
+    def __init__(self, checkpoint: _Optional[str] = ..., source_ids: _Optional[_Iterable[str]] = ..., import_id: _Optional[str] = ...) -> None: ...
+
+class ImportCompletedResponse(_message.Message):
+    __slots__ = ("imported", "completed_count")
+    IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    imported: int
+    completed_count: int
+    def __init__(self, imported: _Optional[int] = ..., completed_count: _Optional[int] = ...) -> None: ...
+
+class ResetCheckpointRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ResetCheckpointResponse(_message.Message):
+    __slots__ = ("moved_to", "files_moved", "writers_closed")
+    MOVED_TO_FIELD_NUMBER: _ClassVar[int]
+    FILES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    WRITERS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    moved_to: str
+    files_moved: int
+    writers_closed: int
+    def __init__(self, moved_to: _Optional[str] = ..., files_moved: _Optional[int] = ..., writers_closed: _Optional[int] = ...) -> None: ...

@@ -76,6 +76,41 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.ListWriters = channel.unary_unary(
+                '/tally.v1.Coordinator/ListWriters',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListWritersRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListWritersResponse.FromString,
+                _registered_method=True)
+        self.ListEvents = channel.unary_unary(
+                '/tally.v1.Coordinator/ListEvents',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
+        self.GetProgress = channel.unary_unary(
+                '/tally.v1.Coordinator/GetProgress',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.GetProgressRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.GetProgressResponse.FromString,
+                _registered_method=True)
+        self.WatchCheckpoint = channel.unary_stream(
+                '/tally.v1.Coordinator/WatchCheckpoint',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.WatchCheckpointRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.CheckpointStatus.FromString,
+                _registered_method=True)
+        self.ListCompleted = channel.unary_unary(
+                '/tally.v1.Coordinator/ListCompleted',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListCompletedRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListCompletedResponse.FromString,
+                _registered_method=True)
+        self.ImportCompleted = channel.unary_unary(
+                '/tally.v1.Coordinator/ImportCompleted',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ImportCompletedRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ImportCompletedResponse.FromString,
+                _registered_method=True)
+        self.ResetCheckpoint = channel.unary_unary(
+                '/tally.v1.Coordinator/ResetCheckpoint',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -137,6 +172,55 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWriters(self, request, context):
+        """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEvents(self, request, context):
+        """Events of a checkpoint, newest first, paged with before_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetProgress(self, request, context):
+        """Completed count over time (sampled, persisted, survives restarts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchCheckpoint(self, request, context):
+        """Status snapshots whenever the checkpoint changes (at most one per interval).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCompleted(self, request, context):
+        """Completed source ids in order, paged with a cursor (for export).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportCompleted(self, request, context):
+        """Adopt completed source ids from elsewhere (a folder NeMo Curator wrote) into their own file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetCheckpoint(self, request, context):
+        """Admin: move the checkpoint's files to the trash folder and start it over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +263,41 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ListWriters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWriters,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListWritersRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListWritersResponse.SerializeToString,
+            ),
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListEventsRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'GetProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetProgress,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.GetProgressRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.GetProgressResponse.SerializeToString,
+            ),
+            'WatchCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCheckpoint,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.WatchCheckpointRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.CheckpointStatus.SerializeToString,
+            ),
+            'ListCompleted': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCompleted,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListCompletedRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListCompletedResponse.SerializeToString,
+            ),
+            'ImportCompleted': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportCompleted,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ImportCompletedRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ImportCompletedResponse.SerializeToString,
+            ),
+            'ResetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetCheckpoint,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +517,195 @@ class Coordinator:
             '/tally.v1.Coordinator/ListCheckpoints',
             tally_dot_v1_dot_coordinator__pb2.ListCheckpointsRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWriters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListWriters',
+            tally_dot_v1_dot_coordinator__pb2.ListWritersRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListWritersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListEvents',
+            tally_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/GetProgress',
+            tally_dot_v1_dot_coordinator__pb2.GetProgressRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.GetProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tally.v1.Coordinator/WatchCheckpoint',
+            tally_dot_v1_dot_coordinator__pb2.WatchCheckpointRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.CheckpointStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCompleted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListCompleted',
+            tally_dot_v1_dot_coordinator__pb2.ListCompletedRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListCompletedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportCompleted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ImportCompleted',
+            tally_dot_v1_dot_coordinator__pb2.ImportCompletedRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ImportCompletedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ResetCheckpoint',
+            tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,7 @@ class WriterState:
     CLOSED = "closed"
     EXPIRED = "expired"
     LOST = "lost"  # was open when the coordinator stopped
+    RESET = "reset"  # closed by a forced checkpoint reset
 
 
 @dataclass

@@ -58,6 +58,17 @@ class CompletionStore(Protocol):
         """Apply ops in order, one synced transaction per file touched. Durable when it returns."""
         ...
 
+    def release(self, checkpoint: str) -> None:
+        """Close cached handles of the checkpoint's files (before they are moved)."""
+        ...
+
+    def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
+        """Move the checkpoint's files to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
+
+        Returns (the destination relative to the data dir, how many files moved). Never deletes.
+        """
+        ...
+
     def close(self) -> None: ...
 
 
@@ -101,6 +112,13 @@ class EventRecord:
     id: int | None = None
 
 
+@dataclass(frozen=True)
+class ProgressRecord:
+    checkpoint: str
+    at: float
+    completed_count: int
+
+
 class Registry(Protocol):
     """Checkpoints, writers and events in a SQL database."""
 
@@ -127,5 +145,11 @@ class Registry(Protocol):
     ) -> list[EventRecord]:
         """Newest first; ``before_id`` pages backwards."""
         ...
+
+    def add_samples(self, samples: Sequence[ProgressRecord]) -> None: ...
+
+    def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]: ...
+
+    def delete_samples(self, checkpoint: str) -> None: ...
 
     def close(self) -> None: ...

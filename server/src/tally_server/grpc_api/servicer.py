@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.domain.ledger import ApplyCounts
-from tally_server.service import CheckpointView, CoordinatorService
+from tally_server.errors import TallyServerError
+from tally_server.grpc_api.interceptors import STATUS
+from tally_server.service import CheckpointView, CoordinatorService, WriterView
 
 Context = Any  # grpc.aio.ServicerContext; untyped in grpc-stubs
 
@@ -19,6 +23,21 @@ def _counts(c: ApplyCounts) -> pb.ApplyCounts:
         rewritten=c.rewritten,
         anomalies=c.anomalies,
         completed=c.completed,
+    )
+
+
+def writer_status(w: WriterView) -> pb.WriterStatus:
+    return pb.WriterStatus(
+        writer_id=w.writer_id,
+        host=w.host,
+        pid=w.pid,
+        labels=w.labels,
+        state=w.state,
+        pending_sources=w.pending_sources,
+        counts=_counts(w.counts),
+        opened_at=w.opened_at,
+        last_seen_at=w.last_seen_at,
+        closed_at=w.closed_at,
     )
 
 
@@ -34,20 +53,7 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
         created_at=v.created_at,
         last_activity_at=v.last_activity_at,
         fingerprint=v.fingerprint,
-        writers=[
-            pb.WriterStatus(
-                writer_id=w.writer_id,
-                host=w.host,
-                pid=w.pid,
-                labels=w.labels,
-                state=w.state,
-                pending_sources=w.pending_sources,
-                counts=_counts(w.counts),
-                opened_at=w.opened_at,
-                last_seen_at=w.last_seen_at,
-            )
-            for w in v.writers
-        ],
+        writers=[writer_status(w) for w in v.writers],
     )
 
 
@@ -105,3 +111,69 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     ) -> pb.ListCheckpointsResponse:
         views = await self._service.list_checkpoints()
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_status(v) for v in views])
+
+    async def ListWriters(self, request: pb.ListWritersRequest, context: Context) -> pb.ListWritersResponse:
+        writers = await self._service.list_writers(
+            request.checkpoint, include_closed=request.include_closed, limit=request.limit or 100
+        )
+        return pb.ListWritersResponse(writers=[writer_status(w) for w in writers])
+
+    async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
+        page = await self._service.list_events(
+            request.checkpoint, limit=request.limit or 50, before_id=request.before_id
+        )
+        events = [
+            pb.Event(
+                id=e.id,
+                checkpoint=e.checkpoint,
+                kind=e.kind,
+                message=e.message,
+                at=e.at,
+                writer_id=e.writer_id,
+                data_json=json.dumps(e.data, default=str),
+            )
+            for e in page.events
+        ]
+        return pb.ListEventsResponse(events=events, next_before_id=page.next_before_id)
+
+    async def GetProgress(self, request: pb.GetProgressRequest, context: Context) -> pb.GetProgressResponse:
+        samples = await self._service.progress(request.checkpoint, since=request.since)
+        return pb.GetProgressResponse(
+            samples=[pb.ProgressSample(at=x.at, completed_count=x.completed_count) for x in samples]
+        )
+
+    async def WatchCheckpoint(
+        self, request: pb.WatchCheckpointRequest, context: Context
+    ) -> AsyncIterator[pb.CheckpointStatus]:
+        # Streams bypass the unary error interceptor: map refusals here.
+        try:
+            async for view in self._service.watch(
+                request.checkpoint, interval_s=(request.interval_ms or 1000) / 1000
+            ):
+                yield checkpoint_status(view)
+        except TallyServerError as exc:
+            await context.abort(STATUS[exc.code], exc.message)
+
+    async def ListCompleted(
+        self, request: pb.ListCompletedRequest, context: Context
+    ) -> pb.ListCompletedResponse:
+        page = await self._service.list_completed(
+            request.checkpoint, after=request.after, limit=request.limit or 10_000
+        )
+        return pb.ListCompletedResponse(source_ids=page.source_ids, next_after=page.next_after)
+
+    async def ImportCompleted(
+        self, request: pb.ImportCompletedRequest, context: Context
+    ) -> pb.ImportCompletedResponse:
+        result = await self._service.import_completed(
+            request.checkpoint, list(request.source_ids), import_id=request.import_id
+        )
+        return pb.ImportCompletedResponse(imported=result.imported, completed_count=result.completed_count)
+
+    async def ResetCheckpoint(
+        self, request: pb.ResetCheckpointRequest, context: Context
+    ) -> pb.ResetCheckpointResponse:
+        result = await self._service.reset_checkpoint(request.name, force=request.force)
+        return pb.ResetCheckpointResponse(
+            moved_to=result.moved_to, files_moved=result.files_moved, writers_closed=result.writers_closed
+        )

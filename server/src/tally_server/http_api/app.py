@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -162,6 +163,64 @@ def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
     async def are_completed(body: s.AreCompletedBody) -> s.AreCompletedReply:
         """Parallel booleans from the live completed set of the checkpoint (no writer needed)."""
         return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, body.source_ids))
+
+    @app.get("/v1/writers", response_model=s.ListWritersReply, responses=_ERRORS, tags=["status"])
+    async def list_writers(
+        checkpoint: str, include_closed: bool = False, limit: int = 100
+    ) -> s.ListWritersReply:
+        """Writers of a checkpoint: live ones, then (include_closed) past ones, newest first."""
+        writers = await service.list_writers(checkpoint, include_closed=include_closed, limit=limit)
+        return s.ListWritersReply(
+            writers=[s.WriterStatus.model_validate(dataclasses.asdict(w)) for w in writers]
+        )
+
+    @app.get("/v1/events", response_model=s.ListEventsReply, responses=_ERRORS, tags=["status"])
+    async def list_events(checkpoint: str, limit: int = 50, before_id: int = 0) -> s.ListEventsReply:
+        """Events of a checkpoint, newest first; page with next_before_id."""
+        page = await service.list_events(checkpoint, limit=limit, before_id=before_id)
+        return s.ListEventsReply.model_validate(dataclasses.asdict(page))
+
+    @app.get("/v1/progress", response_model=s.ProgressReply, responses=_ERRORS, tags=["status"])
+    async def progress(checkpoint: str, since: float = 0.0) -> s.ProgressReply:
+        """Completed count over time (persisted samples, then the live count now)."""
+        samples = await service.progress(checkpoint, since=since)
+        return s.ProgressReply(
+            samples=[s.ProgressSample.model_validate(dataclasses.asdict(x)) for x in samples]
+        )
+
+    @app.get("/v1/watch", responses=_ERRORS, tags=["status"], response_class=StreamingResponse)
+    async def watch(checkpoint: str, interval_ms: int = 1000) -> StreamingResponse:
+        """Server-Sent Events: a CheckpointStatus JSON whenever the checkpoint changes."""
+        stream = service.watch(checkpoint, interval_s=interval_ms / 1000)
+        first = await anext(stream)  # refusals (unknown checkpoint) become a normal error reply
+
+        async def events() -> AsyncIterator[str]:
+            yield f"data: {_status(first).model_dump_json()}\n\n"
+            async for view in stream:
+                yield f"data: {_status(view).model_dump_json()}\n\n"
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    @app.get("/v1/completed", response_model=s.ListCompletedReply, responses=_ERRORS, tags=["admin"])
+    async def list_completed(checkpoint: str, after: str = "", limit: int = 10_000) -> s.ListCompletedReply:
+        """Completed source ids in byte order, paged with next_after (for export)."""
+        page = await service.list_completed(checkpoint, after=after, limit=limit)
+        return s.ListCompletedReply.model_validate(dataclasses.asdict(page))
+
+    @app.post("/v1/import", response_model=s.ImportReply, responses=_ERRORS, tags=["admin"])
+    async def import_completed(body: s.ImportBody) -> s.ImportReply:
+        """Adopt completed source ids (e.g. from a folder NeMo Curator wrote) into <import_id>.mdb."""
+        result = await service.import_completed(body.checkpoint, body.source_ids, import_id=body.import_id)
+        return s.ImportReply.model_validate(dataclasses.asdict(result))
+
+    @app.post("/v1/reset", response_model=s.ResetReply, responses=_ERRORS, tags=["admin"])
+    async def reset(body: s.ResetBody) -> s.ResetReply:
+        """Move a checkpoint's files to the trash folder and start it over (refused while writers are
+        live unless force)."""
+        result = await service.reset_checkpoint(body.name, force=body.force)
+        return s.ResetReply.model_validate(dataclasses.asdict(result))
 
     @app.get(
         "/v1/checkpoints", response_model=s.ListCheckpointsReply, responses=_ERRORS, tags=["checkpoints"]

@@ -78,6 +78,7 @@ class WriterStatus(BaseModel):
     counts: Counts
     opened_at: float
     last_seen_at: float
+    closed_at: float = 0.0
 
 
 class CheckpointStatus(BaseModel):
@@ -106,3 +107,58 @@ class ErrorDetail(BaseModel):
 
 class ErrorReply(BaseModel):
     error: ErrorDetail
+
+
+class ListWritersReply(BaseModel):
+    writers: list[WriterStatus]
+
+
+class Event(BaseModel):
+    id: int
+    checkpoint: str
+    kind: str
+    message: str
+    at: float
+    writer_id: str
+    data: dict[str, object]
+
+
+class ListEventsReply(BaseModel):
+    events: list[Event]
+    next_before_id: int = Field(description="Pass as before_id for the next page; 0 when there is none.")
+
+
+class ProgressSample(BaseModel):
+    at: float
+    completed_count: int
+
+
+class ProgressReply(BaseModel):
+    samples: list[ProgressSample]
+
+
+class ListCompletedReply(BaseModel):
+    source_ids: list[str]
+    next_after: str = Field(description="Pass as after for the next page; empty on the last page.")
+
+
+class ImportBody(BaseModel):
+    checkpoint: str
+    source_ids: list[str]
+    import_id: str = Field(description="Names the file the ids are written to: <import_id>.mdb.")
+
+
+class ImportReply(BaseModel):
+    imported: int
+    completed_count: int
+
+
+class ResetBody(BaseModel):
+    name: str
+    force: bool = False
+
+
+class ResetReply(BaseModel):
+    moved_to: str
+    files_moved: int
+    writers_closed: int

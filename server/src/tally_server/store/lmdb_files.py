@@ -291,6 +291,27 @@ class LmdbCompletionStore:
         for path in paths:
             self._drop(path, wait=True)
 
+    def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
+        """Move the checkpoint's metadata folder to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
+
+        Never deletes: a reset can be undone by moving the folder back.
+        """
+        self._check_open()
+        folder = self._folder(checkpoint)
+        self.release(checkpoint)
+        if not folder.exists():
+            return "", 0
+        data_dir = self._root.parent
+        destination = (data_dir / ".trash" / checkpoint / stamp).resolve()
+        if not destination.is_relative_to(data_dir / ".trash"):
+            raise ValueError(f"trash folder for {checkpoint!r} would be outside {data_dir}; refusing")
+        destination.mkdir(parents=True, exist_ok=False)
+        files = sum(1 for p in folder.iterdir() if p.is_file())
+        folder.rename(destination / METADATA_DIRNAME)
+        _fsync_dir(folder.parent)
+        _fsync_dir(destination)
+        return str(destination.relative_to(data_dir)), files
+
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
         with self._lock:

@@ -8,6 +8,7 @@ files (``lmdb_files``), so losing the registry never loses a completion.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.pool import StaticPool
 
 from tally_server.domain.checkpoint import WriterState
-from tally_server.domain.ports import CheckpointRecord, EventRecord, WriterRecord
+from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
 
 REGISTRY_FILENAME = "registry.sqlite3"
 
@@ -81,6 +82,16 @@ events_table = sa.Table(
     sa.Column("writer_id", sa.String(), nullable=True),
     sa.Column("data", _Json, nullable=False),
     sa.Index("ix_events_checkpoint_id", "checkpoint", "id"),
+)
+
+
+# Completed count over time, sampled by the service; what the dashboard's progress plot draws.
+progress_table = sa.Table(
+    "progress_samples",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("at", _Time, primary_key=True),
+    sa.Column("completed_count", _Count, nullable=False),
 )
 
 
@@ -193,6 +204,28 @@ class SqlRegistry:
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()
         return [_event(row) for row in rows]
+
+    # --------------------------------------------------------------- progress
+
+    def add_samples(self, samples: Sequence[ProgressRecord]) -> None:
+        """Append progress samples (one transaction)."""
+        if not samples:
+            return
+        with self._engine.begin() as conn:
+            conn.execute(sa.insert(progress_table), [dataclasses.asdict(x) for x in samples])
+
+    def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]:
+        """The checkpoint's samples at or after ``since``, oldest first."""
+        c = progress_table.c
+        query = sa.select(progress_table).where(c.checkpoint == checkpoint, c.at >= since).order_by(c.at)
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [ProgressRecord(row.checkpoint, float(row.at), int(row.completed_count)) for row in rows]
+
+    def delete_samples(self, checkpoint: str) -> None:
+        """Forget a checkpoint's progress history (on reset)."""
+        with self._engine.begin() as conn:
+            conn.execute(sa.delete(progress_table).where(progress_table.c.checkpoint == checkpoint))
 
     # -------------------------------------------------------------- lifecycle
 
