@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tally_server.domain.ports import CheckpointRecord, EventRecord, WriterRecord
+from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 
 
@@ -173,3 +173,15 @@ def test_registry_can_be_used_from_another_thread(tmp_path: Path) -> None:
 def test_unsupported_database_is_refused() -> None:
     with pytest.raises(ValueError, match="sqlite"):
         SqlRegistry("mysql+pymysql://user@localhost/db")
+
+
+def test_progress_samples_round_trip_and_reset(registry: SqlRegistry) -> None:
+    registry.add_samples(
+        [ProgressRecord("run", 10.0, 1), ProgressRecord("run", 20.5, 7), ProgressRecord("other", 15.0, 3)]
+    )
+    registry.add_samples([])
+    assert registry.list_samples("run") == [ProgressRecord("run", 10.0, 1), ProgressRecord("run", 20.5, 7)]
+    assert registry.list_samples("run", since=11.0) == [ProgressRecord("run", 20.5, 7)]
+    registry.delete_samples("run")
+    assert registry.list_samples("run") == []
+    assert registry.list_samples("other") == [ProgressRecord("other", 15.0, 3)]
