@@ -29,6 +29,7 @@ def build_service(settings: Settings) -> CoordinatorService:
         limits=settings.limits,
         settle_ms=settings.settle_ms,
         lease_ttl_s=settings.lease_ttl_s,
+        progress_interval_s=settings.progress_interval_s,
     )
 
 

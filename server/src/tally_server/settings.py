@@ -51,6 +51,12 @@ class Settings(BaseSettings):
         description="A writer that sends nothing (not even a heartbeat) for this long is closed and its "
         "pending state dropped.",
     )
+    progress_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often each checkpoint's completed count is sampled into the registry (when it "
+        "changed), for the progress plot and rate; samples survive restarts.",
+    )
     shutdown_grace_s: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )
