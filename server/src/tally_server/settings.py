@@ -78,6 +78,14 @@ class Settings(BaseSettings):
         gt=0,
         description="Largest gRPC message accepted or sent, and largest HTTP request body (413 above it).",
     )
+    tokens: str | None = Field(
+        default=None,
+        description="Bearer tokens with roles, 'TOKEN:ROLE' separated by commas (roles: reader, worker, "
+        "admin). Unset (and no tokens_file): authentication is off.",
+    )
+    tokens_file: Path | None = Field(
+        default=None, description="File with one 'TOKEN:ROLE' per line ('#' comments), added to tokens."
+    )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")
 
