@@ -13,7 +13,18 @@ Example::
 
 from tally._client import AsyncClient, Client
 from tally._config import ClientConfig
-from tally._types import ApplyCounts, CheckpointStatus, CloseResult, WriterHealth, WriterStatus
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    Event,
+    EventPage,
+    ImportResult,
+    ProgressSample,
+    ResetResult,
+    WriterHealth,
+    WriterStatus,
+)
 from tally._writer import AsyncWriter, Writer
 from tally.errors import (
     AlreadyExists,
@@ -41,12 +52,17 @@ __all__ = [
     "Client",
     "ClientConfig",
     "CloseResult",
+    "Event",
+    "EventPage",
     "FailedPrecondition",
+    "ImportResult",
     "Internal",
     "InvalidArgument",
     "LeaseLost",
     "NotFound",
     "PermissionDenied",
+    "ProgressSample",
+    "ResetResult",
     "ResourceExhausted",
     "StatusCode",
     "TallyError",

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import socket
+import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Self
 
 from tally._config import ClientConfig
-from tally._ops import are_completed, async_are_completed
+from tally._ops import are_completed, async_are_completed, source_id_chunks
 from tally._retry import Deadline, RetryPolicy, async_call_with_retry, call_with_retry
 from tally._transport import AsyncTransport, Transport, make_async_transport, make_transport
-from tally._types import CheckpointStatus, WriterSpec
+from tally._types import (
+    CheckpointStatus,
+    CompletedPage,
+    EventPage,
+    ImportResult,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
 from tally._writer import AsyncWriter, Writer, _WriterBase, default_writer_id
-from tally.errors import FailedPrecondition, InvalidArgument, TallyError
+from tally.errors import FailedPrecondition, Internal, InvalidArgument, TallyError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +49,10 @@ def _resolve_config(address: str | None, token: str | None, timeout: float | Non
     )
 
 
+# Ids per ImportCompleted call: well under the server's ids-per-call limit and gRPC's message cap.
+IMPORT_CHUNK = 50_000
+
+
 def _str_map(name: str, value: Mapping[str, str] | None) -> dict[str, str]:
     if value is None:
         return {}
@@ -45,6 +61,49 @@ def _str_map(name: str, value: Mapping[str, str] | None) -> dict[str, str]:
     ):
         raise InvalidArgument(f"{name} must be a mapping of str to str, got {value!r}")
     return dict(value)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class _Reconnect:
+    """When a watch stream breaks: how long to wait before reopening it, or when to give up.
+
+    The clock starts at the first failure after the last status received, so a watch that has
+    been running for days still rides out a coordinator restart of up to ``timeout`` seconds.
+    """
+
+    def __init__(self, policy: RetryPolicy, timeout: float, what: str) -> None:
+        self._policy = policy
+        self._timeout = timeout
+        self._what = what
+        self._attempt = 0
+        self._deadline: Deadline | None = Deadline(timeout)
+
+    def received(self) -> None:
+        self._attempt = 0
+        self._deadline = None
+
+    def delay(self, err: Unavailable) -> float:
+        """Seconds to wait before reconnecting.
+
+        Raises:
+            Unavailable: No status arrived for ``timeout`` seconds.
+        """
+        if self._deadline is None:
+            self._deadline = Deadline(self._timeout)
+        self._attempt += 1
+        delay = self._policy.delay(self._attempt)
+        if self._deadline.remaining() <= delay:
+            raise Unavailable(
+                f"{self._what}: no answer within {self._timeout:g}s; last error: {err.message}",
+                err.code,
+                err.details,
+            )
+        return delay
 
 
 class _BaseClient:
@@ -101,6 +160,68 @@ class _BaseClient:
 
     def _open_writers(self) -> list[_WriterBase]:
         return [w for w in list(self._writers) if w.health().open]
+
+    def _name(self, checkpoint: object) -> str:
+        self._check_open()
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise InvalidArgument(f"checkpoint must be a non-empty string, got {checkpoint!r}")
+        return checkpoint
+
+    def _retrying(self, what: str) -> tuple[RetryPolicy, Deadline, str]:
+        return self._policy, Deadline(self._config.timeout), what
+
+    @staticmethod
+    def _events_args(limit: int, before_id: int | None) -> tuple[int, int | None]:
+        if before_id is not None:
+            _positive_int("before_id", before_id)
+        return _positive_int("limit", limit), before_id
+
+    @staticmethod
+    def _since(since: float | None) -> float | None:
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int | float)):
+            raise InvalidArgument(f"since must be seconds since the epoch or None, got {since!r}")
+        return None if since is None else float(since)
+
+    @staticmethod
+    def _next_cursor(after: str, page: CompletedPage) -> str | None:
+        """The cursor of the next page, or None after the last one."""
+        if not page.next_after:
+            return None
+        # A cursor that does not move forward would page forever.
+        if page.next_after <= after:
+            raise Internal(
+                f"the coordinator's completed-ids cursor went backwards: {after!r} -> {page.next_after!r}"
+            )
+        return page.next_after
+
+    @staticmethod
+    def _import_batches(source_ids: Iterable[str], import_id: object) -> list[list[str]]:
+        if not isinstance(import_id, str) or not import_id:
+            raise InvalidArgument(f"import_id must be a non-empty string, got {import_id!r}")
+        # Duplicates removed so that the per-call "imported" counts add up exactly.
+        ids = list(dict.fromkeys(sid for chunk in source_id_chunks(source_ids) for sid in chunk))
+        return [ids[i : i + IMPORT_CHUNK] for i in range(0, len(ids), IMPORT_CHUNK)] or [[]]
+
+    @staticmethod
+    def _interval_ms(interval_s: float) -> int:
+        if isinstance(interval_s, bool) or not isinstance(interval_s, int | float) or not interval_s > 0:
+            raise InvalidArgument(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+        return max(1, round(interval_s * 1000))
+
+    def _reconnect(self, checkpoint: str) -> _Reconnect:
+        return _Reconnect(self._policy, self._config.timeout, f"watch {checkpoint!r}")
+
+    def _stream_ended(self, checkpoint: str) -> Unavailable:
+        return Unavailable(f"the coordinator at {self._config.address} ended the watch of {checkpoint!r}")
+
+    def _reset_unanswered(self, checkpoint: str, err: Unavailable) -> Unavailable:
+        # A reset is not retried: it may have happened, and a second one would move new files.
+        return Unavailable(
+            f"reset of {checkpoint!r} got no answer ({err.message}); it may or may not have happened: "
+            f"check the checkpoint's status before trying again",
+            err.code,
+            err.details,
+        )
 
 
 class Client(_BaseClient):
@@ -218,6 +339,166 @@ class Client(_BaseClient):
             self._transport.list_checkpoints, self._policy, Deadline(self._config.timeout), "list checkpoints"
         )
 
+    def writers(
+        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+    ) -> list[WriterStatus]:
+        """Writers of a checkpoint: live ones first, then (with ``include_closed``) ended ones.
+
+        Args:
+            checkpoint: Checkpoint name.
+            include_closed: Also list writers that closed, expired or were lost, newest first.
+            limit: Most writers returned.
+
+        Raises:
+            NotFound: No such checkpoint.
+            Unavailable: No answer within the timeout.
+        """
+        name, limit = self._name(checkpoint), _positive_int("limit", limit)
+        return call_with_retry(
+            functools.partial(self._transport.list_writers, name, bool(include_closed), limit),
+            *self._retrying(f"list writers of {name!r}"),
+        )
+
+    def events(self, checkpoint: str, *, limit: int = 50, before_id: int | None = None) -> EventPage:
+        """One page of a checkpoint's events, newest first.
+
+        Args:
+            checkpoint: Checkpoint name.
+            limit: Most events returned.
+            before_id: Only events older than this id (``EventPage.next_before_id`` of the
+                previous page); None for the newest.
+
+        Raises:
+            NotFound: No such checkpoint.
+            Unavailable: No answer within the timeout.
+        """
+        name = self._name(checkpoint)
+        limit, before_id = self._events_args(limit, before_id)
+        return call_with_retry(
+            functools.partial(self._transport.list_events, name, limit, before_id),
+            *self._retrying(f"list events of {name!r}"),
+        )
+
+    def progress(self, checkpoint: str, *, since: float | None = None) -> list[ProgressSample]:
+        """A checkpoint's completed count over time, oldest first (kept across server restarts).
+
+        Args:
+            checkpoint: Checkpoint name.
+            since: Only samples from this time on (seconds since the epoch); None for all kept.
+
+        Raises:
+            NotFound: No such checkpoint.
+            Unavailable: No answer within the timeout.
+        """
+        name, since = self._name(checkpoint), self._since(since)
+        return call_with_retry(
+            functools.partial(self._transport.get_progress, name, since),
+            *self._retrying(f"get progress of {name!r}"),
+        )
+
+    def completed(self, checkpoint: str, *, page_size: int = 10_000) -> Iterator[str]:
+        """Every completed source id of a checkpoint, in byte order, fetched page by page.
+
+        Args:
+            checkpoint: Checkpoint name.
+            page_size: Ids fetched per call.
+
+        Returns:
+            An iterator; each page is fetched when the previous one is used up.
+
+        Raises:
+            NotFound: No such checkpoint (when iteration starts).
+            Unavailable: A page did not arrive within the timeout.
+        """
+        name, page_size = self._name(checkpoint), _positive_int("page_size", page_size)
+        return self._completed(name, page_size)
+
+    def _completed(self, name: str, page_size: int) -> Iterator[str]:
+        after: str | None = ""
+        while after is not None:
+            page = call_with_retry(
+                functools.partial(self._transport.list_completed, name, after, page_size),
+                *self._retrying(f"list completed ids of {name!r}"),
+            )
+            yield from page.source_ids
+            after = self._next_cursor(after, page)
+
+    def import_completed(self, checkpoint: str, source_ids: Iterable[str], *, import_id: str) -> ImportResult:
+        """Adopt completed source ids from elsewhere (e.g. a folder NeMo Curator wrote).
+
+        The ids are written to their own completion file, ``<import_id>.mdb``, in calls of at
+        most 50,000 ids. Importing the same ids again is harmless.
+
+        Args:
+            checkpoint: Checkpoint name; created if it does not exist.
+            source_ids: Completed source ids.
+            import_id: Names the completion file; same rules as a writer id.
+
+        Returns:
+            How many ids were new, and the checkpoint's completed count afterwards.
+
+        Raises:
+            InvalidArgument: An id or the import id was refused.
+            Unavailable: A call got no answer within the timeout.
+        """
+        name = self._name(checkpoint)
+        imported, result = 0, ImportResult(0, 0)
+        for batch in self._import_batches(source_ids, import_id):
+            result = call_with_retry(
+                functools.partial(self._transport.import_completed, name, batch, import_id),
+                *self._retrying(f"import {len(batch)} ids into {name!r}"),
+            )
+            imported += result.imported
+        return ImportResult(imported=imported, completed_count=result.completed_count)
+
+    def reset(self, checkpoint: str, *, force: bool = False) -> ResetResult:
+        """Start a checkpoint over: its files move to the server's trash folder (never deleted).
+
+        Args:
+            checkpoint: Checkpoint name.
+            force: Close live writers instead of refusing.
+
+        Raises:
+            FailedPrecondition: Writers are live and ``force`` is False.
+            NotFound: No such checkpoint.
+            PermissionDenied: The token's role may not reset.
+            Unavailable: No answer (not retried: the reset may have happened).
+        """
+        name = self._name(checkpoint)
+        try:
+            return self._transport.reset_checkpoint(name, bool(force), self._config.timeout)
+        except Unavailable as err:
+            raise self._reset_unanswered(name, err) from None
+
+    def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> Iterator[CheckpointStatus]:
+        """Status snapshots of a checkpoint as it changes, at most one per ``interval_s``.
+
+        The iterator runs until you stop it (``break``, or ``close()`` it); a lost connection is
+        reopened, and only a coordinator unreachable for the client's timeout ends it.
+
+        Raises:
+            NotFound: No such checkpoint.
+            Unavailable: The coordinator stayed unreachable for the timeout.
+        """
+        name, interval_ms = self._name(checkpoint), self._interval_ms(interval_s)
+        return self._watch(name, interval_ms)
+
+    def _watch(self, name: str, interval_ms: int) -> Iterator[CheckpointStatus]:
+        retry = self._reconnect(name)
+        while True:
+            self._check_open()
+            stream = self._transport.watch(name, interval_ms, self._config.timeout)
+            try:
+                for status in stream:
+                    retry.received()
+                    yield status
+                err = self._stream_ended(name)
+            except Unavailable as exc:
+                err = exc
+            finally:
+                stream.close()
+            time.sleep(retry.delay(err))
+
     def close(self) -> None:
         """Close writers still open (flushing them), then the connection. Idempotent."""
         if self._closed:
@@ -302,6 +583,92 @@ class AsyncClient(_BaseClient):
         return await async_call_with_retry(
             self._transport.list_checkpoints, self._policy, Deadline(self._config.timeout), "list checkpoints"
         )
+
+    async def writers(
+        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+    ) -> list[WriterStatus]:
+        """Writers of a checkpoint. See :meth:`Client.writers`."""
+        name, limit = self._name(checkpoint), _positive_int("limit", limit)
+        return await async_call_with_retry(
+            functools.partial(self._transport.list_writers, name, bool(include_closed), limit),
+            *self._retrying(f"list writers of {name!r}"),
+        )
+
+    async def events(self, checkpoint: str, *, limit: int = 50, before_id: int | None = None) -> EventPage:
+        """One page of a checkpoint's events, newest first. See :meth:`Client.events`."""
+        name = self._name(checkpoint)
+        limit, before_id = self._events_args(limit, before_id)
+        return await async_call_with_retry(
+            functools.partial(self._transport.list_events, name, limit, before_id),
+            *self._retrying(f"list events of {name!r}"),
+        )
+
+    async def progress(self, checkpoint: str, *, since: float | None = None) -> list[ProgressSample]:
+        """A checkpoint's completed count over time. See :meth:`Client.progress`."""
+        name, since = self._name(checkpoint), self._since(since)
+        return await async_call_with_retry(
+            functools.partial(self._transport.get_progress, name, since),
+            *self._retrying(f"get progress of {name!r}"),
+        )
+
+    def completed(self, checkpoint: str, *, page_size: int = 10_000) -> AsyncIterator[str]:
+        """Every completed source id, page by page (``async for``). See :meth:`Client.completed`."""
+        name, page_size = self._name(checkpoint), _positive_int("page_size", page_size)
+        return self._completed(name, page_size)
+
+    async def _completed(self, name: str, page_size: int) -> AsyncIterator[str]:
+        after: str | None = ""
+        while after is not None:
+            page = await async_call_with_retry(
+                functools.partial(self._transport.list_completed, name, after, page_size),
+                *self._retrying(f"list completed ids of {name!r}"),
+            )
+            for sid in page.source_ids:
+                yield sid
+            after = self._next_cursor(after, page)
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Iterable[str], *, import_id: str
+    ) -> ImportResult:
+        """Adopt completed source ids from elsewhere. See :meth:`Client.import_completed`."""
+        name = self._name(checkpoint)
+        imported, result = 0, ImportResult(0, 0)
+        for batch in self._import_batches(source_ids, import_id):
+            result = await async_call_with_retry(
+                functools.partial(self._transport.import_completed, name, batch, import_id),
+                *self._retrying(f"import {len(batch)} ids into {name!r}"),
+            )
+            imported += result.imported
+        return ImportResult(imported=imported, completed_count=result.completed_count)
+
+    async def reset(self, checkpoint: str, *, force: bool = False) -> ResetResult:
+        """Start a checkpoint over. See :meth:`Client.reset`."""
+        name = self._name(checkpoint)
+        try:
+            return await self._transport.reset_checkpoint(name, bool(force), self._config.timeout)
+        except Unavailable as err:
+            raise self._reset_unanswered(name, err) from None
+
+    def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointStatus]:
+        """Status snapshots as the checkpoint changes (``async for``). See :meth:`Client.watch`."""
+        name, interval_ms = self._name(checkpoint), self._interval_ms(interval_s)
+        return self._watch(name, interval_ms)
+
+    async def _watch(self, name: str, interval_ms: int) -> AsyncIterator[CheckpointStatus]:
+        retry = self._reconnect(name)
+        while True:
+            self._check_open()
+            stream = self._transport.watch(name, interval_ms, self._config.timeout)
+            try:
+                async for status in stream:
+                    retry.received()
+                    yield status
+                err = self._stream_ended(name)
+            except Unavailable as exc:
+                err = exc
+            finally:
+                await stream.aclose()
+            await asyncio.sleep(retry.delay(err))
 
     async def close(self) -> None:
         """Close writers still open (flushing them), then the connection. Idempotent."""

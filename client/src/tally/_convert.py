@@ -6,6 +6,7 @@ server adding fields, or an HTTP server omitting defaults, does not break the cl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,8 +14,14 @@ from tally._types import (
     ApplyCounts,
     CheckpointStatus,
     CloseResult,
+    CompletedPage,
     Delta,
+    Event,
+    EventPage,
+    ImportResult,
     OpenedWriter,
+    ProgressSample,
+    ResetResult,
     WriterSpec,
     WriterStatus,
 )
@@ -64,6 +71,34 @@ def get_checkpoint_request(name: str) -> Any:
 
 def list_checkpoints_request() -> Any:
     return pb.ListCheckpointsRequest()
+
+
+def list_writers_request(checkpoint: str, include_closed: bool, limit: int) -> Any:
+    return pb.ListWritersRequest(checkpoint=checkpoint, include_closed=include_closed, limit=limit)
+
+
+def list_events_request(checkpoint: str, limit: int, before_id: int | None) -> Any:
+    return pb.ListEventsRequest(checkpoint=checkpoint, limit=limit, before_id=before_id or 0)
+
+
+def get_progress_request(checkpoint: str, since: float | None) -> Any:
+    return pb.GetProgressRequest(checkpoint=checkpoint, since=since or 0.0)
+
+
+def watch_request(checkpoint: str, interval_ms: int) -> Any:
+    return pb.WatchCheckpointRequest(checkpoint=checkpoint, interval_ms=interval_ms)
+
+
+def list_completed_request(checkpoint: str, after: str, limit: int) -> Any:
+    return pb.ListCompletedRequest(checkpoint=checkpoint, after=after, limit=limit)
+
+
+def import_completed_request(checkpoint: str, source_ids: Sequence[str], import_id: str) -> Any:
+    return pb.ImportCompletedRequest(checkpoint=checkpoint, source_ids=list(source_ids), import_id=import_id)
+
+
+def reset_request(name: str, force: bool) -> Any:
+    return pb.ResetCheckpointRequest(name=name, force=force)
 
 
 # --------------------------------------------------------------------------- protobuf responses
@@ -124,6 +159,7 @@ def writer_status_from_pb(msg: Any) -> WriterStatus:
         counts=counts_from_pb(msg.counts),
         opened_at=float(msg.opened_at),
         last_seen_at=float(msg.last_seen_at),
+        closed_at=float(msg.closed_at),
     )
 
 
@@ -145,6 +181,58 @@ def checkpoint_from_pb(msg: Any) -> CheckpointStatus:
 
 def checkpoints_from_pb(msg: Any) -> list[CheckpointStatus]:
     return [checkpoint_from_pb(c) for c in msg.checkpoints]
+
+
+def writers_from_pb(msg: Any) -> list[WriterStatus]:
+    return [writer_status_from_pb(w) for w in msg.writers]
+
+
+def event_data(text: str) -> dict[str, Any]:
+    """Decode an event's ``data_json``; what is not a JSON object is kept rather than lost."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def event_from_pb(msg: Any) -> Event:
+    return Event(
+        id=int(msg.id),
+        checkpoint=str(msg.checkpoint),
+        kind=str(msg.kind),
+        message=str(msg.message),
+        at=float(msg.at),
+        writer_id=str(msg.writer_id),
+        data=event_data(str(msg.data_json)),
+    )
+
+
+def event_page_from_pb(msg: Any) -> EventPage:
+    # The wire says 0 for "no further page"; users get None, which cannot be mistaken for an id.
+    return EventPage(
+        events=tuple(event_from_pb(e) for e in msg.events), next_before_id=int(msg.next_before_id) or None
+    )
+
+
+def progress_from_pb(msg: Any) -> list[ProgressSample]:
+    return [ProgressSample(at=float(p.at), completed_count=int(p.completed_count)) for p in msg.samples]
+
+
+def completed_page_from_pb(msg: Any) -> CompletedPage:
+    return CompletedPage(source_ids=tuple(str(s) for s in msg.source_ids), next_after=str(msg.next_after))
+
+
+def import_result_from_pb(msg: Any) -> ImportResult:
+    return ImportResult(imported=int(msg.imported), completed_count=int(msg.completed_count))
+
+
+def reset_result_from_pb(msg: Any) -> ResetResult:
+    return ResetResult(
+        moved_to=str(msg.moved_to), files_moved=int(msg.files_moved), writers_closed=int(msg.writers_closed)
+    )
 
 
 # --------------------------------------------------------------------------- JSON requests
@@ -171,6 +259,50 @@ def apply_deltas_body(deltas: Sequence[Delta], batch_seq: int) -> dict[str, Any]
 
 def are_completed_body(checkpoint: str, source_ids: Sequence[str]) -> dict[str, Any]:
     return {"checkpoint": checkpoint, "source_ids": list(source_ids)}
+
+
+def import_completed_body(checkpoint: str, source_ids: Sequence[str], import_id: str) -> dict[str, Any]:
+    return {"checkpoint": checkpoint, "source_ids": list(source_ids), "import_id": import_id}
+
+
+def reset_body(name: str, force: bool) -> dict[str, Any]:
+    return {"name": name, "force": force}
+
+
+# Query strings of the GET routes (values are strings; the transport URL-encodes them).
+
+
+def list_writers_query(checkpoint: str, include_closed: bool, limit: int) -> dict[str, str]:
+    return {
+        "checkpoint": checkpoint,
+        "include_closed": "true" if include_closed else "false",
+        "limit": str(limit),
+    }
+
+
+def list_events_query(checkpoint: str, limit: int, before_id: int | None) -> dict[str, str]:
+    query = {"checkpoint": checkpoint, "limit": str(limit)}
+    if before_id:
+        query["before_id"] = str(before_id)
+    return query
+
+
+def get_progress_query(checkpoint: str, since: float | None) -> dict[str, str]:
+    query = {"checkpoint": checkpoint}
+    if since:
+        query["since"] = repr(float(since))
+    return query
+
+
+def watch_query(checkpoint: str, interval_ms: int) -> dict[str, str]:
+    return {"checkpoint": checkpoint, "interval_ms": str(interval_ms)}
+
+
+def list_completed_query(checkpoint: str, after: str, limit: int) -> dict[str, str]:
+    query = {"checkpoint": checkpoint, "limit": str(limit)}
+    if after:
+        query["after"] = after
+    return query
 
 
 # --------------------------------------------------------------------------- JSON responses
@@ -252,6 +384,7 @@ def writer_status_from_json(body: Any) -> WriterStatus:
         counts=counts_from_json(obj.get("counts")),
         opened_at=float(obj.get("opened_at", 0.0)),
         last_seen_at=float(obj.get("last_seen_at", 0.0)),
+        closed_at=float(obj.get("closed_at") or 0.0),
     )
 
 
@@ -274,3 +407,58 @@ def checkpoint_from_json(body: Any) -> CheckpointStatus:
 
 def checkpoints_from_json(body: Any) -> list[CheckpointStatus]:
     return [checkpoint_from_json(c) for c in _obj(body).get("checkpoints") or ()]
+
+
+def writers_from_json(body: Any) -> list[WriterStatus]:
+    return [writer_status_from_json(w) for w in _obj(body).get("writers") or ()]
+
+
+def event_from_json(body: Any) -> Event:
+    obj = _obj(body)
+    return Event(
+        id=int(obj["id"]),
+        checkpoint=str(obj.get("checkpoint", "")),
+        kind=str(obj.get("kind", "")),
+        message=str(obj.get("message", "")),
+        at=float(obj.get("at", 0.0)),
+        writer_id=str(obj.get("writer_id") or ""),
+        data=dict(_obj(obj.get("data"))),
+    )
+
+
+def event_page_from_json(body: Any) -> EventPage:
+    obj = _obj(body)
+    return EventPage(
+        events=tuple(event_from_json(e) for e in obj.get("events") or ()),
+        next_before_id=int(obj.get("next_before_id") or 0) or None,
+    )
+
+
+def progress_from_json(body: Any) -> list[ProgressSample]:
+    samples = []
+    for item in _obj(body).get("samples") or ():
+        sample = _obj(item)
+        samples.append(ProgressSample(at=float(sample["at"]), completed_count=int(sample["completed_count"])))
+    return samples
+
+
+def completed_page_from_json(body: Any) -> CompletedPage:
+    obj = _obj(body)
+    ids = obj.get("source_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids):
+        raise TypeError("'source_ids' must be a list of strings")
+    return CompletedPage(source_ids=tuple(ids), next_after=str(obj.get("next_after") or ""))
+
+
+def import_result_from_json(body: Any) -> ImportResult:
+    obj = _obj(body)
+    return ImportResult(imported=int(obj["imported"]), completed_count=int(obj["completed_count"]))
+
+
+def reset_result_from_json(body: Any) -> ResetResult:
+    obj = _obj(body)
+    return ResetResult(
+        moved_to=str(obj.get("moved_to", "")),
+        files_moved=int(obj.get("files_moved", 0)),
+        writers_closed=int(obj.get("writers_closed", 0)),
+    )

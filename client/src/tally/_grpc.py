@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 
 from tally import _convert as convert
-from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Delta,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
 from tally.errors import StatusCode, TallyError, Unavailable, error_for_code
 from tally.v1.coordinator_pb2_grpc import CoordinatorStub
 
@@ -145,6 +158,57 @@ class GrpcTransport:
             self._call(self._stub.ListCheckpoints, convert.list_checkpoints_request(), timeout)
         )
 
+    def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        request = convert.list_writers_request(checkpoint, include_closed, limit)
+        return convert.writers_from_pb(self._call(self._stub.ListWriters, request, timeout))
+
+    def list_events(self, checkpoint: str, limit: int, before_id: int | None, timeout: float) -> EventPage:
+        request = convert.list_events_request(checkpoint, limit, before_id)
+        return convert.event_page_from_pb(self._call(self._stub.ListEvents, request, timeout))
+
+    def get_progress(self, checkpoint: str, since: float | None, timeout: float) -> list[ProgressSample]:
+        request = convert.get_progress_request(checkpoint, since)
+        return convert.progress_from_pb(self._call(self._stub.GetProgress, request, timeout))
+
+    def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        request = convert.list_completed_request(checkpoint, after, limit)
+        return convert.completed_page_from_pb(self._call(self._stub.ListCompleted, request, timeout))
+
+    def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        request = convert.import_completed_request(checkpoint, source_ids, import_id)
+        return convert.import_result_from_pb(self._call(self._stub.ImportCompleted, request, timeout))
+
+    def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        request = convert.reset_request(name, force)
+        return convert.reset_result_from_pb(self._call(self._stub.ResetCheckpoint, request, timeout))
+
+    def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> Generator[CheckpointStatus, None, None]:
+        # No deadline on the call: it would end the stream, not bound the connect. Without
+        # wait_for_ready an unreachable server still fails at once with UNAVAILABLE.
+        request = convert.watch_request(checkpoint, interval_ms)
+        try:
+            call: Any = self._stub.WatchCheckpoint(request, metadata=self._metadata)
+        except ValueError as err:
+            raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
+        try:
+            for msg in call:
+                yield convert.checkpoint_from_pb(msg)
+        except grpc.RpcError as err:
+            failed: Any = err
+            raise error_from_rpc(
+                failed.code(), failed.details(), failed.trailing_metadata(), self._target
+            ) from None
+        except ValueError as err:
+            raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
+        finally:
+            call.cancel()
+
     def close(self) -> None:
         self._channel.close()
 
@@ -216,6 +280,57 @@ class AsyncGrpcTransport:
     async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
         reply = await self._call("ListCheckpoints", convert.list_checkpoints_request(), timeout)
         return convert.checkpoints_from_pb(reply)
+
+    async def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        request = convert.list_writers_request(checkpoint, include_closed, limit)
+        return convert.writers_from_pb(await self._call("ListWriters", request, timeout))
+
+    async def list_events(
+        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
+    ) -> EventPage:
+        request = convert.list_events_request(checkpoint, limit, before_id)
+        return convert.event_page_from_pb(await self._call("ListEvents", request, timeout))
+
+    async def get_progress(
+        self, checkpoint: str, since: float | None, timeout: float
+    ) -> list[ProgressSample]:
+        request = convert.get_progress_request(checkpoint, since)
+        return convert.progress_from_pb(await self._call("GetProgress", request, timeout))
+
+    async def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        request = convert.list_completed_request(checkpoint, after, limit)
+        return convert.completed_page_from_pb(await self._call("ListCompleted", request, timeout))
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        request = convert.import_completed_request(checkpoint, source_ids, import_id)
+        return convert.import_result_from_pb(await self._call("ImportCompleted", request, timeout))
+
+    async def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        request = convert.reset_request(name, force)
+        return convert.reset_result_from_pb(await self._call("ResetCheckpoint", request, timeout))
+
+    async def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> AsyncGenerator[CheckpointStatus, None]:
+        # See GrpcTransport.watch for why the call has no deadline.
+        request = convert.watch_request(checkpoint, interval_ms)
+        try:
+            call: Any = self._get_stub().WatchCheckpoint(request, metadata=self._metadata)
+        except grpc.aio.UsageError as err:
+            raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
+        try:
+            async for msg in call:
+                yield convert.checkpoint_from_pb(msg)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err.code(), err.details(), err.trailing_metadata(), self._target) from None
+        except grpc.aio.UsageError as err:
+            raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None

@@ -5,14 +5,30 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
+import ssl
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tally import _convert as convert
-from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Delta,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
 from tally.errors import Internal, StatusCode, TallyError, Unavailable, error_for_code
 
 # The one HTTP status -> SDK status table, used when the body carries no error code.
@@ -78,6 +94,128 @@ def _parse(parse: Callable[[Any], T], body: Any, what: str) -> T:
         raise Internal(f"malformed {what} response from the Tally coordinator: {err!r}") from None
 
 
+class EventStream:
+    """A Server-Sent Events response read line by line over a plain ``http.client`` connection.
+
+    ``urllib`` applies one socket timeout to every read, which would end a quiet stream; here the
+    timeout bounds connecting and the response headers only. :meth:`close` may be called from
+    another thread: it shuts the socket down, which wakes a read blocked in ``__next__``.
+    """
+
+    def __init__(self, base_url: str, path: str, headers: Mapping[str, str], timeout: float) -> None:
+        """Prepare the request; nothing is sent until :meth:`open`.
+
+        Args:
+            base_url: ``http[s]://host:port[/prefix]``.
+            path: ``/v1/...`` with its query string.
+            headers: Request headers (authorization included).
+            timeout: Seconds for connecting and receiving the response headers.
+        """
+        parts = urllib.parse.urlsplit(base_url)
+        self._base = base_url
+        self.url = base_url + path
+        self._target = parts.path.rstrip("/") + path
+        self._headers = {**headers, "Accept": "text/event-stream", "Cache-Control": "no-cache"}
+        self._conn: http.client.HTTPConnection
+        if parts.scheme == "https":
+            self._conn = http.client.HTTPSConnection(
+                parts.hostname or "", parts.port, timeout=timeout, context=ssl.create_default_context()
+            )
+        else:
+            self._conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+        self._sock: socket.socket | None = None
+        self._response: http.client.HTTPResponse | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def open(self) -> None:
+        """Connect, send the request and check the response status.
+
+        Raises:
+            TallyError: The server refused (its error body is translated) or is unreachable.
+        """
+        base = self._base
+        try:
+            self._conn.connect()
+            with self._lock:
+                # Kept apart from the connection: http.client drops conn.sock when the
+                # response says "Connection: close", and close() needs it to wake a reader.
+                self._sock = self._conn.sock
+            self._conn.request("GET", self._target, headers=self._headers)
+            response = self._conn.getresponse()
+        except TimeoutError:
+            self.close()
+            raise Unavailable(
+                f"Tally coordinator at {base} did not answer GET {self._target}",
+                StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        except (http.client.HTTPException, OSError) as err:
+            self.close()
+            raise Unavailable(f"Tally coordinator at {base} is unreachable: {err!r}") from None
+        if response.status != 200:
+            body = response.read()
+            self.close()
+            raise error_from_response(response.status, body, self.url)
+        if self._sock is not None:
+            self._sock.settimeout(None)  # a quiet checkpoint sends nothing for a long time
+        self._response = response
+
+    def __iter__(self) -> Iterator[CheckpointStatus]:
+        return self
+
+    def __next__(self) -> CheckpointStatus:
+        """The next event's status; StopIteration when the server ends the stream."""
+        data: list[str] = []
+        while True:
+            line = self._readline()
+            if line is None:
+                raise StopIteration
+            if not line:  # blank line: dispatch the event
+                if data:
+                    return self._status(data)
+                continue
+            field, _, value = line.partition(":")
+            if field == "data":
+                data.append(value.removeprefix(" "))
+            # Comments (":keepalive"), "event:", "id:" and "retry:" carry nothing Tally needs.
+
+    def _readline(self) -> str | None:
+        response = self._response
+        if response is None or self._closed:
+            return None
+        try:
+            raw = response.readline()
+        except (http.client.HTTPException, OSError, ValueError) as err:
+            if self._closed:
+                return None
+            raise Unavailable(f"event stream {self.url} broke: {err!r}") from None
+        if not raw:
+            return None
+        return raw.decode("utf-8", "replace").rstrip("\r\n")
+
+    def _status(self, data: list[str]) -> CheckpointStatus:
+        try:
+            payload = json.loads("\n".join(data))
+        except ValueError:
+            raise Internal(f"event stream {self.url} sent data that is not JSON: {data[:1]!r}") from None
+        if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+            # An error reported inside the stream, in the API's usual error shape.
+            raise error_from_response(200, json.dumps(payload).encode(), self.url)
+        return _parse(convert.checkpoint_from_json, payload, "watch")
+
+    def close(self) -> None:
+        """End the stream; safe to call twice and from another thread."""
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+        self._conn.close()
+
+
 class HttpTransport:
     """Blocking transport over the HTTP/JSON API using ``urllib.request``."""
 
@@ -125,6 +263,10 @@ class HttpTransport:
         except ValueError:
             raise Internal(f"{method} {url} answered with a body that is not JSON: {raw[:200]!r}") from None
 
+    @staticmethod
+    def _query(path: str, query: Mapping[str, str]) -> str:
+        return f"{path}?{urllib.parse.urlencode(query)}"
+
     def _writer_path(self, handle: str, action: str) -> str:
         return f"/v1/writers/{urllib.parse.quote(handle, safe='')}/{action}"
 
@@ -166,6 +308,52 @@ class HttpTransport:
         body = self._request("GET", "/v1/checkpoints", None, timeout)
         return _parse(convert.checkpoints_from_json, body, "checkpoints")
 
+    def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        path = self._query("/v1/writers", convert.list_writers_query(checkpoint, include_closed, limit))
+        return _parse(convert.writers_from_json, self._request("GET", path, None, timeout), "writers")
+
+    def list_events(self, checkpoint: str, limit: int, before_id: int | None, timeout: float) -> EventPage:
+        path = self._query("/v1/events", convert.list_events_query(checkpoint, limit, before_id))
+        return _parse(convert.event_page_from_json, self._request("GET", path, None, timeout), "events")
+
+    def get_progress(self, checkpoint: str, since: float | None, timeout: float) -> list[ProgressSample]:
+        path = self._query("/v1/progress", convert.get_progress_query(checkpoint, since))
+        return _parse(convert.progress_from_json, self._request("GET", path, None, timeout), "progress")
+
+    def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        path = self._query("/v1/completed", convert.list_completed_query(checkpoint, after, limit))
+        return _parse(
+            convert.completed_page_from_json, self._request("GET", path, None, timeout), "completed"
+        )
+
+    def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        payload = convert.import_completed_body(checkpoint, source_ids, import_id)
+        body = self._request("POST", "/v1/import", payload, timeout)
+        return _parse(convert.import_result_from_json, body, "import")
+
+    def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        body = self._request("POST", "/v1/reset", convert.reset_body(name, force), timeout)
+        return _parse(convert.reset_result_from_json, body, "reset")
+
+    def event_stream(self, checkpoint: str, interval_ms: int, timeout: float) -> EventStream:
+        """An unopened Server-Sent Events stream of ``checkpoint``'s status."""
+        path = self._query("/v1/watch", convert.watch_query(checkpoint, interval_ms))
+        return EventStream(self._base, path, self._headers, timeout)
+
+    def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> Generator[CheckpointStatus, None, None]:
+        stream = self.event_stream(checkpoint, interval_ms, timeout)
+        try:
+            stream.open()
+            yield from stream
+        finally:
+            stream.close()
+
     def close(self) -> None:
         self._opener.close()
 
@@ -206,6 +394,50 @@ class AsyncHttpTransport:
 
     async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
         return await asyncio.to_thread(self._sync.list_checkpoints, timeout)
+
+    async def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        return await asyncio.to_thread(self._sync.list_writers, checkpoint, include_closed, limit, timeout)
+
+    async def list_events(
+        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
+    ) -> EventPage:
+        return await asyncio.to_thread(self._sync.list_events, checkpoint, limit, before_id, timeout)
+
+    async def get_progress(
+        self, checkpoint: str, since: float | None, timeout: float
+    ) -> list[ProgressSample]:
+        return await asyncio.to_thread(self._sync.get_progress, checkpoint, since, timeout)
+
+    async def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        return await asyncio.to_thread(self._sync.list_completed, checkpoint, after, limit, timeout)
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        return await asyncio.to_thread(
+            self._sync.import_completed, checkpoint, source_ids, import_id, timeout
+        )
+
+    async def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        return await asyncio.to_thread(self._sync.reset_checkpoint, name, force, timeout)
+
+    async def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> AsyncGenerator[CheckpointStatus, None]:
+        stream = self._sync.event_stream(checkpoint, interval_ms, timeout)
+        try:
+            await asyncio.to_thread(stream.open)
+            while True:
+                # Each read blocks a worker thread; if this task is cancelled meanwhile, the
+                # close below shuts the socket down and that thread's read ends too.
+                status = await asyncio.to_thread(next, stream, None)
+                if status is None:
+                    return
+                yield status
+        finally:
+            stream.close()
 
     async def close(self) -> None:
         self._sync.close()

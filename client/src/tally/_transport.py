@@ -4,17 +4,32 @@ Clients and writers speak only to a ``Transport`` / ``AsyncTransport``; the addr
 chooses the implementation once, in :func:`make_transport` / :func:`make_async_transport`.
 Implementations raise only :class:`tally.TallyError` subclasses, never wire-library errors.
 Every call takes an explicit ``timeout`` in seconds for that single attempt; retrying is the
-caller's business.
+caller's business. The one streaming call, ``watch``, returns a generator at once; its
+``timeout`` bounds connecting where the wire allows it, never the stream's lifetime, and closing
+the generator ends the stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from tally._config import ClientConfig
-from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Delta,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
 
 
 class Transport(Protocol):
@@ -42,6 +57,32 @@ class Transport(Protocol):
 
     def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]: ...
 
+    def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]: ...
+
+    def list_events(
+        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
+    ) -> EventPage: ...
+
+    def get_progress(self, checkpoint: str, since: float | None, timeout: float) -> list[ProgressSample]: ...
+
+    def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        """Completed ids strictly after ``after`` in byte order, at most ``limit`` of them."""
+        ...
+
+    def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult: ...
+
+    def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult: ...
+
+    def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> Generator[CheckpointStatus, None, None]:
+        """Status snapshots as the server sends them; ends when the server ends the stream."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -67,6 +108,32 @@ class AsyncTransport(Protocol):
     async def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus: ...
 
     async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]: ...
+
+    async def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]: ...
+
+    async def list_events(
+        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
+    ) -> EventPage: ...
+
+    async def get_progress(
+        self, checkpoint: str, since: float | None, timeout: float
+    ) -> list[ProgressSample]: ...
+
+    async def list_completed(
+        self, checkpoint: str, after: str, limit: int, timeout: float
+    ) -> CompletedPage: ...
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult: ...
+
+    async def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult: ...
+
+    def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> AsyncGenerator[CheckpointStatus, None]: ...
 
     async def close(self) -> None: ...
 

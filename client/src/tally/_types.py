@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: One delta: ``(task_id, source_id, delta)``.
 Delta = tuple[str, str, int]
@@ -54,6 +55,8 @@ class WriterStatus:
         counts: Totals of what the writer's deltas did.
         opened_at: Open time, seconds since the epoch.
         last_seen_at: Last heartbeat or call, seconds since the epoch.
+        closed_at: When the writer closed, expired or was lost, seconds since the epoch; 0 while
+            it is live.
     """
 
     writer_id: str
@@ -65,6 +68,7 @@ class WriterStatus:
     counts: ApplyCounts
     opened_at: float
     last_seen_at: float
+    closed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,91 @@ class WriterHealth:
     batches_sent: int
     retries: int
     dropped: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a checkpoint's event log (anomalies, unreadable files, resets, writers ...).
+
+    Attributes:
+        id: Event id, increasing with time; pass it as ``before_id`` to page backwards.
+        checkpoint: The checkpoint the event belongs to.
+        kind: What happened, e.g. ``"anomaly"`` or ``"writer_opened"``.
+        message: A sentence for people.
+        at: When, seconds since the epoch.
+        writer_id: The writer involved, or ``""``.
+        data: The event's structured fields (e.g. ``task_id``, ``source_id``, old and new delta).
+    """
+
+    id: int
+    checkpoint: str
+    kind: str
+    message: str
+    at: float
+    writer_id: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EventPage:
+    """One page of events, newest first.
+
+    Attributes:
+        events: The events of this page.
+        next_before_id: Pass as ``before_id`` to get the next (older) page; None when there is none.
+    """
+
+    events: tuple[Event, ...]
+    next_before_id: int | None
+
+
+@dataclass(frozen=True)
+class ProgressSample:
+    """A checkpoint's completed count at one point in time.
+
+    Attributes:
+        at: Sample time, seconds since the epoch.
+        completed_count: Sources in the completed set at that time.
+    """
+
+    at: float
+    completed_count: int
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """Outcome of :meth:`tally.Client.import_completed`.
+
+    Attributes:
+        imported: Ids that were not completed before the import.
+        completed_count: The checkpoint's completed count afterwards.
+    """
+
+    imported: int
+    completed_count: int
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    """Outcome of :meth:`tally.Client.reset`.
+
+    Attributes:
+        moved_to: Where the checkpoint's files went, relative to the server's data directory.
+        files_moved: How many files were moved.
+        writers_closed: Live writers closed by a forced reset.
+    """
+
+    moved_to: str
+    files_moved: int
+    writers_closed: int
+
+
+@dataclass(frozen=True)
+class CompletedPage:
+    """One page of completed source ids (internal); ``next_after`` is ``""`` on the last page."""
+
+    source_ids: tuple[str, ...]
+    next_after: str
 
 
 @dataclass(frozen=True)

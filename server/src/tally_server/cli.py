@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from tally_server import logs
+from tally_server import cli_commands, logs
 from tally_server.settings import Settings
 
 app = typer.Typer(help="Tally: checkpoint coordination for resumable batch pipelines.", no_args_is_help=True)
@@ -67,6 +67,9 @@ def serve(
     except OSError as exc:
         typer.echo(f"tally serve: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+cli_commands.register(app)
 
 
 def main() -> None:

@@ -10,12 +10,26 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import replace
 
 from tally._client import AsyncClient, Client
 from tally._config import ClientConfig
-from tally._types import ApplyCounts, CheckpointStatus, CloseResult, Delta, OpenedWriter, WriterSpec
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Delta,
+    Event,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
 from tally._writer import _WriterBase
 from tally.errors import NotFound, TallyError
 
@@ -39,6 +53,10 @@ def make_status(name: str, completed: int = 0) -> CheckpointStatus:
     )
 
 
+def make_writer(writer_id: str) -> WriterStatus:
+    return WriterStatus(writer_id, "host", 1, {"slurm_job_id": "9"}, "open", 0, ApplyCounts(), 1.0, 2.0)
+
+
 class FakeTransport:
     """An in-memory coordinator behind the Transport protocol."""
 
@@ -55,6 +73,12 @@ class FakeTransport:
         self._failures: dict[str, deque[TallyError]] = defaultdict(deque)
         self._gates: dict[str, threading.Event] = {}
         self.closed = False
+        # Status RPCs: every call's arguments, and what the watch streams send.
+        self.args: dict[str, list[tuple[object, ...]]] = defaultdict(list)
+        # One list per watch connection: statuses to send, then the stream ends; an error in the
+        # list is raised at that point instead.
+        self.watch_script: deque[list[CheckpointStatus | TallyError]] = deque()
+        self.watch_closed = 0
 
     # ---------------------------------------------------------------- scripting
 
@@ -142,6 +166,61 @@ class FakeTransport:
         self._enter("list_checkpoints")
         return [make_status(n) for n in self.checkpoint_names]
 
+    def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        self.args["list_writers"].append((checkpoint, include_closed, limit))
+        self._enter("list_writers")
+        return [make_writer(f"w{i}") for i in range(min(limit, 2))]
+
+    def list_events(self, checkpoint: str, limit: int, before_id: int | None, timeout: float) -> EventPage:
+        self.args["list_events"].append((checkpoint, limit, before_id))
+        self._enter("list_events")
+        top = (before_id or 11) - 1
+        ids = [i for i in range(top, max(top - limit, 0), -1)]
+        events = tuple(Event(i, checkpoint, "k", f"event {i}", float(i), "", {"n": i}) for i in ids)
+        return EventPage(events, ids[-1] if ids and ids[-1] > 1 else None)
+
+    def get_progress(self, checkpoint: str, since: float | None, timeout: float) -> list[ProgressSample]:
+        self.args["get_progress"].append((checkpoint, since))
+        self._enter("get_progress")
+        return [ProgressSample(1.0, 1), ProgressSample(2.0, 3)]
+
+    def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        self.args["list_completed"].append((checkpoint, after, limit))
+        self._enter("list_completed")
+        ids = sorted(s for s in self.completed if s > after)[:limit]
+        rest = [s for s in self.completed if ids and s > ids[-1]]
+        return CompletedPage(tuple(ids), ids[-1] if rest else "")
+
+    def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        self.args["import_completed"].append((checkpoint, list(source_ids), import_id))
+        self._enter("import_completed")
+        new = set(source_ids) - self.completed
+        self.completed |= new
+        return ImportResult(len(new), len(self.completed))
+
+    def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        self.args["reset_checkpoint"].append((name, force))
+        self._enter("reset_checkpoint")
+        return ResetResult(f".trash/{name}/t", 2, 1 if force else 0)
+
+    def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> Generator[CheckpointStatus, None, None]:
+        self.args["watch"].append((checkpoint, interval_ms))
+        self._enter("watch")
+        script = self.watch_script.popleft() if self.watch_script else []
+        try:
+            for item in script:
+                if isinstance(item, TallyError):
+                    raise item
+                yield item
+        finally:
+            self.watch_closed += 1
+
     def close(self) -> None:
         self.closed = True
 
@@ -177,6 +256,42 @@ class AsyncFakeTransport:
 
     async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
         return await asyncio.to_thread(self.fake.list_checkpoints, timeout)
+
+    async def list_writers(
+        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
+    ) -> list[WriterStatus]:
+        return await asyncio.to_thread(self.fake.list_writers, checkpoint, include_closed, limit, timeout)
+
+    async def list_events(
+        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
+    ) -> EventPage:
+        return await asyncio.to_thread(self.fake.list_events, checkpoint, limit, before_id, timeout)
+
+    async def get_progress(
+        self, checkpoint: str, since: float | None, timeout: float
+    ) -> list[ProgressSample]:
+        return await asyncio.to_thread(self.fake.get_progress, checkpoint, since, timeout)
+
+    async def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        return await asyncio.to_thread(self.fake.list_completed, checkpoint, after, limit, timeout)
+
+    async def import_completed(
+        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
+    ) -> ImportResult:
+        return await asyncio.to_thread(self.fake.import_completed, checkpoint, source_ids, import_id, timeout)
+
+    async def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
+        return await asyncio.to_thread(self.fake.reset_checkpoint, name, force, timeout)
+
+    async def watch(
+        self, checkpoint: str, interval_ms: int, timeout: float
+    ) -> AsyncGenerator[CheckpointStatus, None]:
+        stream = self.fake.watch(checkpoint, interval_ms, timeout)
+        try:
+            for status in stream:
+                yield status
+        finally:
+            stream.close()
 
     async def close(self) -> None:
         self.fake.close()

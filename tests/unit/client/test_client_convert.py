@@ -53,3 +53,55 @@ def test_malformed_json_raises(parse: object, body: object) -> None:
 def test_open_body_omits_empty_optionals() -> None:
     spec = WriterSpec("cp", "w", {}, {}, "h", 1)
     assert convert.open_writer_body(spec) == {"checkpoint": "cp", "writer_id": "w", "host": "h", "pid": 1}
+
+
+def test_new_messages_read_zero_values_as_nothing() -> None:
+    assert convert.writer_status_from_pb(pb.WriterStatus()).closed_at == 0.0
+    assert convert.event_page_from_pb(pb.ListEventsResponse()) == tally.EventPage((), None)
+    assert convert.progress_from_pb(pb.GetProgressResponse()) == []
+    page = convert.completed_page_from_pb(pb.ListCompletedResponse())
+    assert (page.source_ids, page.next_after) == ((), "")
+    assert convert.import_result_from_pb(pb.ImportCompletedResponse()) == tally.ImportResult(0, 0)
+    assert convert.reset_result_from_pb(pb.ResetCheckpointResponse()) == tally.ResetResult("", 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("data_json", "data"),
+    [
+        ("", {}),
+        ('{"source_id": "s", "old": 1, "new": -1}', {"source_id": "s", "old": 1, "new": -1}),
+        ("[1, 2]", {"value": [1, 2]}),  # not an object: kept, not dropped
+        ("{broken", {"raw": "{broken"}),
+    ],
+)
+def test_event_data_json_becomes_a_dict(data_json: str, data: dict[str, object]) -> None:
+    event = convert.event_from_pb(pb.Event(id=3, kind="anomaly", data_json=data_json))
+    assert event.data == data and event.id == 3
+
+
+def test_requests_of_the_status_calls() -> None:
+    assert convert.list_events_request("cp", 5, None).before_id == 0
+    assert convert.get_progress_request("cp", None).since == 0.0
+    assert convert.list_events_query("cp", 5, None) == {"checkpoint": "cp", "limit": "5"}
+    assert convert.list_writers_query("cp", False, 3)["include_closed"] == "false"
+    assert convert.list_completed_query("cp", "", 9) == {"checkpoint": "cp", "limit": "9"}
+    assert convert.import_completed_body("cp", ("a",), "i") == {
+        "checkpoint": "cp",
+        "source_ids": ["a"],
+        "import_id": "i",
+    }
+
+
+@pytest.mark.parametrize(
+    ("parse", "body"),
+    [
+        (convert.event_page_from_json, {"events": [{"kind": "no id"}]}),
+        (convert.event_page_from_json, {"events": [{"id": 1, "data": "text"}]}),
+        (convert.completed_page_from_json, {"source_ids": [1, 2]}),
+        (convert.import_result_from_json, {"imported": 1}),
+        (convert.progress_from_json, {"samples": [{"at": 1.0}]}),
+    ],
+)
+def test_malformed_status_json_raises(parse: object, body: object) -> None:
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        parse(body)  # type: ignore[operator]

@@ -81,6 +81,67 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._record("ListCheckpoints", request, context)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_pb("a"), checkpoint_pb("b/c")])
 
+    def ListWriters(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("ListWriters", request, context)
+        closed = pb.WriterStatus(
+            writer_id="old", state="closed", closed_at=12.5, labels={"slurm_job_id": "9"}
+        )
+        writers = [checkpoint_pb("x").writers[0]] + ([closed] if request.include_closed else [])
+        return pb.ListWritersResponse(writers=writers[: request.limit])
+
+    def ListEvents(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("ListEvents", request, context)
+        events = [
+            pb.Event(
+                id=5,
+                checkpoint=request.checkpoint,
+                kind="anomaly",
+                message="late delta",
+                at=3.5,
+                writer_id="w1",
+                data_json=json.dumps({"task_id": "t", "old": 1, "new": -1}),
+            ),
+            pb.Event(id=4, checkpoint=request.checkpoint, kind="writer_opened", data_json=""),
+        ]
+        return pb.ListEventsResponse(events=events, next_before_id=4 if request.before_id == 0 else 0)
+
+    def GetProgress(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("GetProgress", request, context)
+        return pb.GetProgressResponse(
+            samples=[
+                pb.ProgressSample(at=request.since + 1, completed_count=2),
+                pb.ProgressSample(at=9, completed_count=4),
+            ]
+        )
+
+    def WatchCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("WatchCheckpoint", request, context)
+        if request.checkpoint == "missing":
+            context.abort(grpc.StatusCode.NOT_FOUND, "checkpoint 'missing' does not exist")
+        for n in range(3):
+            status = checkpoint_pb(request.checkpoint)
+            status.completed_count = n
+            yield status
+        if request.checkpoint == "breaks":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down")
+
+    def ListCompleted(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("ListCompleted", request, context)
+        ids = [s for s in ("a", "b", "c") if s > request.after][: request.limit]
+        return pb.ListCompletedResponse(source_ids=ids, next_after=ids[-1] if ids and ids[-1] != "c" else "")
+
+    def ImportCompleted(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("ImportCompleted", request, context)
+        if request.import_id == "bad/id":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "import_id 'bad/id' may not contain '/'")
+        return pb.ImportCompletedResponse(imported=len(request.source_ids), completed_count=10)
+
+    def ResetCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("ResetCheckpoint", request, context)
+        if not request.force:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writers")
+        return pb.ResetCheckpointResponse(moved_to=".trash/x/1", files_moved=3, writers_closed=1)
+
 
 def checkpoint_pb(name: str) -> Any:
     writer = pb.WriterStatus(
@@ -274,3 +335,98 @@ def test_async_client_end_to_end_over_grpc(grpc_server: tuple[str, Servicer]) ->
     asyncio.run(main())
     names = [name for name, _, _ in servicer.requests]
     assert names.index("ApplyDeltas") < names.index("Flush") < names.index("CloseWriter")
+
+
+def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> None:
+    target, servicer = grpc_server
+    transport = GrpcTransport(target)
+    try:
+        (live,) = transport.list_writers("cp", False, 10, 5)
+        assert live.writer_id == "w1" and live.closed_at == 0.0
+        live_and_closed = transport.list_writers("cp", True, 10, 5)
+        assert live_and_closed[1] == tally.WriterStatus(
+            "old", "", 0, {"slurm_job_id": "9"}, "closed", 0, tally.ApplyCounts(), 0.0, 0.0, 12.5
+        )
+        page = transport.list_events("cp", 2, None, 5)
+        assert page.next_before_id == 4
+        assert page.events[0] == tally.Event(
+            5, "cp", "anomaly", "late delta", 3.5, "w1", {"task_id": "t", "old": 1, "new": -1}
+        )
+        assert page.events[1].data == {}
+        assert transport.list_events("cp", 2, 4, 5).next_before_id is None
+        assert transport.get_progress("cp", 5.0, 5) == [
+            tally.ProgressSample(6.0, 2),
+            tally.ProgressSample(9.0, 4),
+        ]
+        first = transport.list_completed("cp", "", 2, 5)
+        assert (first.source_ids, first.next_after) == (("a", "b"), "b")
+        last = transport.list_completed("cp", "b", 2, 5)
+        assert (last.source_ids, last.next_after) == (("c",), "")
+        assert transport.import_completed("cp", ["x", "y"], "imp-1", 5) == tally.ImportResult(2, 10)
+        assert transport.reset_checkpoint("cp", True, 5) == tally.ResetResult(".trash/x/1", 3, 1)
+        with pytest.raises(tally.FailedPrecondition, match="live writers"):
+            transport.reset_checkpoint("cp", False, 5)
+        with pytest.raises(tally.InvalidArgument, match="may not contain"):
+            transport.import_completed("cp", ["x"], "bad/id", 5)
+    finally:
+        transport.close()
+    requests = {name: req for name, req, _ in servicer.requests}
+    assert (requests["ListWriters"].checkpoint, requests["ListWriters"].include_closed) == ("cp", True)
+    assert (requests["ListEvents"].limit, requests["ListEvents"].before_id) == (2, 4)
+    assert requests["GetProgress"].since == 5.0
+    assert (requests["ListCompleted"].after, requests["ListCompleted"].limit) == ("b", 2)
+    assert list(requests["ImportCompleted"].source_ids) == ["x"]
+    assert (requests["ResetCheckpoint"].name, requests["ResetCheckpoint"].force) == ("cp", False)
+
+
+def test_watch_streams_and_maps_errors(grpc_server: tuple[str, Servicer]) -> None:
+    target, servicer = grpc_server
+    transport = GrpcTransport(target, token="tok")
+    try:
+        assert [s.completed_count for s in transport.watch("cp", 250, 5)] == [0, 1, 2]
+        stream = transport.watch("breaks", 250, 5)
+        assert next(stream).name == "breaks"
+        with pytest.raises(tally.Unavailable, match="shutting down"):
+            list(stream)
+        with pytest.raises(tally.NotFound, match="does not exist"):
+            next(transport.watch("missing", 250, 5))
+        early = transport.watch("cp", 250, 5)
+        next(early)
+        early.close()  # cancels the call
+    finally:
+        transport.close()
+    name, request, metadata = servicer.requests[0]
+    assert (
+        name == "WatchCheckpoint" and request.interval_ms == 250 and metadata["authorization"] == "Bearer tok"
+    )
+
+
+def test_async_status_rpcs_and_watch(grpc_server: tuple[str, Servicer]) -> None:
+    async def main() -> None:
+        transport = AsyncGrpcTransport(grpc_server[0])
+        try:
+            assert len(await transport.list_writers("cp", True, 10, 5)) == 2
+            assert (await transport.list_events("cp", 2, None, 5)).events[0].data["old"] == 1
+            assert len(await transport.get_progress("cp", None, 5)) == 2
+            assert (await transport.list_completed("cp", "", 5, 5)).source_ids == ("a", "b", "c")
+            assert (await transport.import_completed("cp", ["x"], "i", 5)).imported == 1
+            assert (await transport.reset_checkpoint("cp", True, 5)).files_moved == 3
+            assert [s.completed_count async for s in transport.watch("cp", 100, 5)] == [0, 1, 2]
+            with pytest.raises(tally.NotFound):
+                async for _ in transport.watch("missing", 100, 5):
+                    pass
+            with pytest.raises(tally.Unavailable, match="shutting down"):
+                async for _ in transport.watch("breaks", 100, 5):
+                    pass
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+
+
+def test_client_status_methods_over_grpc(grpc_server: tuple[str, Servicer]) -> None:
+    with tally.Client(grpc_server[0]) as client:
+        assert list(client.completed("cp", page_size=2)) == ["a", "b", "c"]
+        stream = client.watch("cp", interval_s=0.5)
+        assert [next(stream).completed_count for _ in range(4)] == [0, 1, 2, 0]  # reconnected once
+        stream.close()  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -41,8 +42,21 @@ CHECKPOINT_JSON = {
     "fingerprint": {"pipeline": "h1"},
 }
 
-# (method, path) -> (status, body); a body of bytes is sent verbatim.
+# (method, path) -> (status, body); a body of bytes is sent verbatim, an SseBody as an event stream.
 Routes = dict[tuple[str, str], tuple[int, Any]]
+
+
+@dataclass
+class SseBody:
+    """A text/event-stream answer: chunks written one by one; then, if ``hold`` is set, the
+    connection stays open (silent) until the event is set or the client goes away."""
+
+    chunks: list[bytes]
+    hold: threading.Event | None = None
+
+
+def sse(*statuses: dict[str, Any]) -> list[bytes]:
+    return [f"data: {json.dumps(s)}\n\n".encode() for s in statuses]
 
 
 class Recorder:
@@ -69,6 +83,59 @@ class Recorder:
             ("POST", "/v1/are-completed"): (200, {"completed": [True, False]}),
             ("GET", "/v1/checkpoints"): (200, {"checkpoints": [CHECKPOINT_JSON]}),
             ("GET", "/v1/checkpoints/curation/run%2042"): (200, CHECKPOINT_JSON),
+            ("GET", "/v1/writers?checkpoint=a%2Fb+c&include_closed=true&limit=5"): (
+                200,
+                {"writers": [{**CHECKPOINT_JSON["writers"][0], "state": "closed", "closed_at": 3.5}]},
+            ),
+            ("GET", "/v1/events?checkpoint=cp&limit=2"): (
+                200,
+                {
+                    "events": [
+                        {
+                            "id": 9,
+                            "checkpoint": "cp",
+                            "kind": "anomaly",
+                            "message": "m",
+                            "at": 1.5,
+                            "writer_id": "w1",
+                            "data": {"task_id": "t"},
+                        },
+                        {"id": 8, "checkpoint": "cp", "kind": "writer_opened", "message": "", "at": 1.0},
+                    ],
+                    "next_before_id": 8,
+                },
+            ),
+            ("GET", "/v1/events?checkpoint=cp&limit=2&before_id=8"): (
+                200,
+                {"events": [], "next_before_id": 0},
+            ),
+            ("GET", "/v1/progress?checkpoint=cp&since=1.5"): (
+                200,
+                {"samples": [{"at": 2.0, "completed_count": 1}, {"at": 3.0, "completed_count": 5}]},
+            ),
+            ("GET", "/v1/progress?checkpoint=cp"): (200, {"samples": []}),
+            ("GET", "/v1/completed?checkpoint=cp&limit=2"): (
+                200,
+                {"source_ids": ["a", "b"], "next_after": "b"},
+            ),
+            ("GET", "/v1/completed?checkpoint=cp&limit=2&after=b"): (
+                200,
+                {"source_ids": ["c"], "next_after": ""},
+            ),
+            ("POST", "/v1/import"): (200, {"imported": 2, "completed_count": 7}),
+            ("POST", "/v1/reset"): (200, {"moved_to": ".trash/cp/1", "files_moved": 2, "writers_closed": 0}),
+            ("GET", "/v1/watch?checkpoint=cp&interval_ms=250"): (
+                200,
+                SseBody(
+                    [
+                        b": a comment line, ignored\n\n",
+                        *sse({**CHECKPOINT_JSON, "completed_count": 1}),
+                        # One event split over two data lines and two writes, with CRLF endings.
+                        b'event: status\r\ndata: {"name": "cp",\r\n',
+                        b'data: "completed_count": 2}\r\n\r\n',
+                    ]
+                ),
+            ),
         }
 
 
@@ -86,12 +153,29 @@ def http_server() -> Iterator[tuple[str, Recorder]]:
                 (self.command, self.path),
                 (404, {"error": {"code": "NOT_FOUND", "message": f"no route {self.path}", "details": {}}}),
             )
+            if isinstance(payload, SseBody):
+                self._stream(status, payload)
+                return
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _stream(self, status: int, body: SseBody) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for chunk in body.chunks:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                if body.hold is not None:
+                    body.hold.wait(10)
+            except OSError:
+                pass  # the client went away
 
         do_GET = do_POST = _serve
 
@@ -245,3 +329,137 @@ def test_async_client_end_to_end_over_http(http_server: tuple[str, Recorder]) ->
     asyncio.run(main())
     paths = [path for _, path, _, _ in recorder.requests]
     assert paths[-3:] == ["/v1/writers/h%2F1/deltas", "/v1/writers/h%2F1/flush", "/v1/writers/h%2F1/close"]
+
+
+def test_status_routes_follow_the_json_contract(http_server: tuple[str, Recorder]) -> None:
+    base, recorder = http_server
+    transport = HttpTransport(base, token="tok")
+    (writer,) = transport.list_writers("a/b c", True, 5, 5)
+    assert writer.state == "closed" and writer.closed_at == 3.5 and writer.labels == {"team": "x"}
+    page = transport.list_events("cp", 2, None, 5)
+    assert page.events[0] == tally.Event(9, "cp", "anomaly", "m", 1.5, "w1", {"task_id": "t"})
+    assert page.events[1].data == {} and page.events[1].writer_id == "" and page.next_before_id == 8
+    assert transport.list_events("cp", 2, 8, 5) == tally.EventPage((), None)
+    assert transport.get_progress("cp", 1.5, 5) == [
+        tally.ProgressSample(2.0, 1),
+        tally.ProgressSample(3.0, 5),
+    ]
+    assert transport.get_progress("cp", None, 5) == []
+    first = transport.list_completed("cp", "", 2, 5)
+    assert (first.source_ids, first.next_after) == (("a", "b"), "b")
+    assert transport.list_completed("cp", "b", 2, 5).next_after == ""
+    assert transport.import_completed("cp", ["x", "y"], "imported-1", 5) == tally.ImportResult(2, 7)
+    assert transport.reset_checkpoint("cp", True, 5) == tally.ResetResult(".trash/cp/1", 2, 0)
+    transport.close()
+    bodies = {path: body for method, path, _, body in recorder.requests if method == "POST"}
+    assert bodies["/v1/import"] == {"checkpoint": "cp", "source_ids": ["x", "y"], "import_id": "imported-1"}
+    assert bodies["/v1/reset"] == {"name": "cp", "force": True}
+    assert all(headers["Authorization"] == "Bearer tok" for _, _, headers, _ in recorder.requests)
+
+
+def test_watch_reads_server_sent_events(http_server: tuple[str, Recorder]) -> None:
+    base, recorder = http_server
+    transport = HttpTransport(base, token="tok")
+    statuses = list(transport.watch("cp", 250, 5))
+    assert [(s.name, s.completed_count) for s in statuses] == [("curation/run 42", 1), ("cp", 2)]
+    assert statuses[0].writers[0].counts.completed == 3
+    _, path, headers, _ = recorder.requests[-1]
+    assert path == "/v1/watch?checkpoint=cp&interval_ms=250"
+    assert headers["Accept"] == "text/event-stream" and headers["Authorization"] == "Bearer tok"
+
+
+@pytest.mark.parametrize(
+    ("status", "payload", "error", "match"),
+    [
+        (
+            404,
+            {"error": {"code": "NOT_FOUND", "message": "checkpoint 'x' does not exist"}},
+            tally.NotFound,
+            "x",
+        ),
+        (
+            200,
+            SseBody(sse({"error": {"code": "UNAVAILABLE", "message": "shutting down"}})),
+            tally.Unavailable,
+            "down",
+        ),
+        (200, SseBody([b"data: {not json\n\n"]), tally.Internal, "not JSON"),
+    ],
+)
+def test_watch_errors_map_to_sdk_errors(
+    http_server: tuple[str, Recorder], status: int, payload: Any, error: type[tally.TallyError], match: str
+) -> None:
+    base, recorder = http_server
+    recorder.routes[("GET", "/v1/watch?checkpoint=x&interval_ms=1000")] = (status, payload)
+    with pytest.raises(error, match=match):
+        list(HttpTransport(base).watch("x", 1000, 5))
+
+
+def test_watch_of_an_unreachable_coordinator_is_unavailable() -> None:
+    with pytest.raises(tally.Unavailable, match="unreachable"):
+        next(HttpTransport("http://127.0.0.1:1").watch("cp", 1000, 2))
+
+
+def test_a_quiet_stream_outlives_the_timeout_and_closes_from_another_thread(
+    http_server: tuple[str, Recorder],
+) -> None:
+    base, recorder = http_server
+    hold = threading.Event()
+    recorder.routes[("GET", "/v1/watch?checkpoint=q&interval_ms=1000")] = (
+        200,
+        SseBody(sse({"name": "q"}), hold),
+    )
+    stream = HttpTransport(base).event_stream("q", 1000, 0.2)
+    stream.open()
+    assert next(stream).name == "q"
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(next(stream, None)))
+    reader.start()
+    reader.join(0.6)  # three times the timeout: the read is still waiting, not timed out
+    assert reader.is_alive() and got == []
+    stream.close()
+    reader.join(5)
+    hold.set()
+    assert not reader.is_alive() and got == [None]
+
+
+def test_async_watch_over_http(http_server: tuple[str, Recorder]) -> None:
+    base, recorder = http_server
+    hold = threading.Event()
+    recorder.routes[("GET", "/v1/watch?checkpoint=q&interval_ms=100")] = (
+        200,
+        SseBody(sse({"name": "q", "completed_count": 4}), hold),
+    )
+
+    async def main() -> None:
+        transport = AsyncHttpTransport(HttpTransport(base))
+        assert [s.completed_count async for s in transport.watch("cp", 250, 5)] == [1, 2]
+        assert len(await transport.list_writers("a/b c", True, 5, 5)) == 1
+        assert (await transport.list_events("cp", 2, None, 5)).next_before_id == 8
+        assert len(await transport.get_progress("cp", 1.5, 5)) == 2
+        assert (await transport.list_completed("cp", "b", 2, 5)).source_ids == ("c",)
+        assert (await transport.import_completed("cp", ["x"], "i", 5)).completed_count == 7
+        assert (await transport.reset_checkpoint("cp", False, 5)).moved_to == ".trash/cp/1"
+        # Cancelling a task blocked on a quiet stream ends it promptly (the socket is shut down).
+        stream = transport.watch("q", 100, 5)
+        assert (await anext(stream)).completed_count == 4
+        task = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        await transport.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    hold.set()
+
+
+def test_client_pages_completed_and_watches_over_http(http_server: tuple[str, Recorder]) -> None:
+    base, _ = http_server
+    with tally.Client(base) as client:
+        assert list(client.completed("cp", page_size=2)) == ["a", "b", "c"]
+        stream = client.watch("cp", interval_s=0.25)
+        # The server ends the stream after two events; the client reconnects and carries on.
+        assert [next(stream).completed_count for _ in range(3)] == [1, 2, 1]
+        stream.close()  # type: ignore[attr-defined]

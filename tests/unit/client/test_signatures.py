@@ -8,9 +8,20 @@ import pytest
 
 import tally
 
-# Methods that do I/O are coroutines in the async flavour; everything else is identical.
+# Methods that do I/O are coroutines in the async flavour; everything else is identical. Streams
+# (``completed``, ``watch``) are plain calls in both that return an iterator / async iterator.
 ASYNC_METHODS = {
-    (tally.Client, tally.AsyncClient): {"are_completed", "checkpoint", "checkpoints", "close"},
+    (tally.Client, tally.AsyncClient): {
+        "are_completed",
+        "checkpoint",
+        "checkpoints",
+        "close",
+        "events",
+        "import_completed",
+        "progress",
+        "reset",
+        "writers",
+    },
     (tally.Writer, tally.AsyncWriter): {"open", "are_completed", "flush", "close"},
 }
 PAIRS = list(ASYNC_METHODS)
@@ -21,8 +32,11 @@ def public_members(cls: type) -> dict[str, object]:
 
 
 def normalized(annotation: object) -> str:
-    # The async flavour returns its own types (AsyncWriter, ...); otherwise annotations match.
-    return str(annotation).replace("AsyncWriter", "Writer").replace("AsyncClient", "Client")
+    # The async flavour returns its own types (AsyncWriter, AsyncIterator ...); otherwise they match.
+    text = str(annotation)
+    for name in ("Writer", "Client", "Iterator"):
+        text = text.replace(f"Async{name}", name)
+    return text
 
 
 @pytest.mark.parametrize(("sync_cls", "async_cls"), PAIRS, ids=lambda c: c.__name__)
@@ -74,6 +88,14 @@ def test_constructors_and_context_managers_match(sync_cls: type, async_cls: type
     assert inspect.iscoroutinefunction(async_cls.__aenter__) and inspect.iscoroutinefunction(
         async_cls.__aexit__
     )
+
+
+def test_streams_are_iterators_in_both_flavours() -> None:
+    for name in ("completed", "watch"):
+        assert inspect.signature(getattr(tally.Client, name)).return_annotation.startswith("Iterator[")
+        assert inspect.signature(getattr(tally.AsyncClient, name)).return_annotation.startswith(
+            "AsyncIterator["
+        )
 
 
 def test_apply_deltas_stays_a_plain_call_in_both() -> None:
