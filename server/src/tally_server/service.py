@@ -787,6 +787,9 @@ class CoordinatorService:
         cp = await self._existing(checkpoint)
         interval_s = min(max(interval_s, 0.05), 60.0)
         last: tuple[Any, ...] | None = None
+        # Re-send an unchanged snapshot now and then, so idle streams are not cut by proxies.
+        heartbeat_every = max(1, round(15.0 / interval_s))
+        quiet = 0
         while self._accepting:
             view = self._view(cp)
             key = (
@@ -797,8 +800,9 @@ class CoordinatorService:
                 view.anomalies,
                 view.unreadable_files,
             )
-            if key != last:
-                last = key
+            quiet += 1
+            if key != last or quiet >= heartbeat_every:
+                last, quiet = key, 0
                 yield view
             await asyncio.sleep(interval_s)
 
@@ -809,13 +813,9 @@ class CoordinatorService:
                 f"limit {limit} is out of range; ask for 1 to {self.limits.max_ids_per_query} ids per page "
                 "(setting max_ids_per_query)"
             )
-        # Byte order, the order LMDB keeps the keys in.
-        ordered = sorted(cp.completed.sources(), key=lambda sid: sid.encode())
-        key = after.encode()
-        start = 0
-        if after:
-            start = bisect.bisect_right([sid.encode() for sid in ordered], key)
-        page = ordered[start : start + limit]
+        ordered = cp.completed.in_byte_order()
+        start = bisect.bisect_right(ordered, after.encode()) if after else 0
+        page = [sid.decode() for sid in ordered[start : start + limit]]
         more = start + limit < len(ordered)
         return CompletedPage(page, page[-1] if more and page else "")
 
@@ -833,6 +833,8 @@ class CoordinatorService:
         assert cp is not None
         if import_id in cp.writers:
             raise AlreadyExists(f"{import_id!r} is a live writer of {checkpoint!r}; choose another import_id")
+        if not source_ids:
+            return ImportResult(0, len(cp.completed))
         new = [sid for sid in dict.fromkeys(source_ids) if sid not in cp.completed]
         if new:
             await self._committer.submit(PutCompleted(cp.name, import_id, new))

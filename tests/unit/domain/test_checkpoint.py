@@ -51,3 +51,12 @@ def test_adding_an_already_completed_source_keeps_its_first_completion() -> None
     completed.add(["a"])  # another writer completes it again into its own file
     assert view("a")
     assert completed.sources() == ["a"]
+
+
+def test_byte_order_follows_additions_and_removals() -> None:
+    completed = CompletedSet(["b", "é", "a"])
+    assert completed.in_byte_order() == [b"a", b"b", "é".encode()]
+    completed.add(["c"])
+    assert completed.in_byte_order() == [b"a", b"b", b"c", "é".encode()]
+    completed.discard("a")
+    assert completed.in_byte_order() == [b"b", b"c", "é".encode()]

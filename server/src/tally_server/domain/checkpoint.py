@@ -18,6 +18,8 @@ class CompletedSet:
     def __init__(self, initial: Iterable[str] = ()) -> None:
         self._seq = 0
         self._completed: dict[str, int] = dict.fromkeys(initial, 0)
+        # Sorted UTF-8 ids for paging (export), rebuilt only after the set changed.
+        self._ordered: list[bytes] | None = None
 
     def __contains__(self, source_id: object) -> bool:
         return source_id in self._completed
@@ -27,11 +29,21 @@ class CompletedSet:
 
     def add(self, sources: Iterable[str]) -> None:
         self._seq += 1
+        self._ordered = None
         for sid in sources:
             self._completed.setdefault(sid, self._seq)
 
     def discard(self, source_id: str) -> bool:
-        return self._completed.pop(source_id, None) is not None
+        removed = self._completed.pop(source_id, None) is not None
+        if removed:
+            self._ordered = None
+        return removed
+
+    def in_byte_order(self) -> list[bytes]:
+        """The ids as UTF-8, sorted the way LMDB orders its keys (cached until the set changes)."""
+        if self._ordered is None:
+            self._ordered = sorted(sid.encode() for sid in self._completed)
+        return self._ordered
 
     def as_of_now(self) -> Callable[[str], bool]:
         """A view of the set frozen at this moment (later additions are invisible to it)."""
