@@ -11,8 +11,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from tally_server.auth import Authorizer, load_tokens
 from tally_server.grpc_api.server import SERVICE_NAME, build_server
 from tally_server.http_api.app import create_app
+from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.settings import Settings, split_listen
 from tally_server.store.lmdb_files import LmdbCompletionStore
@@ -59,11 +61,15 @@ def _address(host: str, port: int) -> str:
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores."""
     service = build_service(settings)
+    metrics = Metrics(service)  # one registry, fed by both transports and the store
+    authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
     await service.start()
-    grpc_server, grpc_port, health = build_server(service, settings.grpc_listen, settings.max_message_bytes)
+    grpc_server, grpc_port, health = build_server(
+        service, settings.grpc_listen, settings.max_message_bytes, metrics=metrics, authorizer=authorizer
+    )
     http_sock = _bind_http(settings.http_listen)
     config = uvicorn.Config(
-        create_app(service, settings),
+        create_app(service, settings, metrics=metrics, authorizer=authorizer),
         log_config=None,
         access_log=False,
         lifespan="off",

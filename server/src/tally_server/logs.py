@@ -1,11 +1,46 @@
-"""Log handlers for ``tally serve`` (libraries only call logging.getLogger(__name__))."""
+"""Log handlers for ``tally serve`` (libraries only call logging.getLogger(__name__)), and request ids.
+
+Both transports set :data:`request_id` for the duration of a request (gRPC metadata ``x-request-id``,
+HTTP header ``X-Request-ID``, or a new id); :class:`RequestIdFilter` copies it onto every record, so a
+line logged deep in the service carries the id of the call that caused it.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import re
 import sys
 import time
+import uuid
+
+NO_REQUEST = "-"
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tally_request_id", default=NO_REQUEST)
+"""The id of the request being handled by the current task ("-" outside requests)."""
+
+# A caller-supplied id is echoed and logged verbatim, so it must be short and log-safe.
+_VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def accept_request_id(incoming: str | None) -> str:
+    """The caller's id if it is a sane token, else a new one."""
+    if incoming and _VALID_ID.fullmatch(incoming):
+        return incoming
+    return new_request_id()
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``record.request_id`` (never drops a record)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -15,6 +50,7 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
+            "request_id": getattr(record, "request_id", NO_REQUEST),
             "message": record.getMessage(),
         }
         if record.exc_info:
@@ -22,12 +58,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+
+
 def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    # On the handler, not a logger: logger filters do not see records propagated from child loggers.
+    handler.addFilter(RequestIdFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

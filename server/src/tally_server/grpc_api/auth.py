@@ -39,9 +39,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method: str = details.method
         if not self._authorizer.enabled or not method.startswith(_PREFIX):
             return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if isinstance(header, bytes):
+            header = header.decode("latin-1")
         try:
-            self._authorizer.check(method[len(_PREFIX) :], metadata.get("authorization"))
+            self._authorizer.check(method[len(_PREFIX) :], header)
         except TallyServerError as exc:
             handler = await continuation(details)
             unary, stream = _refuse(exc)

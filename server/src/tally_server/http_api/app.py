@@ -11,11 +11,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tally_server import __version__
+from tally_server.auth import Authorizer, load_tokens
 from tally_server.errors import ErrorCode, TallyServerError
 from tally_server.http_api import schemas as s
+from tally_server.http_api.auth import AuthMiddleware
+from tally_server.http_api.dashboard import build_router as build_dashboard_router
+from tally_server.http_api.middleware import RequestMiddleware
+from tally_server.metrics import CONTENT_TYPE, Metrics
 from tally_server.service import CheckpointView, CoordinatorService
 from tally_server.settings import Settings
 
@@ -71,7 +77,12 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
-def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
+def create_app(
+    service: CoordinatorService,
+    settings: Settings,
+    metrics: Metrics | None = None,
+    authorizer: Authorizer | None = None,
+) -> FastAPI:
     app = FastAPI(
         title="Tally coordinator",
         version=__version__,
@@ -79,6 +90,12 @@ def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
     )
 
     app.add_middleware(BodyLimit, limit=settings.max_message_bytes)
+    if authorizer is None:
+        authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    app.add_middleware(AuthMiddleware, authorizer=authorizer)
+    # Added last, so outermost: requests refused by the body limit are timed and carry an id too.
+    exported = metrics if metrics is not None else Metrics(service)
+    app.add_middleware(RequestMiddleware, latency=exported.http_request_duration)
 
     @app.exception_handler(TallyServerError)
     async def _domain_error(request: Request, exc: TallyServerError) -> JSONResponse:
@@ -107,6 +124,11 @@ def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
     async def healthz() -> dict[str, str]:
         """Liveness: the process serves requests."""
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition (async on purpose: reads service state on the event loop)."""
+        return Response(exported.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz", tags=["health"], responses={503: {"model": s.ErrorReply}})
     async def readyz() -> Any:
@@ -238,5 +260,7 @@ def create_app(service: CoordinatorService, settings: Settings) -> FastAPI:
     async def get_checkpoint(name: str) -> s.CheckpointStatus:
         """One checkpoint: completed count, live writers, pending sources, anomalies."""
         return _status(await service.get_checkpoint(name))
+
+    app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
 
     return app

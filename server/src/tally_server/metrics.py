@@ -1,0 +1,145 @@
+"""Prometheus metrics for one coordinator, exposed at ``GET /metrics`` on the HTTP port.
+
+Counters and gauges are read from the service at scrape time (nothing on the delta path but the
+plain integer increments the service already does); histograms are observed as events happen.
+Every app gets its own :class:`~prometheus_client.CollectorRegistry`, so several coordinators in one
+process (tests) never share or collide on series.
+
+Labels are bounded: checkpoint names, RPC methods, route templates, status codes — never a source,
+task, writer id or handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tally_server.service import CoordinatorService
+
+__all__ = ["CONTENT_TYPE", "Metrics", "ServiceCollector"]
+
+# What generate_latest writes, and what every Prometheus version parses (newer clients call their
+# default 1.0.0, which older servers do not know).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Request latencies: sub-millisecond are/are-completed calls up to flushes that wait for a settle window.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+# One fsynced LMDB transaction per touched file: around a millisecond on local disks, far more on NFS.
+COMMIT_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# Sources per group commit: 1 when idle, up to ~100k when a big batch completes at once.
+BATCH_BUCKETS = (
+    1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000,
+)  # fmt: skip
+
+
+class ServiceCollector(Collector):
+    """Turns ``service.stats`` and ``service.gauges()`` into metric families at each scrape.
+
+    Runs on the event loop (the ``/metrics`` handler is async), the only thread that touches them.
+    """
+
+    def __init__(self, service: CoordinatorService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._service.stats
+        deltas = CounterMetricFamily(
+            "tally_deltas",
+            "Deltas received from writers, by what the counting rules did with them "
+            "(applied; skipped as a retry; rewritten with a different delta).",
+            labels=["outcome"],
+        )
+        deltas.add_metric(["applied"], stats.deltas_applied)
+        deltas.add_metric(["skipped"], stats.deltas_skipped)
+        deltas.add_metric(["rewritten"], stats.deltas_rewritten)
+        yield deltas
+        yield CounterMetricFamily(
+            "tally_anomalies",
+            "Deltas for a source already completed; the source was un-completed and replays.",
+            value=stats.anomalies,
+        )
+        yield CounterMetricFamily(
+            "tally_completions",
+            "Sources completed and durably written to their writer's LMDB file.",
+            value=stats.completions,
+        )
+        yield CounterMetricFamily("tally_writers_opened", "Writers opened.", value=stats.writers_opened)
+        yield CounterMetricFamily(
+            "tally_writers_expired",
+            "Writers whose lease ran out (they stopped sending; their pending state was dropped).",
+            value=stats.writers_expired,
+        )
+
+        live = GaugeMetricFamily("tally_live_writers", "Open writers per checkpoint.", labels=["checkpoint"])
+        pending = GaugeMetricFamily(
+            "tally_pending_sources",
+            "Sources with work in flight across the live writers of a checkpoint.",
+            labels=["checkpoint"],
+        )
+        completed = GaugeMetricFamily(
+            "tally_completed_sources", "Sources completed in a checkpoint.", labels=["checkpoint"]
+        )
+        for name, (n_live, n_pending, n_completed) in sorted(self._service.gauges().items()):
+            live.add_metric([name], n_live)
+            pending.add_metric([name], n_pending)
+            completed.add_metric([name], n_completed)
+        yield live
+        yield pending
+        yield completed
+
+
+class Metrics:
+    """The registry of one coordinator and the histograms its transports and store observe.
+
+    Create once in the composition root and hand it to both transports.
+    """
+
+    def __init__(self, service: CoordinatorService) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServiceCollector(service))
+        ProcessCollector(registry=self.registry)
+        self.grpc_request_duration = Histogram(
+            "tally_grpc_request_duration_seconds",
+            "Time to answer a unary gRPC call, by full method name and status code.",
+            ["method", "code"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.http_request_duration = Histogram(
+            "tally_http_request_duration_seconds",
+            "Time to answer an HTTP request, by method, route template and status.",
+            ["method", "route", "status"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.commit_duration = Histogram(
+            "tally_store_commit_duration_seconds",
+            "Duration of one group commit of completions to the LMDB files (synced).",
+            registry=self.registry,
+            buckets=COMMIT_BUCKETS,
+        )
+        self.commit_batch_sources = Histogram(
+            "tally_store_commit_batch_sources",
+            "Sources written or deleted by one group commit.",
+            registry=self.registry,
+            buckets=BATCH_BUCKETS,
+        )
+        service.stats.commit_observers.append(self._observe_commit)
+
+    def _observe_commit(self, seconds: float, ops: int, sources: int) -> None:
+        self.commit_duration.observe(seconds)
+        self.commit_batch_sources.observe(sources)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of everything in the registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,166 @@
+"""deploy/prometheus and deploy/grafana: they parse, fit together, and query only metrics Tally exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+import tally
+from tally_server.testing import RunningServer
+from tests.conftest import REPO
+from tests.integration.workload import tree
+
+DEPLOY = REPO / "deploy"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+DATASOURCE = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+PROVIDER = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tally.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tally.json"
+
+# Everything in an expression that looks like a name but is PromQL itself.
+PROMQL_WORDS = {
+    "sum", "avg", "min", "max", "count", "topk", "bottomk", "quantile", "stddev", "group",
+    "rate", "irate", "increase", "delta", "deriv", "histogram_quantile", "clamp_min", "clamp_max",
+    "abs", "ceil", "floor", "round", "time", "vector", "scalar", "label_replace", "absent",
+    "and", "or", "unless", "offset", "bool", "inf", "nan",
+    "by", "without", "on", "ignoring", "group_left", "group_right",
+}  # fmt: skip
+
+
+def load_yaml(path: Path) -> Any:
+    assert path.is_file(), f"{path.relative_to(REPO)} is missing"
+    return yaml.safe_load(path.read_text())
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects (label matchers, groupings, ranges and strings removed)."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
+    bare = re.sub(r"\{[^}]*\}", "", bare)
+    bare = re.sub(r"\[[^\]]*\]", "", bare)
+    bare = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", bare)
+    bare = re.sub(r"\$\w+", "", bare)
+    return {t for t in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", bare) if t not in PROMQL_WORDS}
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in board["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # inside collapsed rows
+
+
+def expressions(board: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in panels(board) for t in p.get("targets", [])]
+    for var in board.get("templating", {}).get("list", []):
+        query = var.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else str(query or "")
+        # label_values(metric{...}, label) selects metric.
+        exprs += re.findall(r"label_values\((.*),\s*\w+\)", text)
+    return exprs
+
+
+def test_prometheus_scrapes_tally_http_port_every_15s() -> None:
+    config = load_yaml(PROMETHEUS)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    tally_job = jobs["tally"]
+    assert tally_job.get("metrics_path", "/metrics") == "/metrics"
+    assert tally_job.get("scrape_interval", config["global"]["scrape_interval"]) == "15s"
+    targets = [t for group in tally_job["static_configs"] for t in group["targets"]]
+    assert targets == ["tally:8080"]
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard_folder() -> None:
+    datasources = load_yaml(DATASOURCE)["datasources"]
+    assert [(d["uid"], d["type"], d["url"]) for d in datasources] == [
+        ("prometheus", "prometheus", "http://prometheus:9090")
+    ]
+    providers = load_yaml(PROVIDER)["providers"]
+    assert [(p["type"], p["options"]["path"]) for p in providers] == [("file", "/var/lib/grafana/dashboards")]
+
+
+def test_compose_mounts_the_monitoring_files_that_exist() -> None:
+    compose = load_yaml(REPO / "docker-compose.yml")
+    mounts = {}
+    for name in ("prometheus", "grafana"):
+        for volume in compose["services"][name]["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("./"):
+                mounts[target] = REPO / source
+                assert (REPO / source).exists(), f"{name} mounts missing {source}"
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS
+    # Grafana loads what the provider's path holds: the dashboard must be in the mounted folder.
+    assert DASHBOARD.parent == mounts["/var/lib/grafana/dashboards"].resolve()
+
+
+def test_dashboard_is_a_well_formed_grafana_dashboard() -> None:
+    board = dashboard()
+    assert board["uid"] and board["title"]
+    ids = [p["id"] for p in panels(board)]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    graphs = [p for p in panels(board) if p["type"] != "row"]
+    assert len(graphs) >= 8
+    for panel in graphs:
+        assert panel["title"] and panel["targets"], panel.get("title")
+        assert panel["datasource"]["uid"] == "prometheus", panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+    for expr in expressions(board):
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+
+
+def test_dashboard_shows_what_an_operator_needs() -> None:
+    used = set().union(*(metric_names(e) for e in expressions(dashboard())))
+    for name in (
+        "tally_completions_total",
+        "tally_deltas_total",
+        "tally_pending_sources",
+        "tally_live_writers",
+        "tally_anomalies_total",
+        "tally_grpc_request_duration_seconds_bucket",
+        "tally_http_request_duration_seconds_bucket",
+        "tally_store_commit_duration_seconds_bucket",
+        "tally_store_commit_batch_sources_bucket",
+    ):
+        assert name in used, f"the dashboard does not plot {name}"
+
+
+@pytest.fixture
+def exported(server: RunningServer) -> set[str]:
+    """Sample names a live server exports once both transports and the store have been used."""
+    for address in (server.grpc_address, server.http_url):
+        with tally.Client(address) as client, client.writer("monitoring/names") as w:
+            w.apply_deltas(tree(address))
+            w.flush()
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_every_metric_in_the_dashboard_is_exported_by_the_server(exported: set[str]) -> None:
+    board = dashboard()
+    exprs = expressions(board)
+    assert exprs
+    for expr in exprs:
+        names = metric_names(expr)
+        assert names, f"no metric found in {expr!r}"
+        assert names <= exported, f"{sorted(names - exported)} in {expr!r} are not exported"
+
+
+def test_metric_name_extraction() -> None:
+    expr = (
+        "histogram_quantile(0.99, sum by (le, method) (rate(tally_grpc_request_duration_seconds_bucket"
+        '{instance=~"$instance", code!="OK"}[$__rate_interval]))) / on (method) group_left max(up)'
+    )
+    assert metric_names(expr) == {"tally_grpc_request_duration_seconds_bucket", "up"}

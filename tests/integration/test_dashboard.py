@@ -1,0 +1,334 @@
+"""The dashboard at ``/``, in a real headless Chromium (Debian's ``chromium``, driven by Playwright's Python
+package; no browser download) against a real ``tally serve`` fed by the real SDK.
+
+Screenshots go to ``artifacts/``; with TALLY_UPDATE_DOCS_SCREENSHOT=1 the checkpoint page is also copied
+to ``docs/img/dashboard.png``, the README's picture.
+Without Chromium or Playwright the browser tests skip locally and fail under ``CI``:
+``apt-get install -y chromium`` and ``pip install playwright``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+import tally
+from tally_server.testing import RunningServer, running_server
+from tests.integration.workload import tree
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts"
+DOCS_IMG = REPO / "docs" / "img" / "dashboard.png"
+CHROMIUM = Path(os.environ.get("TALLY_TEST_CHROMIUM", "/usr/bin/chromium"))
+# Without the networking flags Chromium keeps trying to reach Google's services on a closed network.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+CHECKPOINT = "curation/run-42"
+TIMEOUT_MS = 15_000  # the page polls every 2 s; allow a few polls on a loaded CI machine
+
+
+def _need_browser() -> None:
+    """Skip (locally) or fail (under CI) when the browser or its driver is missing."""
+    reasons = []
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        reasons.append("the playwright package is not installed (pip install playwright)")
+    if not CHROMIUM.exists():
+        reasons.append(f"no Chromium at {CHROMIUM} (apt-get install -y chromium)")
+    if reasons:
+        message = "browser test needs a headless Chromium: " + "; ".join(reasons)
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def dash_server(tmp_path: Path) -> Iterator[RunningServer]:
+    # Sample progress often so the plot has points within the test's few seconds.
+    with running_server(tmp_path / "data", settle_ms=0, env={"TALLY_PROGRESS_INTERVAL_S": "0.2"}) as srv:
+        yield srv
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    _need_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900}, device_scale_factor=1)
+            page = context.new_page()
+            problems: list[str] = []
+
+            def on_console(msg: Any) -> None:
+                # Chromium logs failed requests: a stopped server and a missing token are tested on
+                # purpose; any other error the page logs (a 404 from an API it reads, a script error) is not.
+                expected = ("ERR_CONNECTION_REFUSED", "status of 401 (Unauthorized)")
+                if msg.type == "error" and not any(e in msg.text for e in expected):
+                    problems.append(f"console.{msg.type}: {msg.text}")
+
+            page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
+            page.on("console", on_console)
+            # Everything must come from the coordinator (on loopback here): no CDN, no external font.
+            outside: list[str] = []
+
+            def gate(route: Any) -> None:
+                url = urlsplit(route.request.url)
+                if url.scheme == "data" or url.hostname in ("127.0.0.1", "localhost", "::1"):
+                    route.continue_()
+                else:
+                    outside.append(route.request.url)
+                    route.abort()
+
+            page.route(re.compile(".*"), gate)
+            yield page
+            assert not outside, f"the dashboard fetched from outside the server: {outside}"
+            assert not problems, f"the page reported errors: {problems}"
+        finally:
+            browser.close()
+
+
+def _complete(writer: tally.Writer, sources: list[str]) -> None:
+    writer.apply_deltas([d for source in sources for d in tree(source)])
+    writer.flush()
+
+
+def _wait_sampled(server: RunningServer, count: int) -> None:
+    """Until the server has persisted a progress sample with ``count`` (a condition, not a fixed sleep)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reply = httpx.get(
+            f"{server.http_url}/v1/progress", params={"checkpoint": CHECKPOINT, "since": 0}, timeout=10
+        )
+        reply.raise_for_status()
+        persisted = reply.json()["samples"][:-1]  # the last one is the live count "now"
+        if persisted and persisted[-1]["completed_count"] == count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no progress sample with completed_count={count} within 30 s")
+
+
+def test_dashboard_shows_a_workload_and_updates_by_itself(
+    dash_server: RunningServer, browser_page: Any
+) -> None:
+    from playwright.sync_api import expect
+
+    page = browser_page
+    page.goto(dash_server.http_url + "/")
+    # An empty server has a friendly state, not a blank page.
+    expect(page.get_by_test_id("empty")).to_contain_text("No checkpoints yet")
+    page.evaluate("window.__sameDocument = true")  # survives only if nothing reloads the page
+
+    with tally.Client(dash_server.grpc_address) as client:
+        # Array task 2 did a share and finished; task 3 is still running.
+        with client.writer(CHECKPOINT, writer_id="task-2", labels={"slurm_array_task_id": "2"}) as done:
+            for batch in range(3):
+                _complete(done, [f"a-{batch}-{i}" for i in range(2)])
+                _wait_sampled(dash_server, 2 * (batch + 1))
+        with client.writer(CHECKPOINT, writer_id="task-3", labels={"slurm_array_task_id": "3"}) as writer:
+            for batch in range(4):
+                _complete(writer, [f"b-{batch}-{i}" for i in range(batch + 1)])
+                _wait_sampled(dash_server, 6 + (batch + 1) * (batch + 2) // 2)
+            writer.apply_deltas([("0_in-flight", "in-flight", 1)])  # one source pending
+            writer.flush()
+            completed = 16
+
+            # The list appears by itself (no reload) with the right count.
+            card = page.locator(f"[data-testid='checkpoint-card'][data-name='{CHECKPOINT}']")
+            expect(card.get_by_test_id("completed-count")).to_have_text(str(completed))
+            expect(card.get_by_test_id("live-writers")).to_contain_text("1")
+            expect(card.get_by_test_id("pending")).to_contain_text("1")
+            expect(card.get_by_test_id("status")).to_have_text("running")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-list.png"), full_page=True)
+
+            # The checkpoint's own page (its name contains "/").
+            card.click()
+            expect(page).to_have_url(re.compile(r"#/checkpoint/curation/run-42$"))
+            expect(page.get_by_test_id("checkpoint-name")).to_contain_text(CHECKPOINT)
+            expect(page.get_by_test_id("completed-value")).to_have_text(str(completed))
+            expect(page.get_by_test_id("pending-value")).to_have_text("1")
+            expect(page.get_by_test_id("live-writers-value")).to_have_text("1")
+
+            rows = page.get_by_test_id("writer-row")
+            expect(rows).to_have_count(2)
+            live = page.locator("[data-testid='writer-row'][data-writer='task-3']")
+            expect(live.get_by_test_id("writer-state")).to_have_text("live")
+            expect(live.get_by_test_id("label").filter(has_text="slurm_array_task_id")).to_have_text(
+                "slurm_array_task_id 3"
+            )
+            expect(live.get_by_test_id("writer-completed")).to_have_text("10")
+            finished = page.locator("[data-testid='writer-row'][data-writer='task-2']")
+            expect(finished.get_by_test_id("writer-state")).to_have_text("closed")
+            expect(finished.get_by_test_id("label").filter(has_text="slurm_array_task_id")).to_have_text(
+                "slurm_array_task_id 2"
+            )
+
+            kinds = page.get_by_test_id("event-kind")  # newest first
+            expect(kinds).to_have_text(
+                ["writer opened", "writer closed", "writer opened", "checkpoint created"]
+            )
+            expect(page.get_by_test_id("progress-chart")).to_be_visible()
+            expect(page.get_by_test_id("rate-value")).to_have_text(re.compile(r"\d"))
+
+            # More completions: the page follows by itself.
+            _complete(writer, [f"c-{i}" for i in range(5)])
+            writer.apply_deltas([("0_in-flight_0", "in-flight", -1)])  # the pending one completes too
+            writer.flush()
+            completed += 6
+            _wait_sampled(dash_server, completed)
+            expect(page.get_by_test_id("completed-value")).to_have_text(str(completed))
+            expect(page.get_by_test_id("pending-value")).to_have_text("0")
+            expect(live.get_by_test_id("writer-completed")).to_have_text("16")
+            assert page.evaluate("window.__sameDocument") is True, "the page reloaded instead of updating"
+
+            page.mouse.move(10, 10)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-checkpoint.png"), full_page=True)
+            if os.environ.get("TALLY_UPDATE_DOCS_SCREENSHOT"):  # refresh the README's picture on request
+                DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(ARTIFACTS / "dashboard-checkpoint.png", DOCS_IMG)
+
+    # The writer closed: the page says so without a reload.
+    expect(live.get_by_test_id("writer-state")).to_have_text("closed")
+    expect(page.get_by_test_id("live-writers-value")).to_have_text("0")
+
+
+def test_problems_are_highlighted_and_the_event_log_pages(tmp_path: Path, browser_page: Any) -> None:
+    """Anomalies (amber) and an unreadable completion file (red) stand out; "load older" pages the log."""
+    from playwright.sync_api import expect
+
+    data = tmp_path / "data"
+    metadata = data / "checkpoints" / "sick" / "run" / ".nemo_curator_metadata"
+    metadata.mkdir(parents=True)
+    (metadata / "gpu-node-3-9.mdb").write_bytes(b"not an lmdb file" * 512)
+    sources = [f"s-{i}" for i in range(55)]
+    with (
+        running_server(data, settle_ms=0) as server,
+        tally.Client(server.grpc_address) as client,
+        client.writer("sick/run", writer_id="replayer") as writer,
+    ):
+        _complete(writer, sources)
+        # A new task for a source this writer already completed: an anomaly each (one event each).
+        writer.apply_deltas([(f"1_{s}", s, 1) for s in sources])
+        writer.flush()
+        status = client.checkpoint("sick/run")
+        assert (status.anomalies, status.unreadable_files) == (55, 1)
+
+        page = browser_page
+        page.goto(server.http_url + "/#/checkpoint/sick/run")  # a deep link straight to the page
+        expect(page.get_by_test_id("anomalies-value")).to_have_text("55")
+        expect(page.get_by_test_id("anomalies")).to_have_class(re.compile(r"\bwarn\b"))
+        expect(page.get_by_test_id("unreadable-value")).to_have_text("1")
+        expect(page.get_by_test_id("unreadable")).to_have_class(re.compile(r"\bbad\b"))
+        expect(page.get_by_test_id("completed")).not_to_have_class(re.compile(r"\b(warn|bad)\b"))
+
+        rows = page.get_by_test_id("event-row")
+        expect(rows).to_have_count(50)
+        page.get_by_test_id("load-older").click()
+        expect(rows).to_have_count(55 + 3)  # and checkpoint_created, unreadable_file, writer_opened
+        expect(page.get_by_test_id("events")).to_contain_text("Beginning of the log")
+        expect(rows.last.get_by_test_id("event-kind")).to_have_text("checkpoint created")
+        expect(page.get_by_test_id("event-kind").filter(has_text="unreadable file")).to_have_class(
+            re.compile(r"\bbad\b")
+        )
+        page.screenshot(path=str(ARTIFACTS / "dashboard-problems.png"), full_page=True)
+
+        page.get_by_text("All checkpoints").click()
+        card = page.locator("[data-testid='checkpoint-card'][data-name='sick/run']")
+        expect(card).to_have_class(re.compile(r"\bbad\b"))
+        expect(card.get_by_test_id("anomalies")).to_have_class(re.compile(r"\bwarn\b"))
+        expect(card.get_by_test_id("unreadable")).to_have_class(re.compile(r"\bbad\b"))
+
+
+def test_dashboard_keeps_retrying_when_the_server_goes_away(tmp_path: Path, browser_page: Any) -> None:
+    """An error shows a banner and the page recovers by itself when the server is back."""
+    from playwright.sync_api import expect
+
+    page = browser_page
+    with running_server(tmp_path / "flaky", settle_ms=0) as first:
+        address = first.http_address
+        page.goto(first.http_url + "/")
+        expect(page.get_by_test_id("empty")).to_be_visible()
+    expect(page.locator("#banner")).to_contain_text("Can't reach the Tally server")
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "error")
+    # Back on the same address (and data): the open page finds it again.
+    with running_server(tmp_path / "flaky", settle_ms=0, http_listen=address) as second:
+        with tally.Client(second.grpc_address) as client, client.writer("back/again") as writer:
+            _complete(writer, ["x"])
+            card = page.locator("[data-testid='checkpoint-card'][data-name='back/again']")
+            expect(card.get_by_test_id("completed-count")).to_have_text("1")
+            expect(page.locator("#banner")).to_be_hidden()
+            expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
+
+
+def test_a_server_with_tokens_asks_for_one(tmp_path: Path, browser_page: Any) -> None:
+    """With authentication on, the page (static, open) asks for a token and reads with a reader's."""
+    from playwright.sync_api import expect
+
+    env = {"TALLY_TOKENS": "r3ader:reader,w0rker:worker"}
+    with (
+        running_server(tmp_path / "data", settle_ms=0, env=env) as server,
+        tally.Client(server.grpc_address, token="w0rker") as client,
+        client.writer("secured/run") as writer,
+    ):
+        _complete(writer, ["a", "b"])
+        page = browser_page
+        page.goto(server.http_url + "/")
+        form = page.get_by_test_id("signin")
+        expect(form).to_contain_text("needs a token")
+        form.get_by_label("Bearer token").fill("wrong")
+        form.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_test_id("auth-error")).to_contain_text("not accepted")
+        form.get_by_label("Bearer token").fill("r3ader")
+        form.get_by_role("button", name="Sign in").click()
+        card = page.locator("[data-testid='checkpoint-card'][data-name='secured/run']")
+        expect(card.get_by_test_id("completed-count")).to_have_text("2")
+        page.get_by_role("button", name="Forget token").click()
+        expect(page.get_by_test_id("signin")).to_be_visible()
+
+
+def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServer) -> None:
+    """No browser needed: / and /ui/* come from the package, with a strict CSP and revalidation."""
+    base = dash_server.http_url
+    with httpx.Client(base_url=base, timeout=10) as http:
+        index = http.get("/")
+        assert index.status_code == 200
+        assert index.headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in index.headers["content-security-policy"]
+        # Only relative, same-origin references: works behind a path prefix and air-gapped.
+        refs = re.findall(r'(?:src|href)="([^"]+)"', index.text)
+        assert "ui/app.js" in refs and "ui/style.css" in refs
+        assert not [r for r in refs if re.match(r"(https?:)?//", r)], refs
+
+        script = http.get("/ui/app.js")
+        assert script.status_code == 200
+        assert script.headers["content-type"].startswith("text/javascript")
+        assert script.headers["cache-control"] == "no-cache"
+        again = http.get("/ui/app.js", headers={"If-None-Match": script.headers["etag"]})
+        assert again.status_code == 304
+        assert http.get("/ui/style.css").headers["content-type"].startswith("text/css")
+        for missing in ("/ui/nope.js", "/ui/__init__.py", "/ui/..%2F__init__.py"):
+            assert http.get(missing).status_code == 404, missing
+        # The dashboard routes stay out of the API schema.
+        paths = http.get("/openapi.json").json()["paths"]
+        assert "/" not in paths and not [p for p in paths if p.startswith("/ui")]

@@ -1,0 +1,167 @@
+"""/metrics of a real ``tally serve`` after known workloads driven through the real SDK."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+import tally
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.testing import RunningServer
+from tests.integration.workload import tree
+
+SeriesKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+def scrape(server: RunningServer) -> list[Sample]:
+    reply = httpx.get(f"{server.http_url}/metrics", timeout=10)
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return [s for family in text_string_to_metric_families(reply.text) for s in family.samples]
+
+
+def value(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    matches = [
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+def series(samples: Iterable[Sample]) -> set[SeriesKey]:
+    return {(s.name, frozenset(s.labels.items())) for s in samples}
+
+
+def test_counters_and_gauges_are_exact_for_a_known_delta_stream(server: RunningServer) -> None:
+    checkpoint = "metrics/exact"
+    with tally.Client(server.grpc_address) as client:
+        with client.writer(checkpoint, writer_id="w1") as w1:
+            for sid in ("s0", "s1", "s2"):
+                w1.apply_deltas(tree(sid))  # 18 applied, 3 completions
+            w1.apply_deltas([("0_r", "r", 1), ("0_r_0", "r", 2)])  # 2 applied
+            w1.apply_deltas([("0_r", "r", 1), ("0_r_0", "r", 2)])  # a retry: 2 skipped
+            w1.apply_deltas([("0_r_0", "r", 0)])  # 1 rewritten
+            w1.apply_deltas([("0_r_0_0", "r", -1)])  # 1 applied, r completes
+            w1.apply_deltas(tree("p")[:-1])  # 5 applied, p stays pending
+            w1.flush()
+            with client.writer(checkpoint, writer_id="w2") as w2:
+                w2.apply_deltas([("0_s0", "s0", 1)])  # s0 was completed when w2 opened: anomaly
+                w2.flush()
+                live = scrape(server)
+        closed = scrape(server)
+
+    for samples in (live, closed):
+        assert value(samples, "tally_deltas_total", outcome="applied") == 26
+        assert value(samples, "tally_deltas_total", outcome="skipped") == 2
+        assert value(samples, "tally_deltas_total", outcome="rewritten") == 1
+        assert value(samples, "tally_anomalies_total") == 1
+        assert value(samples, "tally_completions_total") == 4
+        assert value(samples, "tally_writers_opened_total") == 2
+        assert value(samples, "tally_writers_expired_total") == 0
+        # Four completions put, one source deleted by the anomaly, however they were grouped.
+        assert value(samples, "tally_store_commit_batch_sources_sum") == 5
+        assert value(samples, "tally_store_commit_duration_seconds_count") >= 2
+        # s0 was un-completed by the anomaly.
+        assert value(samples, "tally_completed_sources", checkpoint=checkpoint) == 3
+
+    assert value(live, "tally_live_writers", checkpoint=checkpoint) == 2
+    assert value(live, "tally_pending_sources", checkpoint=checkpoint) == 1  # p
+    assert value(closed, "tally_live_writers", checkpoint=checkpoint) == 0
+    assert value(closed, "tally_pending_sources", checkpoint=checkpoint) == 0
+
+
+def test_request_latency_is_observed_for_both_transports_with_route_templates(
+    server: RunningServer,
+) -> None:
+    with tally.Client(server.grpc_address) as client, client.writer("metrics/grpc") as w:
+        w.apply_deltas(tree("a"))
+        w.flush()
+    with tally.Client(server.http_url) as client, client.writer("metrics/http") as w:
+        w.apply_deltas(tree("a"))
+        w.flush()
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.CoordinatorStub(channel).KeepAlive(pb.KeepAliveRequest(handle="no-such-handle"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert httpx.post(f"{server.http_url}/v1/writers/no-such-handle/keepalive").status_code == 404
+    assert httpx.get(f"{server.http_url}/v1/no/such/route").status_code == 404
+
+    samples = scrape(server)
+    grpc_count = "tally_grpc_request_duration_seconds_count"
+    http_count = "tally_http_request_duration_seconds_count"
+    for method in ("OpenWriter", "ApplyDeltas", "Flush", "CloseWriter"):
+        assert value(samples, grpc_count, method=f"/tally.v1.Coordinator/{method}", code="OK") >= 1
+    assert value(samples, grpc_count, method="/tally.v1.Coordinator/KeepAlive", code="NOT_FOUND") == 1
+    for route in ("/v1/writers", "/v1/writers/{handle}/deltas", "/v1/writers/{handle}/flush"):
+        assert value(samples, http_count, method="POST", route=route, status="200") >= 1
+    keepalive = "/v1/writers/{handle}/keepalive"
+    assert value(samples, http_count, method="POST", route=keepalive, status="404") == 1
+    assert value(samples, http_count, method="GET", route="unmatched", status="404") == 1
+    # The histograms have buckets, and the +Inf bucket counts every observation.
+    opened = value(samples, grpc_count, method="/tally.v1.Coordinator/OpenWriter", code="OK")
+    inf = value(
+        samples,
+        "tally_grpc_request_duration_seconds_bucket",
+        method="/tally.v1.Coordinator/OpenWriter",
+        code="OK",
+        le="+Inf",
+    )
+    assert inf == opened
+    assert value(samples, "tally_store_commit_duration_seconds_count") >= 2
+    assert value(samples, "tally_store_commit_batch_sources_sum") == 2
+
+
+def _round(server: RunningServer, checkpoint: str, writers: int, seen: set[str]) -> None:
+    """Per transport: open, apply, flush, heartbeat, read and close ``writers`` distinct writers."""
+    for address in (server.grpc_address, server.http_url):
+        with tally.Client(address) as client:
+            for _ in range(writers):
+                tag = uuid.uuid4().hex[:10]
+                sid, writer_id = f"src-{tag}", f"writer-{tag}"
+                deltas = tree(sid)
+                seen.update([sid, writer_id, *(task for task, _, _ in deltas)])
+                with client.writer(checkpoint, writer_id=writer_id) as w:
+                    w.apply_deltas(deltas)
+                    w.flush()
+                    assert w.handle is not None
+                    seen.add(w.handle)
+                    # Heartbeats are timed by the SDK; send one explicitly so every round has them.
+                    if address == server.http_url:
+                        reply = httpx.post(f"{server.http_url}/v1/writers/{w.handle}/keepalive")
+                        assert reply.status_code == 200
+                    else:
+                        with grpc.insecure_channel(server.grpc_address) as channel:
+                            stub = pb_grpc.CoordinatorStub(channel)
+                            stub.KeepAlive(pb.KeepAliveRequest(handle=w.handle))
+                    assert w.are_completed([sid]) == [True]
+                assert client.checkpoint(checkpoint).completed_count >= 1
+
+
+def test_label_sets_are_bounded_and_never_carry_ids(server: RunningServer) -> None:
+    checkpoint = "metrics/cardinality"
+    seen: set[str] = set()
+    scrape(server)  # the scrape itself is a request: its own series exist from here on
+    _round(server, checkpoint, 2, seen)
+    few = series(scrape(server))
+    _round(server, checkpoint, 12, seen)
+    samples = scrape(server)
+    many = series(samples)
+
+    # 12 more writers, handles, sources and tasks per transport: not a single new series.
+    assert many == few
+    label_values = {v for s in samples for k, v in s.labels.items() if k != "le"}
+    leaked = {v for v in label_values for i in seen if i in v}
+    assert not leaked, f"ids in label values: {sorted(leaked)[:5]}"
+    assert not [v for v in label_values if re.search(r"[0-9a-f]{32}", v)], "a handle in a label value"
+    assert {s.labels["checkpoint"] for s in samples if "checkpoint" in s.labels} == {checkpoint}
+    names = {s.name for s in samples}
+    ours = {n for n in names if n.startswith("tally_")}
+    assert ours and all(n.startswith(("tally_", "process_")) for n in names)
