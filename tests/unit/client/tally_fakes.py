@@ -7,7 +7,6 @@ fake in worker threads so that a held call never blocks the event loop.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
@@ -15,6 +14,7 @@ from dataclasses import replace
 
 from tally._client import AsyncClient, Client
 from tally._config import ClientConfig
+from tally._http import AsyncHttpTransport
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -225,63 +225,12 @@ class FakeTransport:
         self.closed = True
 
 
-class AsyncFakeTransport:
-    """The AsyncTransport face of a FakeTransport."""
+class AsyncFakeTransport(AsyncHttpTransport):
+    """The AsyncTransport face of a FakeTransport: the HTTP transport's thread wrapping, reused."""
 
     def __init__(self, fake: FakeTransport) -> None:
+        super().__init__(fake)  # type: ignore[arg-type]  # the same blocking interface
         self.fake = fake
-
-    async def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter:
-        return await asyncio.to_thread(self.fake.open_writer, spec, timeout)
-
-    async def keep_alive(self, handle: str, timeout: float) -> float:
-        return await asyncio.to_thread(self.fake.keep_alive, handle, timeout)
-
-    async def apply_deltas(
-        self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
-    ) -> ApplyCounts:
-        return await asyncio.to_thread(self.fake.apply_deltas, handle, deltas, batch_seq, timeout)
-
-    async def are_completed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> list[bool]:
-        return await asyncio.to_thread(self.fake.are_completed, checkpoint, source_ids, timeout)
-
-    async def flush(self, handle: str, timeout: float) -> int:
-        return await asyncio.to_thread(self.fake.flush, handle, timeout)
-
-    async def close_writer(self, handle: str, timeout: float) -> CloseResult:
-        return await asyncio.to_thread(self.fake.close_writer, handle, timeout)
-
-    async def get_checkpoint(self, name: str, timeout: float) -> CheckpointStatus:
-        return await asyncio.to_thread(self.fake.get_checkpoint, name, timeout)
-
-    async def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
-        return await asyncio.to_thread(self.fake.list_checkpoints, timeout)
-
-    async def list_writers(
-        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
-    ) -> list[WriterStatus]:
-        return await asyncio.to_thread(self.fake.list_writers, checkpoint, include_closed, limit, timeout)
-
-    async def list_events(
-        self, checkpoint: str, limit: int, before_id: int | None, timeout: float
-    ) -> EventPage:
-        return await asyncio.to_thread(self.fake.list_events, checkpoint, limit, before_id, timeout)
-
-    async def get_progress(
-        self, checkpoint: str, since: float | None, timeout: float
-    ) -> list[ProgressSample]:
-        return await asyncio.to_thread(self.fake.get_progress, checkpoint, since, timeout)
-
-    async def list_completed(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
-        return await asyncio.to_thread(self.fake.list_completed, checkpoint, after, limit, timeout)
-
-    async def import_completed(
-        self, checkpoint: str, source_ids: Sequence[str], import_id: str, timeout: float
-    ) -> ImportResult:
-        return await asyncio.to_thread(self.fake.import_completed, checkpoint, source_ids, import_id, timeout)
-
-    async def reset_checkpoint(self, name: str, force: bool, timeout: float) -> ResetResult:
-        return await asyncio.to_thread(self.fake.reset_checkpoint, name, force, timeout)
 
     async def watch(
         self, checkpoint: str, interval_ms: int, timeout: float
@@ -292,9 +241,6 @@ class AsyncFakeTransport:
                 yield status
         finally:
             stream.close()
-
-    async def close(self) -> None:
-        self.fake.close()
 
 
 # Zero backoff keeps retry tests instant; small batches make coalescing visible.
