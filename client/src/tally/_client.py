@@ -37,6 +37,7 @@ _SLURM_LABELS = {
     "SLURM_JOB_ID": "slurm_job_id",
     "SLURM_ARRAY_JOB_ID": "slurm_array_job_id",
     "SLURM_ARRAY_TASK_ID": "slurm_array_task_id",
+    "SLURM_ARRAY_TASK_COUNT": "slurm_array_task_count",
 }
 
 

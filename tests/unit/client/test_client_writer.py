@@ -329,6 +329,7 @@ def test_open_sends_identity_and_defaults(
 ) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "8")
     w = client.writer("cp", fingerprint={"pipeline": "h1"}, labels={"team": "x", "slurm_job_id": "override"})
     assert w.handle is None and w.completed_at_open is None and w.lease_ttl_s is None
     fake.completed.update({"a", "b"})
@@ -337,7 +338,12 @@ def test_open_sends_identity_and_defaults(
         assert spec.writer_id == f"{socket.gethostname()}-{os.getpid()}" == w.writer_id
         assert spec.host == socket.gethostname() and spec.pid == os.getpid()
         assert spec.fingerprint == {"pipeline": "h1"}
-        assert spec.labels == {"team": "x", "slurm_job_id": "override", "slurm_array_task_id": "3"}
+        assert spec.labels == {
+            "team": "x",
+            "slurm_job_id": "override",
+            "slurm_array_task_id": "3",
+            "slurm_array_task_count": "8",
+        }
         assert w.handle == "h-1" and w.completed_at_open == 2 and w.lease_ttl_s == 30.0
         w.open()  # idempotent while open
     assert fake.count("open_writer") == 1
