@@ -118,7 +118,10 @@ def test_rerun_of_a_killed_array_skips_what_any_task_finished(server: RunningSer
     assert len(labels) == 2 * TASKS, writers
     for job in ("100", "200"):
         for index in range(TASKS):
-            tag = f"slurm_array_job_id={job} slurm_array_task_id={index} slurm_job_id={int(job) + 1 + index}"
+            tag = (
+                f"slurm_array_job_id={job} slurm_array_task_count={TASKS} "
+                f"slurm_array_task_id={index} slurm_job_id={int(job) + 1 + index}"
+            )
             (line,) = [line for line in labels if tag in line]
             cells = [c.strip() for c in line.replace("┃", "│").strip().strip("│").split("│")]
             if job == "200":  # the rerun's tasks closed their writers (the killed ones did not)
