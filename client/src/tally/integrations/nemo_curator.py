@@ -1,0 +1,249 @@
+"""NeMo Curator drop-in: run ``Pipeline.run(checkpoint_path=...)`` with Tally as its checkpoint.
+
+NeMo Curator 1.4.0 keeps its resumability state in one detached Ray actor, created with
+``get_if_exists=True`` under a fixed name and namespace. An actor that already exists under that
+name is adopted as is, so creating :class:`TallyResumabilityProxy` there first makes every worker
+of the pipeline talk to a Tally writer instead of NeMo Curator's LMDB files::
+
+    from tally.integrations.nemo_curator import tally_for_nemo_curator
+
+    with tally_for_nemo_curator(checkpoint="curation/run-42", address="grpc://coordinator:50051"):
+        pipeline.run(executor, checkpoint_path="/unused/when/tally/is/active")
+
+The proxy keeps no state of its own: NeMo Curator ignores ``checkpoint_path`` when it adopts the
+actor, and closes and kills the actor at the end of every run, so each run is a new Tally writer
+whose completions are durable on the coordinator before the actor dies.
+
+Ray and NeMo Curator are optional: this module imports ray only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from tally._client import Client
+from tally._config import ClientConfig
+
+logger = logging.getLogger(__name__)
+
+# NeMo Curator 1.4.0: nemo_curator.utils.resumability_client.ACTOR_NAME, used as name and namespace.
+ACTOR_NAME = "nemo_curator_resumability"
+ACTOR_NAMESPACE = ACTOR_NAME
+
+# NeMo Curator gives close() 30 s (ray.get timeout) before it kills the actor; finish before that.
+_CLOSE_TIMEOUT_S = 25.0
+
+
+class TallyResumabilityProxy:
+    """The body of the Ray actor that stands in for NeMo Curator's ``ResumabilityActor``.
+
+    It opens a Tally writer of ``checkpoint`` when created and forwards NeMo Curator's four calls
+    to it. Usable without Ray (that is how it is unit-tested); :func:`tally_for_nemo_curator`
+    wraps it with ``ray.remote``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        checkpoint: str,
+        *,
+        writer_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Connect to the coordinator and open a writer of ``checkpoint``.
+
+        Args:
+            address: Coordinator address, e.g. ``grpc://coordinator:50051``.
+            checkpoint: Checkpoint name, e.g. ``curation/run-42``.
+            writer_id: Defaults to ``<hostname>-<pid>`` of the actor process, new every run.
+            labels: Free-form labels shown in status views.
+            token: Bearer token, when the coordinator requires one.
+            timeout: Seconds a coordinator call may take; the client's default when None.
+
+        Raises:
+            tally.TallyError: The writer could not be opened (e.g. ``Unavailable``).
+        """
+        self._client = Client(address, token=token, timeout=timeout)
+        try:
+            self._writer = self._client.writer(checkpoint, writer_id=writer_id, labels=labels)
+            self._writer.open()
+        except BaseException:
+            self._client.close()
+            raise
+        logger.info(
+            "tally writer %s open on checkpoint %r (%d sources already completed)",
+            self._writer.writer_id,
+            checkpoint,
+            self._writer.completed_at_open or 0,
+        )
+
+    def wait(self) -> int:
+        """Return once the writer is open (NeMo Curator calls this right after creating the actor).
+
+        Returns:
+            How many sources the checkpoint had completed when this writer opened.
+        """
+        return self._writer.completed_at_open or 0
+
+    def are_completed(self, source_ids: list[str]) -> list[bool]:
+        """Which of ``source_ids`` the checkpoint has completed (live, across all writers).
+
+        Args:
+            source_ids: Source ids, as NeMo Curator's reader stage names them.
+
+        Returns:
+            One bool per id, in order.
+        """
+        return self._writer.are_completed(source_ids)
+
+    def apply_deltas(self, per_task: list[tuple[str, str, int]]) -> None:
+        """Queue ``(task_id, source_id, delta)`` tuples for the coordinator. Never raises.
+
+        Args:
+            per_task: Deltas in the order the worker reported them.
+        """
+        try:
+            self._writer.apply_deltas(per_task)
+        except Exception:  # Writer.apply_deltas never raises; a Ray actor call must not either.
+            logger.exception("tally writer %s: apply_deltas failed", self._writer.writer_id)
+
+    def close(self) -> None:
+        """Deliver buffered deltas and close the writer, so its completions are durable.
+
+        Idempotent. NeMo Curator calls it at the end of every run, then kills the actor.
+
+        Raises:
+            tally.TallyError: The buffer could not be delivered or the writer not closed; NeMo
+                Curator logs this as a warning.
+        """
+        try:
+            result = self._writer.close(timeout=_CLOSE_TIMEOUT_S)
+        finally:
+            self._client.close()
+        logger.info("tally writer %s closed: %s", self._writer.writer_id, result)
+
+
+def _import_ray() -> Any:
+    try:
+        import ray  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as exc:
+        raise ImportError(
+            "tally.integrations.nemo_curator needs Ray, which NeMo Curator installs: "
+            "pip install nemo-curator (or pip install ray)"
+        ) from exc
+    return ray
+
+
+def _existing_actor(ray: Any) -> Any:
+    try:
+        return ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
+    except ValueError:  # what Ray raises for "no actor with this name"
+        return None
+
+
+def _close_and_kill(ray: Any, actor: Any, why: str) -> None:
+    try:
+        ray.get(actor.close.remote(), timeout=_CLOSE_TIMEOUT_S + 5)
+    except Exception as exc:
+        logger.warning("%s: close() of the resumability actor failed: %s", why, exc)
+    with contextlib.suppress(Exception):  # already dead is fine
+        ray.kill(actor)
+
+
+@contextlib.contextmanager
+def _ray_connection(ray: Any, ray_address: str | None) -> Iterator[None]:
+    # NeMo Curator's Pipeline.run makes its own ray.init()/shutdown, so the context manager holds
+    # a connection only while it creates or removes the actor (which is detached and outlives it),
+    # and leaves a connection the caller made alone.
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(address=ray_address or "auto", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def tally_for_nemo_curator(
+    checkpoint: str,
+    address: str | None = None,
+    *,
+    writer_id: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    token: str | None = None,
+    timeout: float | None = None,
+    ray_address: str | None = None,
+) -> Iterator[None]:
+    """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
+
+    Before the block, it creates NeMo Curator's resumability actor (detached, under NeMo Curator's
+    name and namespace) as a proxy to a new Tally writer of ``checkpoint``, and waits until the
+    writer is open. ``Pipeline.run(checkpoint_path=...)`` then adopts it: sources the checkpoint
+    has completed are skipped, and completions go to the coordinator. Its ``checkpoint_path`` must
+    still be set (it switches resumability on) but is not written to.
+
+    An actor already registered under that name is closed and killed first, with a warning: it can
+    only be left over from a run whose driver was killed (NeMo Curator removes its actor at the end
+    of every run), and adopting it would record this run in that run's checkpoint. One Ray cluster
+    therefore runs one checkpointed pipeline at a time, as with NeMo Curator alone.
+
+    After the block, an actor still registered (the run failed before NeMo Curator removed it) is
+    closed and killed too. Run one ``pipeline.run`` per block: NeMo Curator removes the actor at
+    the end of each run, so a second run in the same block would use NeMo Curator's own files.
+
+    Args:
+        checkpoint: Tally checkpoint name, e.g. ``curation/run-42``.
+        address: Coordinator address, reachable from wherever Ray places the actor;
+            ``TALLY_ADDRESS`` of this process (or ``127.0.0.1:50051``) when None.
+        writer_id: Writer id; defaults to ``<hostname>-<pid>`` of the actor, new every run.
+        labels: Free-form labels for status views.
+        token: Bearer token, when the coordinator requires one; ``TALLY_TOKEN`` when None.
+        timeout: Seconds a coordinator call may take; ``TALLY_TIMEOUT`` or the SDK's default
+            when None.
+        ray_address: Ray cluster to connect to when Ray is not initialized yet; ``"auto"`` (the
+            ``RAY_ADDRESS`` variable or the local cluster) when None.
+
+    Raises:
+        ImportError: Ray is not installed.
+        tally.TallyError: The actor could not open its writer (e.g. ``Unavailable``).
+    """
+    ray = _import_ray()
+    # Read TALLY_* here, in the driver: the actor runs with the Ray worker's environment.
+    env = ClientConfig.from_env()
+    address = address or env.address
+    token = token if token is not None else env.token
+    timeout = timeout if timeout is not None else env.timeout
+    cls = ray.remote(num_cpus=0, max_concurrency=1)(TallyResumabilityProxy)
+    with _ray_connection(ray, ray_address):
+        stale = _existing_actor(ray)
+        if stale is not None:
+            logger.warning(
+                "replacing the resumability actor %r left by an earlier run (its driver was killed)",
+                ACTOR_NAME,
+            )
+            _close_and_kill(ray, stale, "replacing a left-over actor")
+        actor = cls.options(
+            name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=False
+        ).remote(address, checkpoint, writer_id=writer_id, labels=labels, token=token, timeout=timeout)
+        try:
+            completed = ray.get(actor.wait.remote())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            raise
+        # A failed actor constructor surfaces from ray.get as RayActorError wrapping the TallyError.
+        logger.info("tally checkpoint %r: %d sources already completed", checkpoint, completed)
+    try:
+        yield
+    finally:
+        with _ray_connection(ray, ray_address):
+            leftover = _existing_actor(ray)
+            if leftover is not None:
+                _close_and_kill(ray, leftover, "cleaning up after the run")

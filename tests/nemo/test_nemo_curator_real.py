@@ -1,0 +1,346 @@
+"""The real NeMo Curator 1.4.0 against a real ``tally serve``, on a private local Ray head.
+
+JsonlReader(files_per_partition=1) → FanOut (1→3) → DropSome (filter) → JsonlWriter, run by
+``nemo_driver.py`` under ``.venv-nemo`` (built by ``tests/nemo/setup_env.sh``):
+
+a. an uninterrupted reference run;
+b. a run killed midway: FanOut lets ``PASS_LIMIT`` partitions through and holds the rest; once the
+   coordinator reports those complete, the driver is SIGKILLed;
+c. a rerun that must process exactly the partitions (b) did not complete, and whose output equals (a);
+d. ``tally export``, then plain NeMo Curator without Tally resumes from the export and processes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tally
+from tally_server.testing import RunningServer, running_server
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VENV = REPO / ".venv-nemo"
+STAMP = VENV / ".installed-nemo-curator-1.4.0"
+NEMO_PYTHON = VENV / "bin" / "python"
+TALLY_CLI = Path(sys.executable).parent / "tally"
+
+FILES = [f"in-{i:02d}.jsonl" for i in range(6)]
+RECORDS_PER_FILE = 4
+PASS_LIMIT = 3  # partitions run (b) lets through before it is killed
+RUN_TIMEOUT_S = 300.0
+
+pytestmark = [pytest.mark.nemo, pytest.mark.timeout(1500)]
+
+TIMINGS: dict[str, float] = {}
+
+
+def _require_env() -> None:
+    if NEMO_PYTHON.exists() and STAMP.exists():
+        return
+    reason = f"{VENV.name}/ is not set up: run tests/nemo/setup_env.sh (or TALLY_NEMO_TESTS=1 ./dev test)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the NeMo Curator test, but {reason}")
+    pytest.skip(reason)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _pids_with_env(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker``: everything our Ray head started."""
+    pids = []
+    needle = marker.encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                continue
+    return pids
+
+
+def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def ray_env() -> Iterator[dict[str, str]]:
+    """A private Ray head (8 CPUs, dashboard on) on free loopback ports; the env to reach it."""
+    _require_env()
+    # Ray's unix sockets live under the temp dir and must stay under ~107 bytes: keep it short.
+    temp_dir = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
+    gcs, dashboard, client, node, objects, agent, agent_grpc, metrics, runtime_env = _free_ports(9)
+    # Every process of this cluster inherits the marker; teardown finds the stragglers by it.
+    marker = f"TALLY_NEMO_TEST_RAY={temp_dir}"
+    env = {
+        **os.environ,
+        "TALLY_NEMO_TEST_RAY": temp_dir,
+        "RAY_MAX_LIMIT_FROM_API_SERVER": "40000",
+        "PYTHONPATH": str(HERE),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ADDRESS": f"127.0.0.1:{gcs}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("VIRTUAL_ENV", None)
+    log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - closed in finally
+    start = time.monotonic()
+    # --block keeps `ray start` in the foreground, in a session of its own: teardown ends exactly
+    # this cluster (`ray stop` would stop every Ray cluster of this user on the machine).
+    head = subprocess.Popen(
+        [
+            str(VENV / "bin" / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=8",
+            "--include-dashboard=true",
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--node-manager-port={node}",
+            f"--object-manager-port={objects}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={runtime_env}",
+        ],
+        env={k: v for k, v in env.items() if k != "RAY_ADDRESS"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            probe = subprocess.run(
+                [str(NEMO_PYTHON), "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if probe.returncode == 0:
+                break
+            assert head.poll() is None, "ray start exited:\n" + (Path(temp_dir) / "ray-start.log").read_text()
+            assert time.monotonic() < deadline, f"Ray head not reachable:\n{probe.stderr[-3000:]}"
+            time.sleep(1)
+        TIMINGS["ray start"] = time.monotonic() - start
+        yield env
+    finally:
+        stop = time.monotonic()
+        _kill_group(head, signal.SIGTERM)
+        try:
+            head.wait(timeout=3)  # a throwaway cluster: a short grace, then SIGKILL
+        except subprocess.TimeoutExpired:
+            _kill_group(head, signal.SIGKILL)
+            head.wait(timeout=30)
+        # Workers of a killed driver outlive the head in sessions of their own (held FanOut tasks).
+        for pid in _pids_with_env(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        TIMINGS["ray stop"] = time.monotonic() - stop
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[RunningServer]:
+    with running_server(tmp_path / "tally-data") as srv:
+        yield srv
+
+
+def _write_inputs(folder: Path) -> None:
+    folder.mkdir()
+    for name in FILES:
+        rows = [{"id": f"{name}-{r}", "text": f"record {r} of {name}"} for r in range(RECORDS_PER_FILE)]
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+class Driver:
+    """One ``nemo_driver.py`` process."""
+
+    def __init__(self, env: dict[str, str], log: Path, args: list[str]) -> None:
+        self.log = log
+        self._log_file = open(log, "wb")  # noqa: SIM115 - closed by wait()/kill()
+        self.process = subprocess.Popen(
+            [str(NEMO_PYTHON), str(HERE / "nemo_driver.py"), *args],
+            env=env,
+            cwd=HERE,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def wait(self) -> None:
+        try:
+            code = self.process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the pipeline did not finish in {RUN_TIMEOUT_S} s:\n{self.tail()}")
+        self._log_file.close()
+        assert code == 0, f"the pipeline failed ({code}):\n{self.tail()}"
+
+    def kill(self) -> None:
+        _kill_group(self.process, signal.SIGKILL)
+        self.process.wait(timeout=60)
+        self._log_file.close()
+
+
+def _run(env: dict[str, str], tmp: Path, label: str, *args: str) -> None:
+    start = time.monotonic()
+    Driver(env, tmp / f"{label}.log", list(args)).wait()
+    TIMINGS[label] = time.monotonic() - start
+
+
+def _seen(folder: Path) -> dict[str, str]:
+    """Partitions FanOut saw: input file name → NeMo Curator source id."""
+    if not folder.exists():
+        return {}
+    return {p.name: json.loads(p.read_text())["source_id"] for p in folder.iterdir()}
+
+
+def _records(folder: Path) -> collections.Counter[str]:
+    rows: collections.Counter[str] = collections.Counter()
+    for path in folder.glob("*.jsonl") if folder.exists() else []:
+        rows.update(json.dumps(json.loads(line), sort_keys=True) for line in path.read_text().splitlines())
+    return rows
+
+
+def test_kill_rerun_and_export_with_the_real_nemo_curator(
+    tmp_path: Path, ray_env: dict[str, str], coordinator: RunningServer
+) -> None:
+    TIMINGS["env setup (when .venv-nemo was built)"] = float(STAMP.read_text().strip() or 0)
+    address = f"grpc://{coordinator.grpc_address}"
+    inputs = tmp_path / "in"
+    _write_inputs(inputs)
+    common = ["--input", str(inputs)]
+    client = tally.Client(address)
+
+    # (a) The reference: one uninterrupted run.
+    _run(
+        ray_env, tmp_path, "run a (reference)", *common,
+        "--output", str(tmp_path / "out-ref"),
+        "--checkpoint-path", str(tmp_path / "unused-a"),
+        "--seen-dir", str(tmp_path / "seen-a"),
+        "--tally-address", address, "--tally-checkpoint", "nemo/reference",
+    )  # fmt: skip
+    source_ids = _seen(tmp_path / "seen-a")
+    assert sorted(source_ids) == FILES
+    ids = [source_ids[name] for name in FILES]
+    assert client.are_completed("nemo/reference", ids) == [True] * len(FILES)
+    reference = _records(tmp_path / "out-ref")
+    # 2 of 3 parts survive the filter, none of in-03's.
+    assert sum(reference.values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
+    assert not (tmp_path / "unused-a" / ".nemo_curator_metadata").exists(), "NeMo's own actor ran"
+
+    # (b) Killed midway: PASS_LIMIT partitions pass FanOut, the others are held there.
+    output = tmp_path / "out"
+    gate = tmp_path / "gate"
+    start = time.monotonic()
+    driver = Driver(
+        ray_env,
+        tmp_path / "run b (killed).log",
+        [
+            *common,
+            "--output", str(output),
+            "--checkpoint-path", str(tmp_path / "unused-b"),
+            "--seen-dir", str(tmp_path / "seen-b"),
+            "--gate-dir", str(gate),
+            "--pass-limit", str(PASS_LIMIT),
+            "--tally-address", address, "--tally-checkpoint", "nemo/run",
+        ],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            passed = {p.read_text() for p in gate.glob("slot-*")} if gate.exists() else set()
+            if len(passed) == PASS_LIMIT and all(
+                client.are_completed("nemo/run", [source_ids[n] for n in passed])
+            ):
+                break
+            assert driver.process.poll() is None, f"run (b) ended before it was killed:\n{driver.tail()}"
+            assert time.monotonic() < deadline, (
+                f"run (b) did not complete {PASS_LIMIT} partitions:\n{driver.tail()}"
+            )
+            time.sleep(0.2)
+    finally:
+        driver.kill()
+    TIMINGS["run b (killed midway)"] = time.monotonic() - start
+    done_b = dict(zip(FILES, client.are_completed("nemo/run", ids), strict=True))
+    assert {n for n, done in done_b.items() if done} == passed
+
+    # (c) The rerun processes exactly what (b) left, and ends with (a)'s output.
+    _run(
+        ray_env, tmp_path, "run c (rerun)", *common,
+        "--output", str(output),
+        "--checkpoint-path", str(tmp_path / "unused-c"),
+        "--seen-dir", str(tmp_path / "seen-c"),
+        "--tally-address", address, "--tally-checkpoint", "nemo/run",
+    )  # fmt: skip
+    assert set(_seen(tmp_path / "seen-c")) == set(FILES) - passed
+    assert client.are_completed("nemo/run", ids) == [True] * len(FILES)
+    assert _records(output) == reference
+
+    # (d) Export, then plain NeMo Curator (no Tally) resumes from the folder and does nothing.
+    exported = tmp_path / "exported"
+    subprocess.run(
+        [str(TALLY_CLI), "export", "--address", address, "nemo/run", str(exported)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert list((exported / ".nemo_curator_metadata").glob("*.mdb"))
+    _run(
+        ray_env, tmp_path, "run d (plain NeMo Curator from the export)", *common,
+        "--output", str(tmp_path / "out-d"),
+        "--checkpoint-path", str(exported),
+        "--seen-dir", str(tmp_path / "seen-d"),
+    )  # fmt: skip
+    assert _seen(tmp_path / "seen-d") == {}
+    assert _records(tmp_path / "out-d") == collections.Counter()
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _print_timings(capsys: pytest.CaptureFixture[str]) -> Iterator[None]:
+    TIMINGS.clear()
+    start = time.monotonic()
+    yield
+    TIMINGS["whole test"] = time.monotonic() - start
+    with capsys.disabled():
+        print("\nNeMo Curator real-client test, seconds:")
+        for what, seconds in TIMINGS.items():
+            print(f"  {what:<45} {seconds:7.1f}")
