@@ -244,6 +244,9 @@ class _Runtime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     commits_in_flight: int = 0
+    # Completion commits that failed (their sources are re-settled and retried); a flush that saw
+    # one fail while it waited must not report durability.
+    failed_commits: int = 0
 
 
 class CoordinatorService:
@@ -558,6 +561,9 @@ class CoordinatorService:
             # Durable now; only from here on may anyone see it.
             cp.completed.add(sources)
             self.stats.completions += len(sources)
+        except Exception:
+            runtime.failed_commits += 1
+            raise
         finally:
             runtime.commits_in_flight -= 1
             async with runtime.changed:
@@ -597,6 +603,7 @@ class CoordinatorService:
         async with runtime.lock:
             self._renew(session)
             waiting = dict(session.ledger.settling)
+            failures = runtime.failed_commits
 
         def settled() -> bool:
             if session.state != WriterState.OPEN:
@@ -612,6 +619,11 @@ class CoordinatorService:
             raise NotFound(
                 f"writer {session.writer_id!r} expired while flushing; its pending state is gone: "
                 "open a new writer (unfinished sources replay)",
+            )
+        if runtime.failed_commits != failures:
+            raise Unavailable(
+                "persisting completions failed while flushing; they are being retried, so flush again "
+                "(see the coordinator log for the storage error)",
             )
         return session.ledger.totals.completed
 
