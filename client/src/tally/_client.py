@@ -32,6 +32,9 @@ from tally.errors import FailedPrecondition, Internal, InvalidArgument, TallyErr
 
 logger = logging.getLogger(__name__)
 
+# What a writer asks for when its fingerprint differs from the checkpoint's recorded one.
+_ON_MISMATCH = ("refuse", "reset", "ignore")
+
 # SLURM job identity, added to writer labels so the dashboard can tell array tasks apart.
 _SLURM_LABELS = {
     "SLURM_JOB_ID": "slurm_job_id",
@@ -142,8 +145,13 @@ class _BaseClient:
         writer_id: str | None,
         fingerprint: Mapping[str, str] | None,
         labels: Mapping[str, str] | None,
+        on_mismatch: str = "refuse",
     ) -> WriterSpec:
         self._check_open()
+        if on_mismatch not in _ON_MISMATCH:
+            raise InvalidArgument(
+                f"on_mismatch must be one of {', '.join(_ON_MISMATCH)}, got {on_mismatch!r}"
+            )
         if not isinstance(checkpoint, str) or not checkpoint:
             raise InvalidArgument(f"checkpoint must be a non-empty string, got {checkpoint!r}")
         if writer_id is not None and (not isinstance(writer_id, str) or not writer_id):
@@ -157,6 +165,7 @@ class _BaseClient:
             labels=merged,
             host=socket.gethostname(),
             pid=os.getpid(),
+            on_mismatch=on_mismatch,
         )
 
     def _open_writers(self) -> list[_WriterBase]:
@@ -279,22 +288,26 @@ class Client(_BaseClient):
         writer_id: str | None = None,
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
+        on_mismatch: str = "refuse",
     ) -> Writer:
         """Create a writer of ``checkpoint``; it opens on ``with`` (or :meth:`Writer.open`).
 
         Args:
             checkpoint: Checkpoint name, e.g. ``curation/run-42``.
             writer_id: Defaults to ``<hostname>-<pid>``, like NeMo Curator.
-            fingerprint: Named components identifying the pipeline and its input; a later writer
-                whose components differ is refused.
+            fingerprint: Named components identifying the pipeline and its input, e.g.
+                ``{"pipeline": h1, "input": h2}``. The checkpoint records the first writer's; a later
+                writer whose components differ is refused (:class:`FailedPrecondition` naming each
+                differing component) unless ``on_mismatch`` says otherwise.
             labels: Free-form labels shown in status views (SLURM job ids are added automatically).
+            on_mismatch: ``"refuse"`` (default), ``"reset"`` (start the checkpoint over: its files go
+                to the trash; refused while other writers are live) or ``"ignore"``.
 
         Returns:
             An unopened :class:`Writer`.
         """
-        writer = Writer(
-            self._transport, self._writer_spec(checkpoint, writer_id, fingerprint, labels), self._config
-        )
+        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch)
+        writer = Writer(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer
 
@@ -556,9 +569,10 @@ class AsyncClient(_BaseClient):
         writer_id: str | None = None,
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
+        on_mismatch: str = "refuse",
     ) -> AsyncWriter:
         """Create a writer of ``checkpoint``; it opens on ``async with``. See :meth:`Client.writer`."""
-        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels)
+        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch)
         writer = AsyncWriter(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer

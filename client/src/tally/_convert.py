@@ -38,7 +38,15 @@ def open_writer_request(spec: WriterSpec) -> Any:
         labels=dict(spec.labels),
         host=spec.host,
         pid=spec.pid,
+        on_mismatch=_ON_MISMATCH_PB[spec.on_mismatch],
     )
+
+
+_ON_MISMATCH_PB = {
+    "refuse": pb.ON_MISMATCH_REFUSE,
+    "reset": pb.ON_MISMATCH_RESET,
+    "ignore": pb.ON_MISMATCH_IGNORE,
+}
 
 
 def keep_alive_request(handle: str) -> Any:
@@ -247,6 +255,8 @@ def open_writer_body(spec: WriterSpec) -> dict[str, Any]:
         body["fingerprint"] = dict(spec.fingerprint)
     if spec.labels:
         body["labels"] = dict(spec.labels)
+    if spec.on_mismatch != "refuse":
+        body["on_mismatch"] = spec.on_mismatch
     return body
 
 

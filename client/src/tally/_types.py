@@ -236,6 +236,7 @@ class WriterSpec:
     labels: Mapping[str, str]
     host: str
     pid: int
+    on_mismatch: str = "refuse"
 
 
 @dataclass(frozen=True)

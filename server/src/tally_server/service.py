@@ -448,8 +448,11 @@ class CoordinatorService:
         labels: dict[str, str] | None = None,
         host: str = "",
         pid: int = 0,
+        on_mismatch: str = "refuse",
     ) -> OpenedWriter:
         self._check_accepting()
+        if on_mismatch not in ("refuse", "reset", "ignore"):
+            raise InvalidArgument(f"on_mismatch {on_mismatch!r} is not one of refuse, reset, ignore")
         validation.checkpoint_name(checkpoint, self.limits)
         writer_id = writer_id or f"{socket.gethostname()}-tally-{uuid.uuid4().hex[:8]}"
         validation.writer_id(writer_id, self.limits)
@@ -462,6 +465,7 @@ class CoordinatorService:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._checkpoint(checkpoint, create=True)
         assert cp is not None
+        await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch)
         live = cp.writers.get(writer_id)
         if live is not None:
             raise AlreadyExists(
@@ -510,6 +514,45 @@ class CoordinatorService:
             labels=labels,
         )
         return OpenedWriter(session.handle, writer_id, self.lease_ttl_s, len(cp.completed), self.settle_ms)
+
+    async def _guard_fingerprint(
+        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str
+    ) -> None:
+        """DESIGN §2.5: refuse to resume a checkpoint with different inputs unless told otherwise."""
+        if not fingerprint or not cp.fingerprint:
+            return  # nothing to compare: the first fingerprint is recorded by open_writer
+        recorded = cp.fingerprint
+        differing = sorted(
+            k for k in recorded.keys() | fingerprint.keys() if recorded.get(k) != fingerprint.get(k)
+        )
+        if not differing:
+            return
+        absent = "(absent)"
+        detail = "; ".join(
+            f"{k}: recorded {recorded.get(k, absent)!r}, this writer {fingerprint.get(k, absent)!r}"
+            for k in differing
+        )
+        if on_mismatch == "ignore":
+            await self._event(
+                cp.name,
+                "fingerprint_mismatch_ignored",
+                f"writer {writer_id} opened with a different fingerprint ({detail}); ignored as it asked",
+                writer_id,
+                differing=differing,
+            )
+            return
+        if on_mismatch == "reset":
+            # Refused while other writers are live (reset_checkpoint says so); the new fingerprint
+            # is recorded by open_writer once the checkpoint is empty again.
+            await self.reset_checkpoint(cp.name)
+            return
+        raise FailedPrecondition(
+            f"checkpoint {cp.name!r} was started with a different fingerprint: {detail}. Resuming it "
+            "with other inputs could skip work that was never done for them. Use a new checkpoint name, "
+            "or open with on_mismatch='reset' to start this one over (its files go to the trash) or "
+            "on_mismatch='ignore' if the difference does not matter",
+            differing=differing,
+        )
 
     async def keep_alive(self, handle: str) -> float:
         self._check_accepting()

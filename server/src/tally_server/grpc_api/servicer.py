@@ -26,6 +26,13 @@ def _counts(c: ApplyCounts) -> pb.ApplyCounts:
     )
 
 
+_ON_MISMATCH = {
+    pb.ON_MISMATCH_REFUSE: "refuse",
+    pb.ON_MISMATCH_RESET: "reset",
+    pb.ON_MISMATCH_IGNORE: "ignore",
+}
+
+
 def writer_status(w: WriterView) -> pb.WriterStatus:
     return pb.WriterStatus(
         writer_id=w.writer_id,
@@ -69,6 +76,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             labels=dict(request.labels),
             host=request.host,
             pid=request.pid,
+            on_mismatch=_ON_MISMATCH.get(request.on_mismatch, "invalid"),
         )
         return pb.OpenWriterResponse(
             handle=opened.handle,

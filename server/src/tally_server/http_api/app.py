@@ -147,6 +147,7 @@ def create_app(
             labels=body.labels,
             host=body.host,
             pid=body.pid,
+            on_mismatch=body.on_mismatch,
         )
         return s.OpenWriterReply.model_validate(dataclasses.asdict(opened))
 

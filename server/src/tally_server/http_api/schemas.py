@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -12,6 +14,9 @@ class OpenWriterBody(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     host: str = ""
     pid: int = 0
+    on_mismatch: Literal["refuse", "reset", "ignore"] = Field(
+        default="refuse", description="When the fingerprint differs from the checkpoint's recorded one."
+    )
 
 
 class OpenWriterReply(BaseModel):
