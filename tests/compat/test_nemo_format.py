@@ -1,15 +1,11 @@
 """Byte compatibility with NeMo Curator 1.4.0's checkpoint folders, both ways (DESIGN §3).
 
-``NemoWriter`` and ``nemo_load_completed`` copy the logic of NeMo Curator 1.4.0's
-``nemo_curator.utils.resumability_actor.ResumabilityActor`` (open flags, database name, keys,
-values, the loader's error handling) with Ray and loguru left out, so these tests need no
-NeMo Curator install.
+The NeMo side is ``tests/nemo_format.py``, a copy of NeMo Curator 1.4.0's own file handling.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -17,73 +13,7 @@ import pytest
 
 from tally_server.domain.ports import DeleteCompleted, PutCompleted
 from tally_server.store.lmdb_files import LmdbCompletionStore
-
-logger = logging.getLogger(__name__)
-
-# ---- NeMo Curator 1.4.0, resumability_actor.py --------------------------------------------
-_COMPLETED_DB = b"completed_sources"
-_DEFAULT_MAP_SIZE = 1 << 30
-METADATA_DIRNAME = ".nemo_curator_metadata"
-
-
-class NemoWriter:
-    """ResumabilityActor's file handling: open, _persist_completed, _remove_from_completed."""
-
-    def __init__(self, base_dir: Path, writer_id: str) -> None:
-        self._dir = Path(base_dir).absolute() / METADATA_DIRNAME
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._path = str(self._dir / f"{writer_id}.mdb")
-        self._env = lmdb.open(
-            self._path,
-            subdir=False,
-            lock=False,
-            max_dbs=1,
-            map_size=_DEFAULT_MAP_SIZE,
-            metasync=False,
-            sync=True,
-            readahead=False,
-        )
-        self._db = self._env.open_db(_COMPLETED_DB)
-
-    def persist_completed(self, sids: Iterable[str]) -> None:
-        with self._env.begin(write=True) as txn:
-            for sid in sids:
-                txn.put(sid.encode(), b"1", db=self._db, overwrite=True)
-
-    def remove_from_completed(self, sid: str) -> None:
-        with self._env.begin(write=True) as txn:
-            txn.delete(sid.encode(), db=self._db)
-
-    def close(self) -> None:
-        self._env.close()
-
-
-def _read_completed_from(env: lmdb.Environment) -> set[str]:
-    try:
-        db = env.open_db(_COMPLETED_DB)
-    except lmdb.Error:
-        return set()
-    with env.begin() as txn, txn.cursor(db=db) as cur:
-        return {k.decode() for k, _ in cur}
-
-
-def nemo_load_completed(base_dir: Path) -> set[str]:
-    """ResumabilityActor._load_completed for a reader that owns no file of its own."""
-    done: set[str] = set()
-    for mdb in sorted((Path(base_dir).absolute() / METADATA_DIRNAME).glob("*.mdb")):
-        try:
-            env = lmdb.open(str(mdb), subdir=False, readonly=True, lock=False, max_dbs=1)
-        except lmdb.Error as e:
-            logger.warning(f"resumability: skipping unreadable checkpoint {mdb}: {e}")
-            continue
-        try:
-            done |= _read_completed_from(env)
-        finally:
-            env.close()
-    return done
-
-
-# ---- end of the NeMo Curator copy -------------------------------------------------------
+from tests.nemo_format import COMPLETED_DB, METADATA_DIRNAME, NemoWriter, nemo_read
 
 
 @pytest.fixture
@@ -108,7 +38,7 @@ def raw_entries(path: Path) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
     try:
         with env.begin() as txn:
             names = [key for key, _ in txn.cursor()]
-        db = env.open_db(_COMPLETED_DB)
+        db = env.open_db(COMPLETED_DB)
         with env.begin(db=db) as txn:
             pairs = list(txn.cursor(db=db))
         return names, pairs
@@ -130,7 +60,7 @@ def test_tally_files_are_read_by_nemo_curator(store: LmdbCompletionStore, data_d
     store.close()
 
     base = checkpoint_path(data_dir, "curation/run-42")
-    assert nemo_load_completed(base) == set(ids) == tally_view
+    assert nemo_read(base) == set(ids) == tally_view
     folder = base / METADATA_DIRNAME
     assert sorted(p.name for p in folder.iterdir()) == ["node1-1234.mdb", "node2-5678.mdb"]
     for path in folder.iterdir():
@@ -152,7 +82,7 @@ def test_nemo_curator_folders_are_loaded_by_tally(data_dir: Path) -> None:
     second.persist_completed(["s3", "s4"])
     second.close()
     NemoWriter(base, "hostC-300").close()  # a run that completed nothing
-    expected = nemo_load_completed(base)
+    expected = nemo_read(base)
     assert expected == {"s1", "s3", "s4"}
 
     with LmdbCompletionStore(data_dir) as store:
@@ -173,9 +103,9 @@ def test_tally_writes_into_a_nemo_curator_folder_that_nemo_curator_resumes(data_
         # Tally's writer adds s3; an anomaly un-completes s1, which only NeMo's file holds.
         store.commit([PutCompleted("shared", "tally-writer", ["s3"]), DeleteCompleted("shared", ["s1"])])
 
-    assert nemo_load_completed(base) == {"s2", "s3"}
+    assert nemo_read(base) == {"s2", "s3"}
     # And NeMo Curator can keep writing its own file after Tally touched it.
     nemo = NemoWriter(base, "hostA-100")
     nemo.persist_completed(["s5"])
     nemo.close()
-    assert nemo_load_completed(base) == {"s2", "s3", "s5"}
+    assert nemo_read(base) == {"s2", "s3", "s5"}

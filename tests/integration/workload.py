@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from tests.nemo_format import nemo_read
 
-import lmdb
-
-
-def nemo_read(checkpoint_dir: Path) -> set[str]:
-    """Read a checkpoint folder exactly as NeMo Curator 1.4.0's actor does on startup."""
-    done: set[str] = set()
-    for mdb in sorted((checkpoint_dir / ".nemo_curator_metadata").glob("*.mdb")):
-        try:
-            env = lmdb.open(str(mdb), subdir=False, readonly=True, lock=False, max_dbs=1)
-        except lmdb.Error:
-            continue  # NeMo skips an unreadable file with a warning
-        try:
-            try:
-                db = env.open_db(b"completed_sources")
-            except lmdb.Error:
-                continue  # no completions database yet: empty
-            with env.begin() as txn, txn.cursor(db=db) as cur:
-                done |= {k.decode() for k, _ in cur}
-        finally:
-            env.close()
-    return done
+__all__ = ["nemo_read", "tree"]
 
 
 def tree(source: str) -> list[tuple[str, str, int]]:

@@ -181,8 +181,6 @@ class GroupCommitter:
         # Also runs other file operations (reset) so they never interleave with a commit.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
         self._task: asyncio.Task[None] | None = None
-        self.groups = 0
-        self.ops = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
@@ -216,8 +214,6 @@ class GroupCommitter:
                             Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc))
                         )
             else:
-                self.groups += 1
-                self.ops += len(group)
                 elapsed = time.perf_counter() - started
                 sources = sum(len(op.sources) for op, _ in group)
                 for observe in self._stats.commit_observers:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
+from tests import nemo_format
 
 POSTGRES_URL = os.environ.get("TALLY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -34,28 +35,7 @@ def store(data_dir: Path) -> Iterator[LmdbCompletionStore]:
 @pytest.fixture(scope="session")
 def nemo_write() -> NemoWrite:
     """Write ``sources`` into one file exactly as NeMo Curator 1.4.0's actor does."""
-
-    def write(path: Path, sources: Iterable[str]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(
-            str(path),
-            subdir=False,
-            lock=False,
-            max_dbs=1,
-            map_size=1 << 30,
-            metasync=False,
-            sync=True,
-            readahead=False,
-        )
-        try:
-            db = env.open_db(b"completed_sources")
-            with env.begin(write=True) as txn:
-                for sid in sources:
-                    txn.put(sid.encode(), b"1", db=db, overwrite=True)
-        finally:
-            env.close()
-
-    return write
+    return nemo_format.nemo_write
 
 
 @pytest.fixture(scope="session")
