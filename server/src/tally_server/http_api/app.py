@@ -20,6 +20,7 @@ from tally_server.errors import ErrorCode, TallyServerError
 from tally_server.http_api import schemas as s
 from tally_server.http_api.auth import AuthMiddleware
 from tally_server.http_api.dashboard import build_router as build_dashboard_router
+from tally_server.http_api.errors import HTTP_STATUS, error_response
 from tally_server.http_api.middleware import RequestMiddleware
 from tally_server.metrics import CONTENT_TYPE, Metrics
 from tally_server.service import CheckpointView, CoordinatorService
@@ -27,29 +28,11 @@ from tally_server.settings import Settings
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.INVALID_ARGUMENT: 400,
-    ErrorCode.UNAUTHENTICATED: 401,
-    ErrorCode.PERMISSION_DENIED: 403,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.ALREADY_EXISTS: 409,
-    ErrorCode.FAILED_PRECONDITION: 412,
-    ErrorCode.RESOURCE_EXHAUSTED: 429,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.UNAVAILABLE: 503,
-}
 _CODE_BY_STATUS = {status: code for code, status in HTTP_STATUS.items()}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": s.ErrorReply} for status in (400, 404, 409, 412, 429, 500, 503)
 }
-
-
-def _error(
-    status: int, code: ErrorCode | str, message: str, details: dict[str, Any] | None = None
-) -> JSONResponse:
-    body = {"error": {"code": str(code), "message": message, "details": details or {}}}
-    return JSONResponse(status_code=status, content=body)
 
 
 def _status(view: CheckpointView) -> s.CheckpointStatus:
@@ -71,7 +54,7 @@ class BodyLimit:
                     f"request body is {int(declared)} bytes, over the limit of {self.limit} "
                     "(setting max_message_bytes); send smaller batches"
                 )
-                response = _error(413, ErrorCode.RESOURCE_EXHAUSTED, message)
+                response = error_response(413, ErrorCode.RESOURCE_EXHAUSTED, message)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -98,8 +81,8 @@ def create_app(
     app.add_middleware(RequestMiddleware, latency=exported.http_request_duration)
 
     @app.exception_handler(TallyServerError)
-    async def _domain_error(request: Request, exc: TallyServerError) -> JSONResponse:
-        return _error(HTTP_STATUS[exc.code], exc.code, exc.message, exc.details)
+    async def _domainerror_response(request: Request, exc: TallyServerError) -> JSONResponse:
+        return error_response(HTTP_STATUS[exc.code], exc.code, exc.message, exc.details)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -108,17 +91,17 @@ def create_app(
             where = ".".join(str(p) for p in err.get("loc", ()))
             problems.append(f"{where}: {err.get('msg')}")
         message = "request body is not valid: " + "; ".join(problems) + " (see /openapi.json for the schema)"
-        return _error(400, ErrorCode.INVALID_ARGUMENT, message)
+        return error_response(400, ErrorCode.INVALID_ARGUMENT, message)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _httperror_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _CODE_BY_STATUS.get(exc.status_code, ErrorCode.INVALID_ARGUMENT)
-        return _error(exc.status_code, code, f"{exc.detail}: {request.method} {request.url.path}")
+        return error_response(exc.status_code, code, f"{exc.detail}: {request.method} {request.url.path}")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error(500, ErrorCode.INTERNAL, "internal error; see the server log")
+        return error_response(500, ErrorCode.INTERNAL, "internal error; see the server log")
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -134,7 +117,7 @@ def create_app(
     async def readyz() -> Any:
         """Readiness: stores are open and the coordinator accepts work (503 while shutting down)."""
         if not service.ready:
-            return _error(503, ErrorCode.UNAVAILABLE, "not ready: starting or shutting down")
+            return error_response(503, ErrorCode.UNAVAILABLE, "not ready: starting or shutting down")
         return {"status": "ready"}
 
     @app.post("/v1/writers", response_model=s.OpenWriterReply, responses=_ERRORS, tags=["writers"])

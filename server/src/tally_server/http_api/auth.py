@@ -7,6 +7,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tally_server.auth import Authorizer
 from tally_server.errors import TallyServerError
+from tally_server.http_api.errors import HTTP_STATUS, error_response
 
 # Route function name (see http_api/app.py) → tally.v1 operation, for the role table in auth.py.
 OPERATIONS: dict[str, str] = {
@@ -43,9 +44,7 @@ class AuthMiddleware:
                 try:
                     self.authorizer.check(operation, header)
                 except TallyServerError as exc:
-                    from tally_server.http_api.app import HTTP_STATUS, _error
-
-                    await _error(HTTP_STATUS[exc.code], exc.code, exc.message)(scope, receive, send)
+                    await error_response(HTTP_STATUS[exc.code], exc.code, exc.message)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
