@@ -14,8 +14,9 @@ import pytest
 from tally_server.testing import RunningServer, running_server
 
 REPO = Path(__file__).resolve().parents[1]
-# The NeMo Curator recordings live in the shared folder beside the repository (read-only).
-FIXTURES = REPO.parent / "shared" / "fixtures"
+# Recordings of NeMo Curator 1.4.0 (see tests/fixtures/README.md); copies kept in the repository so
+# that a plain clone passes.
+FIXTURES = REPO / "tests" / "fixtures"
 NEMO_TRACE = FIXTURES / "nemo_curator_1.4.0_trace_fanout_filter.jsonl"
 
 POSTGRES_ADMIN_URL = os.environ.get(
