@@ -91,12 +91,5 @@ class Checkpoint:
     created_at: float
     last_activity_at: float
     fingerprint: dict[str, str] = field(default_factory=dict)
-    writers: dict[str, WriterSession] = field(default_factory=dict)  # by writer_id, live only
     anomalies: int = 0
     unreadable_files: list[str] = field(default_factory=list)
-
-    def pending_sources(self) -> int:
-        return sum(len(w.ledger.pending) - len(w.ledger.settling) for w in self.writers.values())
-
-    def settling_sources(self) -> int:
-        return sum(len(w.ledger.settling) for w in self.writers.values())

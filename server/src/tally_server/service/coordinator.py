@@ -20,15 +20,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tally_server.domain import validation
-from tally_server.domain.checkpoint import Checkpoint, CompletedSet, WriterSession, WriterState
+from tally_server.domain.checkpoint import Checkpoint, CompletedSet, WriterState
 from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
 from tally_server.domain.ports import (
     CheckpointRecord,
-    CompletionOp,
     CompletionStore,
     DeleteCompleted,
     EventRecord,
@@ -46,203 +44,27 @@ from tally_server.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from tally_server.service.committer import GroupCommitter
+from tally_server.service.sessions import Session, SessionTable
+from tally_server.service.stats import ServiceStats
+from tally_server.service.views import (
+    CheckpointView,
+    ClosedWriter,
+    CompletedPage,
+    EventPage,
+    EventView,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterView,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class OpenedWriter:
-    handle: str
-    writer_id: str
-    lease_ttl_s: float
-    completed_count: int
-    settle_ms: int
-
-
-@dataclass(frozen=True)
-class ClosedWriter:
-    counts: ApplyCounts
-    incomplete_sources: list[str]
-    incomplete_count: int
-
-
-@dataclass(frozen=True)
-class WriterView:
-    writer_id: str
-    host: str
-    pid: int
-    labels: dict[str, str]
-    state: str
-    pending_sources: int
-    counts: ApplyCounts
-    opened_at: float
-    last_seen_at: float
-    closed_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class EventView:
-    id: int
-    checkpoint: str
-    kind: str
-    message: str
-    at: float
-    writer_id: str
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class EventPage:
-    events: list[EventView]
-    next_before_id: int  # 0: no older events
-
-
-@dataclass(frozen=True)
-class ProgressSample:
-    at: float
-    completed_count: int
-
-
-@dataclass(frozen=True)
-class CompletedPage:
-    source_ids: list[str]
-    next_after: str  # "": last page
-
-
-@dataclass(frozen=True)
-class ImportResult:
-    imported: int
-    completed_count: int
-
-
-@dataclass(frozen=True)
-class ResetResult:
-    moved_to: str
-    files_moved: int
-    writers_closed: int
-
-
-@dataclass(frozen=True)
-class CheckpointView:
-    name: str
-    completed_count: int
-    live_writers: int
-    pending_sources: int
-    settling_sources: int
-    anomalies: int
-    unreadable_files: int
-    created_at: float
-    last_activity_at: float
-    writers: list[WriterView]
-    fingerprint: dict[str, str]
-
-
-@dataclass
-class ServiceStats:
-    """Cumulative counters since the process started, read by the metrics collector at scrape time.
-
-    ``commit_observers`` are called after every group commit with (seconds, ops, sources).
-    """
-
-    deltas_applied: int = 0
-    deltas_skipped: int = 0
-    deltas_rewritten: int = 0
-    anomalies: int = 0
-    completions: int = 0
-    writers_opened: int = 0
-    writers_expired: int = 0
-    commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
-
-    def count(self, counts: ApplyCounts) -> None:
-        self.deltas_applied += counts.applied
-        self.deltas_skipped += counts.skipped
-        self.deltas_rewritten += counts.rewritten
-        self.anomalies += counts.anomalies
-
-
 # Sent back with incomplete sources on close; the full count is reported separately.
 _MAX_INCOMPLETE_LISTED = 1000
-
-
-class GroupCommitter:
-    """Group commit: everything submitted while a commit runs goes into the next one.
-
-    One synced transaction per touched file per group, never one per delta. Submitters are
-    resumed in submission order, which is what keeps live-set effects in commit order.
-    """
-
-    def __init__(self, store: CompletionStore, stats: ServiceStats) -> None:
-        self._store = store
-        self._stats = stats
-        self._queue: list[tuple[CompletionOp, asyncio.Future[None]]] = []
-        self._wake = asyncio.Event()
-        self._closing = False
-        # Also runs other file operations (reset) so they never interleave with a commit.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
-
-    async def submit(self, op: CompletionOp) -> None:
-        if self._closing and self._task is None:
-            raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((op, future))
-        self._wake.set()
-        await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._queue:
-                if self._closing:
-                    return
-                continue
-            group, self._queue = self._queue, []
-            started = time.perf_counter()
-            try:
-                await loop.run_in_executor(self.executor, self._store.commit, [op for op, _ in group])
-            except Exception as exc:
-                log.exception("completion commit of %d ops failed", len(group))
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(
-                            Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc))
-                        )
-            else:
-                elapsed = time.perf_counter() - started
-                sources = sum(len(op.sources) for op, _ in group)
-                for observe in self._stats.commit_observers:
-                    observe(elapsed, len(group), sources)
-                for _, future in group:
-                    if not future.done():
-                        future.set_result(None)
-            if self._queue:
-                self._wake.set()
-
-    async def close(self) -> None:
-        self._closing = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
-        self.executor.shutdown(wait=True)
-
-
-@dataclass
-class _Runtime:
-    """Async companions of one writer session (kept out of the pure domain)."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    commits_in_flight: int = 0
-    # Completion commits that failed (their sources are re-settled and retried); a flush that saw
-    # one fail while it waited must not report durability.
-    failed_commits: int = 0
 
 
 class CoordinatorService:
@@ -270,8 +92,7 @@ class CoordinatorService:
         self._wall = wall_clock
         self._checkpoints: dict[str, Checkpoint] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
-        self._sessions: dict[str, WriterSession] = {}
-        self._runtimes: dict[str, _Runtime] = {}
+        self._sessions = SessionTable()
         self._registry_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-registry")
         self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
         self.stats = ServiceStats()
@@ -315,11 +136,11 @@ class CoordinatorService:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for handle in list(self._sessions):
+        for session in self._sessions:
             try:
-                await self._close(self._sessions[handle], WriterState.CLOSED, "coordinator shutdown")
+                await self._close(session, WriterState.CLOSED, "coordinator shutdown")
             except Exception:
-                log.exception("closing writer %s during shutdown failed", handle)
+                log.exception("closing writer %s during shutdown failed", session.writer_id)
         if self._finalizers:
             await asyncio.gather(*self._finalizers, return_exceptions=True)
         await self._sample_progress()
@@ -336,7 +157,7 @@ class CoordinatorService:
     def gauges(self) -> dict[str, tuple[int, int, int]]:
         """Per loaded checkpoint: (live writers, pending sources, completed sources)."""
         return {
-            name: (len(cp.writers), cp.pending_sources(), len(cp.completed))
+            name: (len(self._sessions.live(name)), self._sessions.pending_sources(name), len(cp.completed))
             for name, cp in self._checkpoints.items()
         }
 
@@ -398,7 +219,7 @@ class CoordinatorService:
             self._checkpoints[name] = cp
             return cp
 
-    def _session(self, handle: str) -> WriterSession:
+    def _session(self, handle: str) -> Session:
         session = self._sessions.get(handle)
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
@@ -407,11 +228,11 @@ class CoordinatorService:
             )
         return session
 
-    def _renew(self, session: WriterSession) -> None:
+    def _renew(self, session: Session) -> None:
         session.lease_deadline = self._clock() + self.lease_ttl_s
         session.last_seen_at = self._wall()
 
-    def _writer_record(self, s: WriterSession, closed_at: float | None = None) -> WriterRecord:
+    def _writer_record(self, s: Session, closed_at: float | None = None) -> WriterRecord:
         t = s.ledger.totals
         return WriterRecord(
             handle=s.handle,
@@ -462,7 +283,8 @@ class CoordinatorService:
         cp = await self._checkpoint(checkpoint, create=True)
         assert cp is not None
         await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch)
-        live = cp.writers.get(writer_id)
+        writers = self._sessions.live(checkpoint)
+        live = writers.get(writer_id)
         if live is not None:
             raise AlreadyExists(
                 f"writer {writer_id!r} is already live on checkpoint {checkpoint!r} (host {live.host!r}, "
@@ -470,14 +292,14 @@ class CoordinatorService:
                 "choose another writer_id",
                 writer_id=writer_id,
             )
-        if len(cp.writers) >= self.limits.max_writers_per_checkpoint:
+        if len(writers) >= self.limits.max_writers_per_checkpoint:
             raise ResourceExhausted(
-                f"checkpoint {checkpoint!r} already has {len(cp.writers)} live writers, the limit "
+                f"checkpoint {checkpoint!r} already has {len(writers)} live writers, the limit "
                 f"(setting max_writers_per_checkpoint={self.limits.max_writers_per_checkpoint}); close "
                 "some writers or raise the limit",
             )
         now = self._wall()
-        session = WriterSession(
+        session = Session(
             handle=uuid.uuid4().hex,
             writer_id=writer_id,
             checkpoint=checkpoint,
@@ -490,10 +312,8 @@ class CoordinatorService:
             lease_deadline=self._clock() + self.lease_ttl_s,
             ledger=WriterLedger(cp.completed.as_of_now(), self.settle_ms / 1000),
         )
-        cp.writers[writer_id] = session
-        self._sessions[session.handle] = session
+        self._sessions.add(session)
         self.stats.writers_opened += 1
-        self._runtimes[session.handle] = _Runtime()
         cp.last_activity_at = now
         if fingerprint and not cp.fingerprint:
             cp.fingerprint = dict(fingerprint)
@@ -561,7 +381,7 @@ class CoordinatorService:
         self._check_accepting()
         validation.deltas(batch, self.limits)
         session = self._session(handle)
-        runtime = self._runtimes[session.handle]
+        runtime = session
         async with runtime.lock:
             session = self._session(handle)  # may have closed while we waited
             self._renew(session)
@@ -585,14 +405,14 @@ class CoordinatorService:
             return counts
 
     async def _persist(
-        self, cp: Checkpoint, session: WriterSession, sources: list[str], *, counted: bool = False
+        self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False
     ) -> None:
         """Commit ``sources`` as completed, then make them visible.
 
         ``counted``: the caller already raised ``commits_in_flight`` synchronously, when it marked
         the sources completing; a flush or close arriving before this coroutine runs must wait.
         """
-        runtime = self._runtimes[session.handle]
+        runtime = session
         if not counted:
             runtime.commits_in_flight += 1
         try:
@@ -608,7 +428,7 @@ class CoordinatorService:
             async with runtime.changed:
                 runtime.changed.notify_all()
 
-    async def _uncomplete(self, cp: Checkpoint, session: WriterSession, anomalies: Sequence[Any]) -> None:
+    async def _uncomplete(self, cp: Checkpoint, session: Session, anomalies: Sequence[Any]) -> None:
         sources = list(dict.fromkeys(a.source_id for a in anomalies))
         for sid in sources:
             cp.completed.discard(sid)  # invisible at once; never report a doubtful completion
@@ -638,7 +458,7 @@ class CoordinatorService:
         """
         self._check_accepting()
         session = self._session(handle)
-        runtime = self._runtimes[session.handle]
+        runtime = session
         async with runtime.lock:
             self._renew(session)
             waiting = dict(session.ledger.settling)
@@ -671,8 +491,8 @@ class CoordinatorService:
         session = self._session(handle)
         return await self._close(session, WriterState.CLOSED, "closed by its client")
 
-    async def _close(self, session: WriterSession, state: str, why: str) -> ClosedWriter:
-        runtime = self._runtimes[session.handle]
+    async def _close(self, session: Session, state: str, why: str) -> ClosedWriter:
+        runtime = session
         async with runtime.lock:
             if session.state != WriterState.OPEN:
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
@@ -688,8 +508,7 @@ class CoordinatorService:
             if state == WriterState.EXPIRED:
                 self.stats.writers_expired += 1
             incomplete = list(session.ledger.pending)
-            del cp.writers[session.writer_id]
-            del self._sessions[session.handle]
+            self._sessions.remove(session)
             now = self._wall()
             cp.last_activity_at = now
             await self._in_registry(self._registry.upsert_writer, self._writer_record(session, now))
@@ -702,7 +521,6 @@ class CoordinatorService:
             )
             async with runtime.changed:
                 runtime.changed.notify_all()
-        self._runtimes.pop(session.handle, None)
         totals = session.ledger.totals
         return ClosedWriter(
             ApplyCounts(totals.applied, totals.skipped, totals.rewritten, totals.anomalies, totals.completed),
@@ -718,17 +536,17 @@ class CoordinatorService:
         while True:
             await asyncio.sleep(interval)
             now = self._clock()
-            for session in list(self._sessions.values()):
+            for session in self._sessions:
                 if not session.ledger.settling or session.state != WriterState.OPEN:
                     continue
                 completing = session.ledger.mark_completing(session.ledger.due(now))
                 if completing:
-                    self._runtimes[session.handle].commits_in_flight += 1
+                    session.commits_in_flight += 1
                     task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
                     self._finalizers.add(task)
                     task.add_done_callback(self._finalizers.discard)
 
-    async def _finalize(self, session: WriterSession, sources: list[str]) -> None:
+    async def _finalize(self, session: Session, sources: list[str]) -> None:
         cp = self._checkpoints[session.checkpoint]
         try:
             await self._persist(cp, session, sources, counted=True)
@@ -741,7 +559,7 @@ class CoordinatorService:
         while True:
             await asyncio.sleep(interval)
             now = self._clock()
-            for session in list(self._sessions.values()):
+            for session in self._sessions:
                 if session.lease_deadline < now and session.state == WriterState.OPEN:
                     try:
                         await self._close(
@@ -882,7 +700,7 @@ class CoordinatorService:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._checkpoint(checkpoint, create=True)
         assert cp is not None
-        if import_id in cp.writers:
+        if import_id in self._sessions.live(checkpoint):
             raise AlreadyExists(f"{import_id!r} is a live writer of {checkpoint!r}; choose another import_id")
         if not source_ids:
             return ImportResult(0, len(cp.completed))
@@ -907,29 +725,27 @@ class CoordinatorService:
         """Start a checkpoint over: its files go to the trash folder (never deleted)."""
         self._check_accepting()
         cp = await self._existing(name)
-        if cp.writers and not force:
-            ids = ", ".join(sorted(cp.writers)[:10])
+        live = dict(self._sessions.live(name))
+        if live and not force:
+            ids = ", ".join(sorted(live)[:10])
             raise FailedPrecondition(
-                f"checkpoint {name!r} has {len(cp.writers)} live writers ({ids}); stop them first, or force "
+                f"checkpoint {name!r} has {len(live)} live writers ({ids}); stop them first, or force "
                 "the reset (their pending state is dropped and their clients get NOT_FOUND)",
-                live_writers=len(cp.writers),
+                live_writers=len(live),
             )
         if name in self._resetting:
             raise Unavailable(f"checkpoint {name!r} is already being reset")
         self._resetting.add(name)
         try:
             closed = 0
-            for session in list(cp.writers.values()):
+            for session in live.values():
                 try:
                     await self._close(session, WriterState.RESET, "closed by a forced checkpoint reset")
                     closed += 1
                 except NotFound:
                     pass
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._wall())) + f"-{uuid.uuid4().hex[:6]}"
-            loop = asyncio.get_running_loop()
-            moved_to, files = await loop.run_in_executor(
-                self._committer.executor, self._completions.trash, name, stamp
-            )
+            moved_to, files = await self._committer.run(self._completions.trash, name, stamp)
             cp.completed = CompletedSet()
             cp.anomalies = 0
             cp.unreadable_files = []
@@ -979,14 +795,14 @@ class CoordinatorService:
                 opened_at=s.opened_at,
                 last_seen_at=s.last_seen_at,
             )
-            for s in cp.writers.values()
+            for s in self._sessions.live(cp.name).values()
         ]
         return CheckpointView(
             name=cp.name,
             completed_count=len(cp.completed),
-            live_writers=len(cp.writers),
-            pending_sources=cp.pending_sources(),
-            settling_sources=cp.settling_sources(),
+            live_writers=len(writers),
+            pending_sources=self._sessions.pending_sources(cp.name),
+            settling_sources=self._sessions.settling_sources(cp.name),
             anomalies=cp.anomalies,
             unreadable_files=len(cp.unreadable_files),
             created_at=cp.created_at,

@@ -1,0 +1,35 @@
+"""The coordinator service: the one async API both transports call.
+
+``coordinator`` is the façade; ``sessions`` the table of open writers, ``committer`` the group
+commit to the completion store, ``views`` the records it answers with, ``stats`` its counters.
+"""
+
+from tally_server.service.coordinator import CoordinatorService
+from tally_server.service.stats import ServiceStats
+from tally_server.service.views import (
+    CheckpointView,
+    ClosedWriter,
+    CompletedPage,
+    EventPage,
+    EventView,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterView,
+)
+
+__all__ = [
+    "CheckpointView",
+    "ClosedWriter",
+    "CompletedPage",
+    "CoordinatorService",
+    "EventPage",
+    "EventView",
+    "ImportResult",
+    "OpenedWriter",
+    "ProgressSample",
+    "ResetResult",
+    "ServiceStats",
+    "WriterView",
+]

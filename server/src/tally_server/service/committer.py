@@ -1,0 +1,90 @@
+"""Group commit of completion ops to the completion store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from tally_server.domain.ports import CompletionOp, CompletionStore
+from tally_server.errors import Unavailable
+from tally_server.service.stats import ServiceStats
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class GroupCommitter:
+    """Group commit: everything submitted while a commit runs goes into the next one.
+
+    One synced transaction per touched file per group, never one per delta. Submitters are
+    resumed in submission order, which is what keeps live-set effects in commit order. Other
+    file operations (a reset's move to the trash) go through :meth:`run` on the same thread, so
+    they never interleave with a commit.
+    """
+
+    def __init__(self, store: CompletionStore, stats: ServiceStats) -> None:
+        self._store = store
+        self._stats = stats
+        self._queue: list[tuple[CompletionOp, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
+
+    async def submit(self, op: CompletionOp) -> None:
+        if self._closing and self._task is None:
+            raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((op, future))
+        self._wake.set()
+        await future
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a blocking file operation on the commit thread, between two commits."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._queue:
+                if self._closing:
+                    return
+                continue
+            group, self._queue = self._queue, []
+            started = time.perf_counter()
+            try:
+                await loop.run_in_executor(self._executor, self._store.commit, [op for op, _ in group])
+            except Exception as exc:
+                log.exception("completion commit of %d ops failed", len(group))
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(
+                            Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc))
+                        )
+            else:
+                elapsed = time.perf_counter() - started
+                sources = sum(len(op.sources) for op, _ in group)
+                for observe in self._stats.commit_observers:
+                    observe(elapsed, len(group), sources)
+                for _, future in group:
+                    if not future.done():
+                        future.set_result(None)
+            if self._queue:
+                self._wake.set()
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,71 @@
+"""The one table of open writer sessions, by handle and by checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from tally_server.domain.checkpoint import WriterSession
+
+
+@dataclass(eq=False)
+class Session(WriterSession):
+    """An open writer: its domain state plus the async companions that guard it.
+
+    ``lock`` serialises the writer's batches, flushes and close; ``changed`` wakes flushes and
+    closes waiting for commits. ``failed_commits`` counts completion commits that failed (their
+    sources are re-settled and retried): a flush that saw one fail while it waited must not
+    report durability.
+    """
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    commits_in_flight: int = 0
+    failed_commits: int = 0
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+class SessionTable:
+    """Open sessions by handle, and by checkpoint and writer id; the two indexes never disagree."""
+
+    def __init__(self) -> None:
+        self._by_handle: dict[str, Session] = {}
+        self._by_checkpoint: dict[str, dict[str, Session]] = {}
+
+    def add(self, session: Session) -> None:
+        self._by_handle[session.handle] = session
+        self._by_checkpoint.setdefault(session.checkpoint, {})[session.writer_id] = session
+
+    def remove(self, session: Session) -> None:
+        if self._by_handle.get(session.handle) is session:
+            del self._by_handle[session.handle]
+        live = self._by_checkpoint.get(session.checkpoint)
+        if live is not None and live.get(session.writer_id) is session:
+            del live[session.writer_id]
+            if not live:
+                del self._by_checkpoint[session.checkpoint]
+
+    def get(self, handle: str) -> Session | None:
+        return self._by_handle.get(handle)
+
+    def live(self, checkpoint: str) -> Mapping[str, Session]:
+        """The checkpoint's sessions by writer id (a read-only view; copy before awaiting)."""
+        return self._by_checkpoint.get(checkpoint, {})
+
+    def __iter__(self) -> Iterator[Session]:
+        """A snapshot of every session, safe to iterate across awaits."""
+        return iter(list(self._by_handle.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_handle)
+
+    def pending_sources(self, checkpoint: str) -> int:
+        """Sources with work in flight (settling ones excluded) across the checkpoint's writers."""
+        return sum(len(s.ledger.pending) - len(s.ledger.settling) for s in self.live(checkpoint).values())
+
+    def settling_sources(self, checkpoint: str) -> int:
+        return sum(len(s.ledger.settling) for s in self.live(checkpoint).values())

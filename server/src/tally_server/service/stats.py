@@ -1,0 +1,31 @@
+"""Cumulative counters of one coordinator, read by the metrics collector at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tally_server.domain.ledger import ApplyCounts
+
+
+@dataclass
+class ServiceStats:
+    """Counters since the process started.
+
+    ``commit_observers`` are called after every group commit with (seconds, ops, sources).
+    """
+
+    deltas_applied: int = 0
+    deltas_skipped: int = 0
+    deltas_rewritten: int = 0
+    anomalies: int = 0
+    completions: int = 0
+    writers_opened: int = 0
+    writers_expired: int = 0
+    commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
+
+    def count(self, counts: ApplyCounts) -> None:
+        self.deltas_applied += counts.applied
+        self.deltas_skipped += counts.skipped
+        self.deltas_rewritten += counts.rewritten
+        self.anomalies += counts.anomalies
