@@ -6,23 +6,13 @@ pipeline sent to its resumability actor, with what the anchor completed on each 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
-
-# <repo>/tests/unit/domain/<this file>; the shared folder sits beside the repository.
-REPO = Path(__file__).resolve().parents[3]
-TRACE = REPO / ".." / "shared" / "fixtures" / "nemo_curator_1.4.0_trace_fanout_filter.jsonl"
-
-
-def load_trace() -> list[dict[str, Any]]:
-    assert TRACE.is_file(), f"fixture missing: {TRACE} (the shared folder must sit beside the repo)"
-    return [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+from tests.conftest import load_trace
 
 
 def batch_of(row: dict[str, Any]) -> list[Delta]:
