@@ -7,15 +7,21 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import uvicorn
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
 
 from tally_server.auth import Authorizer, load_tokens
 from tally_server.grpc_api.server import SERVICE_NAME, build_server
 from tally_server.http_api.app import create_app
+from tally_server.loop_load import new_event_loop
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
+from tally_server.service.bridge import ServiceBridge
 from tally_server.settings import Settings, split_listen
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry
@@ -23,7 +29,7 @@ from tally_server.store.registry import SqlRegistry
 log = logging.getLogger(__name__)
 
 
-def build_service(settings: Settings) -> CoordinatorService:
+def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] = ()) -> CoordinatorService:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return CoordinatorService(
         completions=LmdbCompletionStore(settings.data_dir),
@@ -32,6 +38,8 @@ def build_service(settings: Settings) -> CoordinatorService:
         settle_ms=settings.settle_ms,
         lease_ttl_s=settings.lease_ttl_s,
         progress_interval_s=settings.progress_interval_s,
+        memory_budget_bytes=settings.checkpoint_memory_mb << 20,
+        loop_idle=loop_idle,
     )
 
 
@@ -58,38 +66,98 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(settings: Settings) -> None:
+async def _mirror_readiness(service: CoordinatorService, health: HealthServicer) -> None:
+    """gRPC health says SERVING exactly while /readyz says ready (checked every half second)."""
+    serving: bool | None = None
+    while True:
+        ready = service.ready
+        if ready != serving:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if ready
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await health.set("", status)
+            await health.set(SERVICE_NAME, status)
+            if serving is not None:
+                log.warning("readiness: %s", "ready" if ready else "; ".join(service.problems()))
+            serving = ready
+        await asyncio.sleep(0.5)
+
+
+class _HttpThread:
+    """uvicorn on a thread and event loop of its own.
+
+    HTTP requests (status reads from dashboards and scripts above all) then never take turns of
+    the service's loop, where gRPC accepts one new call per turn: an HTTP read storm cannot hold
+    up gRPC heartbeats. Calls into the service cross over through :class:`ServiceBridge`.
+    """
+
+    def __init__(self, server: _Uvicorn, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._sock = sock
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="tally-http", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=lambda: self._loop) as runner:
+            try:
+                runner.run(self._server.serve(sockets=[self._sock]))
+            except BaseException as exc:
+                self._error = exc
+
+    async def start(self) -> None:
+        self._thread.start()
+        while not self._server.started and self._thread.is_alive():
+            await asyncio.sleep(0.01)
+        if not self._server.started:
+            await asyncio.to_thread(self._thread.join)
+            raise RuntimeError(f"the HTTP server did not start: {self._error!r}") from self._error
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        await asyncio.to_thread(self._thread.join)
+
+
+def run(settings: Settings) -> None:
+    """Serve on an event loop whose load is measured (lease time slows while it is saturated)."""
+    loop, selector = new_event_loop()
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        runner.run(serve(settings, loop_idle=lambda: selector.idle_s))
+
+
+async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores."""
-    service = build_service(settings)
-    metrics = Metrics(service)  # one registry, fed by both transports and the store
+    loop = asyncio.get_running_loop()
+    http_sock = _bind_http(settings.http_listen)
+    http_loop, http_selector = new_event_loop()
+    idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
+    service = build_service(settings, idle)
+    # The HTTP transport runs on its own loop and sees the service through the bridge.
+    bridged = cast(CoordinatorService, ServiceBridge(service, loop))
+    metrics = Metrics(bridged)  # one registry, fed by both transports and the store
     authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
     await service.start()
     grpc_server, grpc_port, health = build_server(
         service, settings.grpc_listen, settings.max_message_bytes, metrics=metrics, authorizer=authorizer
     )
-    http_sock = _bind_http(settings.http_listen)
     config = uvicorn.Config(
-        create_app(service, settings, metrics=metrics, authorizer=authorizer),
+        create_app(bridged, settings, metrics=metrics, authorizer=authorizer),
         log_config=None,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
     )
-    http_server = _Uvicorn(config)
+    http = _HttpThread(_Uvicorn(config), http_sock, http_loop)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
     await grpc_server.start()
-    await health.set("", 1)  # SERVING
-    await health.set(SERVICE_NAME, 1)
-    http_task = loop.create_task(http_server.serve(sockets=[http_sock]), name="tally-http")
-    while not http_server.started and not http_task.done():
-        await asyncio.sleep(0.01)
-    if http_task.done():
-        await http_task  # re-raise the startup failure
+    health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
+    await http.start()
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
     # Tests and scripts read these two lines to find the ports when started with port 0.
@@ -100,9 +168,8 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
+    health_task.cancel()
     await health.enter_graceful_shutdown()
-    http_server.should_exit = True
-    await grpc_server.stop(settings.shutdown_grace_s)
-    await http_task
+    await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()
     log.info("shutdown complete")

@@ -14,7 +14,7 @@ import hmac
 from enum import IntEnum
 from pathlib import Path
 
-from tally_server.errors import ErrorCode, TallyServerError
+from tally_server.errors import PermissionDenied, Unauthenticated
 
 
 class Role(IntEnum):
@@ -43,14 +43,6 @@ REQUIRED: dict[str, Role] = {
     "ImportCompleted": Role.ADMIN,
     "ResetCheckpoint": Role.ADMIN,
 }
-
-
-class Unauthenticated(TallyServerError):
-    code = ErrorCode.UNAUTHENTICATED
-
-
-class PermissionDenied(TallyServerError):
-    code = ErrorCode.PERMISSION_DENIED
 
 
 def parse_tokens(spec: str) -> dict[str, Role]:

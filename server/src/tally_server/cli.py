@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,10 +59,10 @@ def serve(
     except ValidationError as exc:
         raise typer.BadParameter(str(exc)) from None
     logs.configure(settings.log_level, settings.log_format)
-    from tally_server.app import serve as run
+    from tally_server.app import run
 
     try:
-        asyncio.run(run(settings))
+        run(settings)
     except OSError as exc:
         typer.echo(f"tally serve: {exc}", err=True)
         raise typer.Exit(1) from None

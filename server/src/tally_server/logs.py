@@ -14,8 +14,10 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 NO_REQUEST = "-"
+REMIND_EVERY_S = 60.0
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tally_request_id", default=NO_REQUEST)
 """The id of the request being handled by the current task ("-" outside requests)."""
@@ -72,3 +74,61 @@ def configure(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class FailureLog:
+    """Logs a failure that repeats (a retry loop, a background task) without flooding the log.
+
+    The first occurrence of each distinct cause is logged with its traceback; while the failure
+    goes on, one reminder line per ``remind_every_s`` says how often it happened; the first success
+    afterwards is logged once. ``failing`` is the cause while failing, else None.
+
+    Args:
+        logger: where to log.
+        what: what failed, e.g. "the lease loop" (the start of each line).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        remind_every_s: float = REMIND_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._what = what
+        self._remind_every_s = remind_every_s
+        self._clock = clock
+        self._causes: set[str] = set()
+        self._since_reminder = 0
+        self._reminded_at = 0.0
+        self.failures = 0  # since the last success
+        self.failing: str | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        cause = f"{type(exc).__name__}: {exc}"[:500]
+        self.failures += 1
+        self._since_reminder += 1
+        self.failing = cause
+        now = self._clock()
+        if cause not in self._causes:
+            self._causes.add(cause)
+            self._logger.error("%s failed: %s", self._what, cause, exc_info=exc)
+            self._reminded_at, self._since_reminder = now, 0
+        elif now - self._reminded_at >= self._remind_every_s:
+            self._logger.error(
+                "%s still failing: %d more times in %.0f s, last: %s",
+                self._what,
+                self._since_reminder,
+                now - self._reminded_at,
+                cause,
+            )
+            self._reminded_at, self._since_reminder = now, 0
+
+    def succeeded(self) -> None:
+        if self.failing is not None:
+            self._logger.warning("%s works again after %d failures", self._what, self.failures)
+        self._causes.clear()
+        self.failures = 0
+        self.failing = None

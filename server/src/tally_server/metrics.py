@@ -80,22 +80,64 @@ class ServiceCollector(Collector):
             value=stats.writers_expired,
         )
 
-        live = GaugeMetricFamily("tally_live_writers", "Open writers per checkpoint.", labels=["checkpoint"])
-        pending = GaugeMetricFamily(
-            "tally_pending_sources",
-            "Sources with work in flight across the live writers of a checkpoint.",
-            labels=["checkpoint"],
+        yield CounterMetricFamily(
+            "tally_store_commit_failures",
+            "Group commits of completions that failed (e.g. a full disk); their sources are retried.",
+            value=stats.commit_failures,
         )
-        completed = GaugeMetricFamily(
-            "tally_completed_sources", "Sources completed in a checkpoint.", labels=["checkpoint"]
+        errors = CounterMetricFamily(
+            "tally_background_errors",
+            "Failed steps of the coordinator's background loops (each is retried at its next interval).",
+            labels=["loop"],
         )
-        for name, (n_live, n_pending, n_completed) in sorted(self._service.gauges().items()):
-            live.add_metric([name], n_live)
-            pending.add_metric([name], n_pending)
-            completed.add_metric([name], n_completed)
-        yield live
-        yield pending
-        yield completed
+        for loop, count in sorted(self._service.loop_errors().items()):
+            errors.add_metric([loop], count)
+        yield errors
+        yield CounterMetricFamily(
+            "tally_registry_events_dropped",
+            "Events dropped because the registry database could not take them for too long.",
+            value=self._service.registry_events_dropped,
+        )
+        yield CounterMetricFamily(
+            "tally_lease_clock_paused_seconds",
+            "Time not counted against leases and settle windows because the coordinator's event loop "
+            "was stalled or saturated (it could not have heard heartbeats).",
+            value=self._service.stall_clock.paused_s,
+        )
+        yield GaugeMetricFamily(
+            "tally_ready",
+            "1 while the coordinator is ready (accepting work, persisting completions, loops healthy).",
+            value=1 if self._service.ready else 0,
+        )
+
+        families = {
+            "live_writers": GaugeMetricFamily(
+                "tally_live_writers", "Open writers per checkpoint.", labels=["checkpoint"]
+            ),
+            "pending_sources": GaugeMetricFamily(
+                "tally_pending_sources",
+                "Sources with work in flight across the live writers of a checkpoint.",
+                labels=["checkpoint"],
+            ),
+            "completed_sources": GaugeMetricFamily(
+                "tally_completed_sources", "Sources completed in a checkpoint.", labels=["checkpoint"]
+            ),
+            "unreadable_files": GaugeMetricFamily(
+                "tally_unreadable_files",
+                "Completion files of a checkpoint that could not be read (their sources count as not "
+                "completed).",
+                labels=["checkpoint"],
+            ),
+            "loaded_bytes": GaugeMetricFamily(
+                "tally_checkpoint_loaded_bytes",
+                "Estimated memory of a checkpoint's completed set while loaded (0 when unloaded).",
+                labels=["checkpoint"],
+            ),
+        }
+        for name, gauges in sorted(self._service.gauges().items()):
+            for field, family in families.items():
+                family.add_metric([name], getattr(gauges, field))
+        yield from families.values()
 
 
 class Metrics:

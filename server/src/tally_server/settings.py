@@ -57,6 +57,13 @@ class Settings(BaseSettings):
         description="How often each checkpoint's completed count is sampled into the registry (when it "
         "changed), for the progress plot and rate; samples survive restarts.",
     )
+    checkpoint_memory_mb: int = Field(
+        default=1024,
+        gt=0,
+        description="Memory for loaded completed-id sets, in MiB. Past it, checkpoints without live "
+        "writers are unloaded, least recently used first, and loaded again when next asked about; "
+        "status and listings never load them.",
+    )
     shutdown_grace_s: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )

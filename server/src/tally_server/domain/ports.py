@@ -58,8 +58,8 @@ class CompletionStore(Protocol):
         """Apply ops in order, one synced transaction per file touched. Durable when it returns."""
         ...
 
-    def release(self, checkpoint: str) -> None:
-        """Close cached handles of the checkpoint's files (before they are moved)."""
+    def probe(self) -> None:
+        """Write, sync and remove a small file where completions go; raises if that fails (disk full)."""
         ...
 
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
@@ -120,7 +120,11 @@ class ProgressRecord:
 
 
 class Registry(Protocol):
-    """Checkpoints, writers and events in a SQL database."""
+    """Checkpoints, writers and events in a SQL database.
+
+    A database that cannot be reached or written (down, disk full) raises
+    :class:`tally_server.errors.Unavailable`; anything else that fails is a bug.
+    """
 
     def upsert_checkpoint(self, record: CheckpointRecord) -> None: ...
 
@@ -130,6 +134,21 @@ class Registry(Protocol):
 
     def upsert_writer(self, record: WriterRecord) -> None:
         """Insert or update by ``handle``."""
+        ...
+
+    def write_batch(
+        self,
+        *,
+        checkpoints: Sequence[CheckpointRecord] = (),
+        writers: Sequence[WriterRecord] = (),
+        events: Sequence[EventRecord] = (),
+        samples: Sequence[ProgressRecord] = (),
+    ) -> None:
+        """Upsert checkpoints and writers, append events and samples: one transaction, all or nothing."""
+        ...
+
+    def latest_counts(self) -> dict[str, int]:
+        """The completed count of each checkpoint's newest progress sample."""
         ...
 
     def list_writers(self, checkpoint: str) -> list[WriterRecord]: ...

@@ -137,6 +137,27 @@ def labels(values: dict[str, str], limits: Limits) -> None:
             )
 
 
+# Linux pids stay below 2**22; the registry stores them in a 32-bit column.
+MAX_PID = 2**31 - 1
+# Ids that page through the registry (event ids) are 64-bit database keys.
+MAX_PAGE_ID = 2**63 - 1
+
+
+def pid(value: int) -> None:
+    if not 0 <= value <= MAX_PID:
+        raise InvalidArgument(
+            f"pid {value} is out of range; send the writer's process id (1 to {MAX_PID}) or 0 if unknown",
+        )
+
+
+def page_id(what: str, value: int) -> None:
+    if not 0 <= value <= MAX_PAGE_ID:
+        raise InvalidArgument(
+            f"{what} {value} is out of range; pass 0 for the first page, then the id the previous page "
+            "returned",
+        )
+
+
 def host(value: str, limits: Limits) -> None:
     _utf8("host", value)
     if len(value.encode()) > limits.max_name_bytes:

@@ -115,9 +115,11 @@ def create_app(
 
     @app.get("/readyz", tags=["health"], responses={503: {"model": s.ErrorReply}})
     async def readyz() -> Any:
-        """Readiness: stores are open and the coordinator accepts work (503 while shutting down)."""
-        if not service.ready:
-            return error_response(503, ErrorCode.UNAVAILABLE, "not ready: starting or shutting down")
+        """Readiness: the coordinator accepts work, can persist completions and its background loops
+        work (503 naming what is wrong otherwise)."""
+        problems = service.problems()
+        if problems:
+            return error_response(503, ErrorCode.UNAVAILABLE, "not ready: " + "; ".join(problems))
         return {"status": "ready"}
 
     @app.post("/v1/writers", response_model=s.OpenWriterReply, responses=_ERRORS, tags=["writers"])

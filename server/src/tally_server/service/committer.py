@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from tally_server.domain.ports import CompletionOp, CompletionStore
 from tally_server.errors import Unavailable
+from tally_server.logs import FailureLog
 from tally_server.service.stats import ServiceStats
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,18 @@ class GroupCommitter:
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
         self._task: asyncio.Task[None] | None = None
+        # Retries come every few milliseconds while storage fails: log each cause once.
+        self._failures = FailureLog(log, "committing completions")
+
+    @property
+    def failing(self) -> str | None:
+        """The cause while the latest commit (or storage probe) failed, else None."""
+        return self._failures.failing
+
+    async def probe(self) -> None:
+        """Check that the store can write again (after failures), between two commits."""
+        await self.run(self._store.probe)
+        self._failures.succeeded()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
@@ -64,13 +77,15 @@ class GroupCommitter:
             try:
                 await loop.run_in_executor(self._executor, self._store.commit, [op for op, _ in group])
             except Exception as exc:
-                log.exception("completion commit of %d ops failed", len(group))
+                self._stats.commit_failures += 1
+                self._failures.failed(exc)
                 for _, future in group:
                     if not future.done():
                         future.set_exception(
-                            Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc))
+                            Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc)[:500])
                         )
             else:
+                self._failures.succeeded()
                 elapsed = time.perf_counter() - started
                 sources = sum(len(op.sources) for op, _ in group)
                 for observe in self._stats.commit_observers:

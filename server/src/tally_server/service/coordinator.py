@@ -4,10 +4,16 @@ Orchestrates the pure domain (``tally_server.domain``) and the stores behind its
 asyncio event loop; domain state is only touched on that loop, blocking store calls run on
 dedicated threads. Ordering guarantees that matter:
 
-* a completion becomes visible in the live set only after its LMDB commit is durable;
+* a completion becomes visible in the live set only after its completion-file commit is durable;
 * completion and un-complete commits go through one FIFO group committer, and their effects on
   the live set are applied in that same order, so a late anomaly always wins over an earlier
   completion of the same source.
+
+Requests never wait for the registry's bookkeeping (writer rows, events, samples: see
+``registry_writer``), except for the two writes that must succeed before a request may: a new
+checkpoint's record and a new writer's row (with the fingerprint it records). Leases and settle
+windows run on a :class:`~tally_server.domain.leases.StallClock`, so a coordinator too busy to hear
+heartbeats does not expire the writers that sent them.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tally_server.domain import validation
-from tally_server.domain.checkpoint import Checkpoint, CompletedSet, WriterState
-from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
+from tally_server.domain.checkpoint import Checkpoint, CompletedSet, WriterState, choose_unloads
+from tally_server.domain.leases import StallClock
+from tally_server.domain.ledger import Anomaly, ApplyCounts, Delta, WriterLedger
 from tally_server.domain.ports import (
     CheckpointRecord,
     CompletionStore,
@@ -41,10 +49,13 @@ from tally_server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
 from tally_server.service.committer import GroupCommitter
+from tally_server.service.loops import Loop, Sleep
+from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.sessions import Session, SessionTable
 from tally_server.service.stats import ServiceStats
 from tally_server.service.views import (
@@ -65,10 +76,46 @@ T = TypeVar("T")
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 _MAX_INCOMPLETE_LISTED = 1000
+# A batch this big is validated off the event loop, so heartbeats are not held up meanwhile.
+_VALIDATE_OFF_LOOP = 10_000
+# An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).
+_UNLOAD_IDLE_S = 2.0
+# How often bookkeeping rows are written, and the storage is probed while commits fail.
+_REGISTRY_FLUSH_S = 0.5
+_STORAGE_PROBE_S = 1.0
+_CLOCK_TICK_S = 0.1
+# A stall of the event loop this long is worth a warning in the log.
+_STALL_WARNING_S = 1.0
+
+
+@dataclass(frozen=True)
+class CheckpointGauges:
+    """What the metrics collector reads per checkpoint at scrape time."""
+
+    live_writers: int
+    pending_sources: int
+    completed_sources: int
+    unreadable_files: int
+    loaded_bytes: int
 
 
 class CoordinatorService:
-    """Checkpoints, writers and the counting rules behind one async API."""
+    """Checkpoints, writers and the counting rules behind one async API.
+
+    Args:
+        completions: the completion files.
+        registry: checkpoints, writers, events and samples in SQL.
+        limits: refusal limits.
+        settle_ms: the settle window (0: complete at once, as NeMo Curator does).
+        lease_ttl_s: how long a writer that sends nothing stays open.
+        progress_interval_s: how often completed counts are sampled.
+        memory_budget_bytes: loaded completed sets beyond this are unloaded while idle.
+        clock: real monotonic seconds (leases and settling run on a stall clock over it).
+        wall_clock: epoch seconds, for what people read.
+        sleep: what background loops sleep with.
+        loop_idle: per event loop that hears heartbeats, its cumulative seconds waiting for I/O (see
+            ``loop_load``), so lease time slows while one is saturated; empty: only stalls pause it.
+    """
 
     def __init__(
         self,
@@ -79,8 +126,11 @@ class CoordinatorService:
         settle_ms: int,
         lease_ttl_s: float,
         progress_interval_s: float = 5.0,
+        memory_budget_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        sleep: Sleep = asyncio.sleep,
+        loop_idle: Sequence[Callable[[], float]] = (),
     ) -> None:
         self._completions = completions
         self._registry = registry
@@ -88,42 +138,78 @@ class CoordinatorService:
         self.settle_ms = settle_ms
         self.lease_ttl_s = lease_ttl_s
         self.progress_interval_s = progress_interval_s
-        self._clock = clock
+        self.memory_budget_bytes = memory_budget_bytes
+        self._real_clock = clock
+        self.stall_clock = StallClock(clock, loop_idle)
+        self._clock = self.stall_clock.now
         self._wall = wall_clock
+        self._sleep = sleep
         self._checkpoints: dict[str, Checkpoint] = {}
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._sessions = SessionTable()
-        self._registry_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-registry")
+        # Writes (the two that requests wait for, and the bookkeeping flushes) never queue behind
+        # status reads, which get threads of their own.
+        self._registry_writes = ThreadPoolExecutor(1, thread_name_prefix="tally-registry-write")
+        self._registry_reads = ThreadPoolExecutor(2, thread_name_prefix="tally-registry-read")
         self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
+        self._bookkeeping = RegistryWriter(registry, self._registry_write)
         self.stats = ServiceStats()
         self._committer = GroupCommitter(completions, self.stats)
+        self._loops: list[Loop] = []
         self._background: list[asyncio.Task[None]] = []
         self._finalizers: set[asyncio.Task[None]] = set()
         self._accepting = False
         self._resetting: set[str] = set()
+        # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
+        self._dirty: set[str] = set()
+        # Un-completes whose commit failed, by checkpoint: retried until they are durable.
+        self._undeleted: dict[str, set[str]] = {}
         # Completed count last written as a progress sample, per checkpoint.
         self._sampled: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        """Restore the known checkpoints (without loading their id sets) and start the loops."""
         self._committer.start()
         now = self._wall()
-        lost = await self._in_registry(self._registry.mark_open_writers, WriterState.LOST, now)
+        lost = await self._registry_write(self._registry.mark_open_writers, WriterState.LOST, now)
         for record in lost:
-            await self._event(
+            self._event(
                 record.checkpoint,
                 "writer_lost",
                 f"writer {record.writer_id} was open when the coordinator stopped; its pending "
                 "state is gone and its unfinished sources will replay",
                 record.writer_id,
             )
-        loop = asyncio.get_running_loop()
-        self._background = [
-            loop.create_task(self._settle_loop(), name="tally-settle"),
-            loop.create_task(self._lease_loop(), name="tally-leases"),
-            loop.create_task(self._progress_loop(), name="tally-progress"),
+        records = await self._registry_read(self._registry.list_checkpoints)
+        counts = await self._registry_read(self._registry.latest_counts)
+        for known in records:
+            self._checkpoints[known.name] = Checkpoint(
+                name=known.name,
+                created_at=known.created_at,
+                last_activity_at=known.last_activity_at,
+                fingerprint=dict(known.fingerprint),
+                known_count=counts.get(known.name, 0),
+            )
+        self._sampled.update(counts)
+        settle_interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
+        self._loops = [
+            Loop("clock", self._tick, _CLOCK_TICK_S, sleep=self._sleep),
+            # Completes settling sources whose window passed, and retries commits that failed.
+            Loop("settle", self._settle_due, settle_interval, sleep=self._sleep),
+            Loop("lease", self._expire_leases, min(max(self.lease_ttl_s / 4, 0.05), 1.0), sleep=self._sleep),
+            Loop("registry", self._flush_bookkeeping, _REGISTRY_FLUSH_S, sleep=self._sleep),
+            Loop("progress", self._progress_step, self.progress_interval_s, sleep=self._sleep),
+            Loop("storage", self._probe_storage, _STORAGE_PROBE_S, sleep=self._sleep),
         ]
+        loop = asyncio.get_running_loop()
+        self._background = [loop.create_task(x.run(), name=f"tally-{x.name}") for x in self._loops]
+        # Checkpoints never sampled (e.g. the coordinator was killed right after creating them)
+        # get their count by one load in the background, never on a status read.
+        unknown = [cp for name, cp in sorted(self._checkpoints.items()) if name not in counts]
+        if unknown:
+            self._background.append(loop.create_task(self._count_unknown(unknown), name="tally-count"))
         self._accepting = True
 
     def stop_accepting(self) -> None:
@@ -143,81 +229,143 @@ class CoordinatorService:
                 log.exception("closing writer %s during shutdown failed", session.writer_id)
         if self._finalizers:
             await asyncio.gather(*self._finalizers, return_exceptions=True)
-        await self._sample_progress()
+        self._sample_progress()
+        try:
+            await self._bookkeeping.flush()
+        except Exception:
+            log.exception("writing %d registry rows during shutdown failed", self._bookkeeping.queued)
         await self._committer.close()
         self._completions.close()
         self._registry.close()
-        self._registry_executor.shutdown(wait=True)
-        self._load_executor.shutdown(wait=True)
+        for executor in (self._registry_writes, self._registry_reads, self._load_executor):
+            executor.shutdown(wait=True)
+
+    def problems(self) -> list[str]:
+        """Why the coordinator is not ready, in words; empty when it is."""
+        found = [] if self._accepting else ["starting or shutting down"]
+        if self._committer.failing:
+            found.append(f"completions cannot be persisted: {self._committer.failing}")
+        found.extend(f"the {x.name} loop is failing: {x.failing}" for x in self._loops if x.failing)
+        return found
 
     @property
     def ready(self) -> bool:
-        return self._accepting
+        return not self.problems()
 
-    def gauges(self) -> dict[str, tuple[int, int, int]]:
-        """Per loaded checkpoint: (live writers, pending sources, completed sources)."""
+    def loop_errors(self) -> dict[str, int]:
+        """Failed steps per background loop since start."""
+        return {x.name: x.errors for x in self._loops}
+
+    @property
+    def registry_events_dropped(self) -> int:
+        return self._bookkeeping.dropped_events
+
+    def gauges(self) -> dict[str, CheckpointGauges]:
+        """Per known checkpoint, read at scrape time (never loads an id set)."""
         return {
-            name: (len(self._sessions.live(name)), self._sessions.pending_sources(name), len(cp.completed))
+            name: CheckpointGauges(
+                live_writers=len(self._sessions.live(name)),
+                pending_sources=self._sessions.pending_sources(name),
+                completed_sources=cp.completed_count,
+                unreadable_files=len(cp.unreadable_files),
+                loaded_bytes=cp.completed.estimated_bytes() if cp.completed is not None else 0,
+            )
             for name, cp in self._checkpoints.items()
         }
 
     # ------------------------------------------------------------------ helpers
 
-    async def _in_registry(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._registry_executor, fn, *args)
+    async def _registry_write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._registry_writes, fn, *args)
 
-    async def _event(
+    async def _registry_read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._registry_reads, fn, *args)
+
+    def _event(
         self, checkpoint: str, kind: str, message: str, writer_id: str | None = None, **data: Any
     ) -> None:
+        """Log an event now and queue it for the registry (written by the registry loop)."""
         log.info("%s [%s] %s", checkpoint, kind, message)
-        await self._in_registry(
-            self._registry.add_event,
-            EventRecord(checkpoint, kind, message, self._wall(), writer_id, dict(data)),
-        )
+        self._bookkeeping.event(EventRecord(checkpoint, kind, message, self._wall(), writer_id, dict(data)))
 
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
 
-    async def _checkpoint(self, name: str, *, create: bool) -> Checkpoint | None:
+    async def _find(self, name: str, *, create: bool) -> Checkpoint | None:
+        """The checkpoint named ``name`` (its id set not necessarily loaded), or None.
+
+        A folder on disk that the registry does not know yet (one NeMo Curator wrote, placed in
+        the data directory) is adopted; with ``create`` a new checkpoint is registered.
+        """
         cp = self._checkpoints.get(name)
         if cp is not None:
             return cp
-        lock = self._load_locks.setdefault(name, asyncio.Lock())
-        async with lock:
+        async with self._load_locks.setdefault(name, asyncio.Lock()):
             cp = self._checkpoints.get(name)
             if cp is not None:
                 return cp
-            record = await self._in_registry(self._registry.get_checkpoint, name)
-            loop = asyncio.get_running_loop()
-            on_disk = await loop.run_in_executor(self._load_executor, self._completions.exists, name)
-            if record is None and not on_disk and not create:
+            on_disk = await self._in_load_thread(self._completions.exists, name)
+            if not on_disk and not create:
                 return None
-            loaded = await loop.run_in_executor(self._load_executor, self._completions.load, name)
             now = self._wall()
-            if record is None:
-                record = CheckpointRecord(name, created_at=now, last_activity_at=now)
-                await self._in_registry(self._registry.upsert_checkpoint, record)
-                await self._event(name, "checkpoint_created", f"checkpoint {name} created")
-            cp = Checkpoint(
-                name=name,
-                completed=CompletedSet(loaded.completed),
-                created_at=record.created_at,
-                last_activity_at=record.last_activity_at,
-                fingerprint=dict(record.fingerprint),
-                unreadable_files=[u.path for u in loaded.unreadable],
-            )
-            for bad in loaded.unreadable:
-                await self._event(
-                    name,
-                    "unreadable_file",
-                    f"completion file {bad.path} is unreadable and was skipped (its sources count as "
-                    f"not completed): {bad.error}",
-                    path=bad.path,
-                    error=bad.error,
-                )
+            record = CheckpointRecord(name, created_at=now, last_activity_at=now)
+            await self._registry_write(lambda: self._registry.write_batch(checkpoints=[record]))
+            cp = Checkpoint(name=name, created_at=now, last_activity_at=now)
             self._checkpoints[name] = cp
+            self._event(name, "checkpoint_created", f"checkpoint {name} created")
             return cp
+
+    async def _completed(self, cp: Checkpoint) -> CompletedSet:
+        """The checkpoint's live completed set, loaded from its files if it is not in memory."""
+        cp.last_used = self._real_clock()
+        if cp.completed is not None:
+            return cp.completed
+        async with self._load_locks.setdefault(cp.name, asyncio.Lock()):
+            if cp.completed is None:
+                loaded = await self._in_load_thread(self._completions.load, cp.name)
+                reported = set(cp.unreadable_files)
+                cp.completed = CompletedSet(loaded.completed)
+                cp.known_count = len(cp.completed)
+                cp.unreadable_files = [u.path for u in loaded.unreadable]
+                for bad in loaded.unreadable:
+                    if bad.path not in reported:
+                        self._event(
+                            cp.name,
+                            "unreadable_file",
+                            f"completion file {bad.path} is unreadable and was skipped (its sources count "
+                            f"as not completed): {bad.error}",
+                            path=bad.path,
+                            error=bad.error,
+                        )
+                self._unload_idle()
+            completed = cp.completed
+        cp.last_used = self._real_clock()
+        return completed
+
+    async def _in_load_thread(self, fn: Callable[[str], T], name: str) -> T:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._load_executor, fn, name)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot read the files of checkpoint {name!r} ({exc}); check the data directory's disk "
+                "and permissions, then retry",
+            ) from exc
+
+    def _unload_idle(self) -> None:
+        """Unload the least recently used idle checkpoints while the loaded ones exceed the budget."""
+
+        def busy(cp: Checkpoint) -> bool:
+            return bool(cp.pins or self._sessions.live(cp.name) or cp.name in self._resetting)
+
+        for cp in choose_unloads(
+            self._checkpoints.values(),
+            self.memory_budget_bytes,
+            busy=busy,
+            used_before=self._real_clock() - _UNLOAD_IDLE_S,
+        ):
+            log.debug("unloading idle checkpoint %s (%d completed ids)", cp.name, cp.completed_count)
+            cp.unload()
 
     def _session(self, handle: str) -> Session:
         session = self._sessions.get(handle)
@@ -231,6 +379,7 @@ class CoordinatorService:
     def _renew(self, session: Session) -> None:
         session.lease_deadline = self._clock() + self.lease_ttl_s
         session.last_seen_at = self._wall()
+        self._dirty.add(session.handle)
 
     def _writer_record(self, s: Session, closed_at: float | None = None) -> WriterRecord:
         t = s.ledger.totals
@@ -266,7 +415,13 @@ class CoordinatorService:
         host: str = "",
         pid: int = 0,
         on_mismatch: str = "refuse",
+        allow_reset: bool = True,
     ) -> OpenedWriter:
+        """Register a writer; all or nothing: a refused or failed open leaves no trace.
+
+        ``allow_reset=False`` (a caller without the admin role) refuses an ``on_mismatch="reset"``
+        that would have to reset the checkpoint.
+        """
         self._check_accepting()
         if on_mismatch not in ("refuse", "reset", "ignore"):
             raise InvalidArgument(f"on_mismatch {on_mismatch!r} is not one of refuse, reset, ignore")
@@ -278,11 +433,19 @@ class CoordinatorService:
         validation.labels(labels, self.limits)
         validation.labels(fingerprint, self.limits)
         validation.host(host, self.limits)
+        validation.pid(pid)
         if checkpoint in self._resetting:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
-        cp = await self._checkpoint(checkpoint, create=True)
+        cp = await self._find(checkpoint, create=True)
         assert cp is not None
-        await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch)
+        cp.pins += 1
+        try:
+            await self._completed(cp)
+            await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch, allow_reset)
+            completed = await self._completed(cp)  # a reset replaced it
+        finally:
+            cp.pins -= 1
+        # From here to adding the session nothing awaits, so the admission holds.
         writers = self._sessions.live(checkpoint)
         live = writers.get(writer_id)
         if live is not None:
@@ -310,29 +473,38 @@ class CoordinatorService:
             opened_at=now,
             last_seen_at=now,
             lease_deadline=self._clock() + self.lease_ttl_s,
-            ledger=WriterLedger(cp.completed.as_of_now(), self.settle_ms / 1000),
+            ledger=WriterLedger(completed.as_of_now(), self.settle_ms / 1000),
         )
+        # The writer id is taken from here on; undone below if the registry refuses the writer.
         self._sessions.add(session)
+        records_fingerprint = bool(fingerprint) and not cp.fingerprint
+        if records_fingerprint:
+            cp.fingerprint = dict(fingerprint)
+        try:
+            await self._registry_write(
+                lambda: self._registry.write_batch(
+                    checkpoints=[CheckpointRecord(cp.name, cp.created_at, now, dict(cp.fingerprint))],
+                    writers=[self._writer_record(session)],
+                )
+            )
+        except BaseException:
+            self._sessions.remove(session)
+            if records_fingerprint and cp.fingerprint == fingerprint:
+                cp.fingerprint = {}
+            raise
         self.stats.writers_opened += 1
         cp.last_activity_at = now
-        if fingerprint and not cp.fingerprint:
-            cp.fingerprint = dict(fingerprint)
-        await self._in_registry(
-            self._registry.upsert_checkpoint,
-            CheckpointRecord(cp.name, cp.created_at, cp.last_activity_at, dict(cp.fingerprint)),
-        )
-        await self._in_registry(self._registry.upsert_writer, self._writer_record(session))
-        await self._event(
+        self._event(
             checkpoint,
             "writer_opened",
             f"writer {writer_id} opened (host {host or '?'}, pid {pid or '?'})",
             writer_id,
             labels=labels,
         )
-        return OpenedWriter(session.handle, writer_id, self.lease_ttl_s, len(cp.completed), self.settle_ms)
+        return OpenedWriter(session.handle, writer_id, self.lease_ttl_s, len(completed), self.settle_ms)
 
     async def _guard_fingerprint(
-        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str
+        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str, allow_reset: bool
     ) -> None:
         """DESIGN §2.5: refuse to resume a checkpoint with different inputs unless told otherwise."""
         if not fingerprint or not cp.fingerprint:
@@ -349,7 +521,7 @@ class CoordinatorService:
             for k in differing
         )
         if on_mismatch == "ignore":
-            await self._event(
+            self._event(
                 cp.name,
                 "fingerprint_mismatch_ignored",
                 f"writer {writer_id} opened with a different fingerprint ({detail}); ignored as it asked",
@@ -358,6 +530,13 @@ class CoordinatorService:
             )
             return
         if on_mismatch == "reset":
+            if not allow_reset:
+                raise PermissionDenied(
+                    f"checkpoint {cp.name!r} was started with a different fingerprint ({detail}) and "
+                    "on_mismatch='reset' would start it over, which needs the admin role; open with an "
+                    "admin token, or use a new checkpoint name",
+                    differing=differing,
+                )
             # Refused while other writers are live (reset_checkpoint says so); the new fingerprint
             # is recorded by open_writer once the checkpoint is empty again.
             await self.reset_checkpoint(cp.name)
@@ -371,18 +550,19 @@ class CoordinatorService:
         )
 
     async def keep_alive(self, handle: str) -> float:
+        """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
         self._check_accepting()
-        session = self._session(handle)
-        self._renew(session)
-        await self._in_registry(self._registry.upsert_writer, self._writer_record(session))
+        self._renew(self._session(handle))
         return self.lease_ttl_s
 
     async def apply_deltas(self, handle: str, batch: Sequence[Delta]) -> ApplyCounts:
         self._check_accepting()
-        validation.deltas(batch, self.limits)
+        if len(batch) >= _VALIDATE_OFF_LOOP:
+            await asyncio.get_running_loop().run_in_executor(None, validation.deltas, batch, self.limits)
+        else:
+            validation.deltas(batch, self.limits)
         session = self._session(handle)
-        runtime = session
-        async with runtime.lock:
+        async with session.lock:
             session = self._session(handle)  # may have closed while we waited
             self._renew(session)
             cp = self._checkpoints[session.checkpoint]
@@ -400,8 +580,7 @@ class CoordinatorService:
                     session.ledger.revert_completing(completing, self._clock())
                     raise
                 counts.completed = len(completing)
-            async with runtime.changed:
-                runtime.changed.notify_all()
+            await session.notify()
             return counts
 
     async def _persist(
@@ -412,33 +591,32 @@ class CoordinatorService:
         ``counted``: the caller already raised ``commits_in_flight`` synchronously, when it marked
         the sources completing; a flush or close arriving before this coroutine runs must wait.
         """
-        runtime = session
         if not counted:
-            runtime.commits_in_flight += 1
+            session.commits_in_flight += 1
         try:
+            undeleted = self._undeleted.get(cp.name)
+            if undeleted:
+                undeleted.difference_update(sources)  # completed again: the newer state wins
             await self._committer.submit(PutCompleted(cp.name, session.writer_id, sources))
             # Durable now; only from here on may anyone see it.
-            cp.completed.add(sources)
+            cp.ids().add(sources)
             self.stats.completions += len(sources)
         except Exception:
-            runtime.failed_commits += 1
+            session.failed_commits += 1
             raise
         finally:
-            runtime.commits_in_flight -= 1
-            async with runtime.changed:
-                runtime.changed.notify_all()
+            session.commits_in_flight -= 1
+            await session.notify()
 
-    async def _uncomplete(self, cp: Checkpoint, session: Session, anomalies: Sequence[Any]) -> None:
+    async def _uncomplete(self, cp: Checkpoint, session: Session, anomalies: Sequence[Anomaly]) -> None:
         sources = list(dict.fromkeys(a.source_id for a in anomalies))
+        completed = cp.ids()
         for sid in sources:
-            cp.completed.discard(sid)  # invisible at once; never report a doubtful completion
+            completed.discard(sid)  # invisible at once; never report a doubtful completion
         cp.anomalies += len(anomalies)
-        await self._committer.submit(DeleteCompleted(cp.name, sources))
-        for sid in sources:
-            cp.completed.discard(sid)  # again, after any completion committed before this delete
         for a in anomalies:
             change = "a new task" if a.old_delta is None else f"delta {a.old_delta} -> {a.new_delta}"
-            await self._event(
+            self._event(
                 cp.name,
                 "anomaly",
                 f"source {a.source_id} got {change} (task {a.task_id}) after it was completed; it was "
@@ -449,6 +627,15 @@ class CoordinatorService:
                 old_delta=a.old_delta,
                 new_delta=a.new_delta,
             )
+        try:
+            await self._committer.submit(DeleteCompleted(cp.name, sources))
+        except Exception:
+            # A completion left in a file would come back at the next start: retried until durable.
+            self._undeleted.setdefault(cp.name, set()).update(sources)
+            session.failed_commits += 1
+            raise
+        for sid in sources:
+            completed.discard(sid)  # again, after any completion committed before this delete
 
     async def flush(self, handle: str) -> int:
         """Return once every completion resulting from deltas applied so far is durable.
@@ -458,28 +645,27 @@ class CoordinatorService:
         """
         self._check_accepting()
         session = self._session(handle)
-        runtime = session
-        async with runtime.lock:
+        async with session.lock:
             self._renew(session)
             waiting = dict(session.ledger.settling)
-            failures = runtime.failed_commits
+            failures = session.failed_commits
 
         def settled() -> bool:
             if session.state != WriterState.OPEN:
                 return True
             settling = session.ledger.settling
-            return runtime.commits_in_flight == 0 and all(
+            return session.commits_in_flight == 0 and all(
                 settling.get(sid) != deadline for sid, deadline in waiting.items()
             )
 
-        async with runtime.changed:
-            await runtime.changed.wait_for(settled)
+        async with session.changed:
+            await session.changed.wait_for(settled)
         if session.state == WriterState.EXPIRED:
             raise NotFound(
                 f"writer {session.writer_id!r} expired while flushing; its pending state is gone: "
                 "open a new writer (unfinished sources replay)",
             )
-        if runtime.failed_commits != failures:
+        if session.failed_commits != failures:
             raise Unavailable(
                 "persisting completions failed while flushing; they are being retried, so flush again "
                 "(see the coordinator log for the storage error)",
@@ -492,8 +678,7 @@ class CoordinatorService:
         return await self._close(session, WriterState.CLOSED, "closed by its client")
 
     async def _close(self, session: Session, state: str, why: str) -> ClosedWriter:
-        runtime = session
-        async with runtime.lock:
+        async with session.lock:
             if session.state != WriterState.OPEN:
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
             cp = self._checkpoints[session.checkpoint]
@@ -502,25 +687,25 @@ class CoordinatorService:
                 completing = session.ledger.mark_completing(session.ledger.take_all_settling())
                 if completing:
                     await self._persist(cp, session, completing)
-            async with runtime.changed:
-                await runtime.changed.wait_for(lambda: runtime.commits_in_flight == 0)
+            async with session.changed:
+                await session.changed.wait_for(lambda: session.commits_in_flight == 0)
             session.state = state
             if state == WriterState.EXPIRED:
                 self.stats.writers_expired += 1
             incomplete = list(session.ledger.pending)
             self._sessions.remove(session)
+            self._dirty.discard(session.handle)
             now = self._wall()
             cp.last_activity_at = now
-            await self._in_registry(self._registry.upsert_writer, self._writer_record(session, now))
-            await self._event(
+            self._bookkeeping.writer(self._writer_record(session, now))
+            self._event(
                 cp.name,
                 f"writer_{state}",
                 f"writer {session.writer_id} {why}; {len(incomplete)} sources left incomplete will replay",
                 session.writer_id,
                 incomplete=len(incomplete),
             )
-            async with runtime.changed:
-                runtime.changed.notify_all()
+            await session.notify()
         totals = session.ledger.totals
         return ClosedWriter(
             ApplyCounts(totals.applied, totals.skipped, totals.rewritten, totals.anomalies, totals.completed),
@@ -528,74 +713,106 @@ class CoordinatorService:
             len(incomplete),
         )
 
-    # ------------------------------------------------------------------ background
+    # ------------------------------------------------------------------ background steps
 
-    async def _settle_loop(self) -> None:
-        # Completes settling sources whose window passed, and retries completions whose commit failed.
-        interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
-        while True:
-            await asyncio.sleep(interval)
-            now = self._clock()
-            for session in self._sessions:
-                if not session.ledger.settling or session.state != WriterState.OPEN:
-                    continue
-                completing = session.ledger.mark_completing(session.ledger.due(now))
-                if completing:
-                    session.commits_in_flight += 1
-                    task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
-                    self._finalizers.add(task)
-                    task.add_done_callback(self._finalizers.discard)
+    async def _tick(self) -> None:
+        paused = self.stall_clock.tick()
+        if paused >= _STALL_WARNING_S:
+            log.warning(
+                "the coordinator could not run for %.1f s (overloaded, paused or swapped out); that "
+                "time does not count against writers' leases or settle windows",
+                paused,
+            )
+
+    async def _settle_due(self) -> None:
+        now = self._clock()
+        for session in self._sessions:
+            if not session.ledger.settling or session.state != WriterState.OPEN:
+                continue
+            completing = session.ledger.mark_completing(session.ledger.due(now))
+            if completing:
+                session.commits_in_flight += 1
+                task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
+                self._finalizers.add(task)
+                task.add_done_callback(self._finalizers.discard)
+        for name, sources in list(self._undeleted.items()):
+            if not sources:
+                del self._undeleted[name]
+                continue
+            retry = sorted(sources)
+            await self._committer.submit(DeleteCompleted(name, retry))
+            sources.difference_update(retry)
+            cp = self._checkpoints.get(name)
+            if cp is not None and cp.completed is not None:
+                for sid in retry:
+                    cp.completed.discard(sid)
 
     async def _finalize(self, session: Session, sources: list[str]) -> None:
         cp = self._checkpoints[session.checkpoint]
         try:
             await self._persist(cp, session, sources, counted=True)
         except Exception:
-            log.warning("persisting %d completions of %s failed; will retry", len(sources), session.writer_id)
+            # The committer logged the cause (once per cause); the settle loop retries.
             session.ledger.revert_completing(sources, self._clock())
 
-    async def _lease_loop(self) -> None:
-        interval = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
-        while True:
-            await asyncio.sleep(interval)
-            now = self._clock()
-            for session in self._sessions:
-                if session.lease_deadline < now and session.state == WriterState.OPEN:
-                    try:
-                        await self._close(
-                            session,
-                            WriterState.EXPIRED,
-                            f"sent nothing for {self.lease_ttl_s:g} s: lease expired, pending state dropped",
-                        )
-                    except NotFound:
-                        pass
-
-    async def _progress_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.progress_interval_s)
+    async def _expire_leases(self) -> None:
+        now = self._clock()
+        failures: list[Exception] = []
+        for session in self._sessions:
+            if session.state != WriterState.OPEN or session.lease_deadline >= now:
+                continue
             try:
-                await self._sample_progress()
-            except Exception:
-                log.exception("writing progress samples failed; will retry")
+                await self._close(
+                    session,
+                    WriterState.EXPIRED,
+                    f"sent nothing for {self.lease_ttl_s:g} s: lease expired, pending state dropped",
+                )
+            except NotFound:
+                pass  # closed meanwhile
+            except Exception as exc:
+                failures.append(exc)  # the other writers still expire on time
+        if failures:
+            raise failures[0]
 
-    async def _sample_progress(self) -> None:
-        """Persist the completed count of every checkpoint whose count changed since its last sample."""
+    async def _flush_bookkeeping(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for handle in dirty:
+            session = self._sessions.get(handle)
+            if session is not None and session.state == WriterState.OPEN:
+                self._bookkeeping.writer(self._writer_record(session))
+        await self._bookkeeping.flush()
+
+    async def _progress_step(self) -> None:
+        self._sample_progress()
+        self._unload_idle()
+
+    def _sample_progress(self) -> None:
+        """Queue a sample of every checkpoint whose completed count changed since its last one."""
         now = self._wall()
         samples = []
         for name, cp in self._checkpoints.items():
-            count = len(cp.completed)
+            count = cp.completed_count
             if self._sampled.get(name) != count:
                 samples.append(ProgressRecord(name, now, count))
-        if samples:
-            await self._in_registry(self._registry.add_samples, samples)
-            for sample in samples:
-                self._sampled[sample.checkpoint] = sample.completed_count
+                self._sampled[name] = count
+        self._bookkeeping.samples(samples)
+
+    async def _probe_storage(self) -> None:
+        if self._committer.failing:
+            await self._committer.probe()
+
+    async def _count_unknown(self, checkpoints: list[Checkpoint]) -> None:
+        for cp in checkpoints:
+            try:
+                await self._completed(cp)
+            except Exception:
+                log.exception("counting the completed sources of checkpoint %s failed", cp.name)
 
     # ------------------------------------------------------------------ status
 
     async def _existing(self, name: str) -> Checkpoint:
         validation.checkpoint_name(name, self.limits)
-        cp = await self._checkpoint(name, create=False)
+        cp = await self._find(name, create=False)
         if cp is None:
             raise NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")
         return cp
@@ -608,8 +825,10 @@ class CoordinatorService:
         live = self._view(cp).writers
         if not include_closed:
             return live[: max(limit, 0)]
-        records = await self._in_registry(self._registry.list_writers, checkpoint)
+        records = await self._registry_read(self._registry.list_writers, checkpoint)
         live_ids = {w.writer_id for w in live}
+        queued = {r.handle: r for r in self._bookkeeping.queued_writers(checkpoint)}
+        records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
         past = [
             WriterView(
                 writer_id=r.writer_id,
@@ -632,7 +851,12 @@ class CoordinatorService:
         await self._existing(checkpoint)
         if not 0 < limit <= 1000:
             raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
-        records = await self._in_registry(
+        validation.page_id("before_id", before_id)
+        try:
+            await self._bookkeeping.flush()  # so the page includes what just happened
+        except Unavailable:
+            pass  # the read below says so if the registry is down
+        records = await self._registry_read(
             lambda: self._registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
         )
         page = records[:limit]
@@ -646,9 +870,10 @@ class CoordinatorService:
     async def progress(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressSample]:
         """Persisted samples, plus the live count now, so a plot always ends at the present."""
         cp = await self._existing(checkpoint)
-        records = await self._in_registry(lambda: self._registry.list_samples(checkpoint, since=since))
-        samples = [ProgressSample(r.at, r.completed_count) for r in records]
-        samples.append(ProgressSample(self._wall(), len(cp.completed)))
+        records = await self._registry_read(lambda: self._registry.list_samples(checkpoint, since=since))
+        queued = [r for r in self._bookkeeping.queued_samples(checkpoint) if r.at >= since]
+        samples = [ProgressSample(r.at, r.completed_count) for r in [*records, *queued]]
+        samples.append(ProgressSample(self._wall(), cp.completed_count))
         return samples
 
     async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
@@ -682,7 +907,7 @@ class CoordinatorService:
                 f"limit {limit} is out of range; ask for 1 to {self.limits.max_ids_per_query} ids per page "
                 "(setting max_ids_per_query)"
             )
-        ordered = cp.completed.in_byte_order()
+        ordered = (await self._completed(cp)).in_byte_order()
         start = bisect.bisect_right(ordered, after.encode()) if after else 0
         page = [sid.decode() for sid in ordered[start : start + limit]]
         more = start + limit < len(ordered)
@@ -698,19 +923,24 @@ class CoordinatorService:
         validation.source_ids(source_ids, self.limits)
         if checkpoint in self._resetting:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
-        cp = await self._checkpoint(checkpoint, create=True)
+        cp = await self._find(checkpoint, create=True)
         assert cp is not None
         if import_id in self._sessions.live(checkpoint):
             raise AlreadyExists(f"{import_id!r} is a live writer of {checkpoint!r}; choose another import_id")
-        if not source_ids:
-            return ImportResult(0, len(cp.completed))
-        new = [sid for sid in dict.fromkeys(source_ids) if sid not in cp.completed]
-        if new:
-            await self._committer.submit(PutCompleted(cp.name, import_id, new))
-            cp.completed.add(new)
-            self.stats.completions += len(new)
+        cp.pins += 1  # the set must stay loaded until the commit made it durable
+        try:
+            completed = await self._completed(cp)
+            if not source_ids:
+                return ImportResult(0, len(completed))
+            new = [sid for sid in dict.fromkeys(source_ids) if sid not in completed]
+            if new:
+                await self._committer.submit(PutCompleted(cp.name, import_id, new))
+                completed.add(new)
+                self.stats.completions += len(new)
+        finally:
+            cp.pins -= 1
         cp.last_activity_at = self._wall()
-        await self._event(
+        self._event(
             checkpoint,
             "imported",
             f"{len(new)} completed sources imported into {import_id}.mdb "
@@ -719,7 +949,7 @@ class CoordinatorService:
             imported=len(new),
             offered=len(source_ids),
         )
-        return ImportResult(len(new), len(cp.completed))
+        return ImportResult(len(new), len(completed))
 
     async def reset_checkpoint(self, name: str, *, force: bool = False) -> ResetResult:
         """Start a checkpoint over: its files go to the trash folder (never deleted)."""
@@ -747,17 +977,21 @@ class CoordinatorService:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._wall())) + f"-{uuid.uuid4().hex[:6]}"
             moved_to, files = await self._committer.run(self._completions.trash, name, stamp)
             cp.completed = CompletedSet()
+            cp.known_count = 0
             cp.anomalies = 0
             cp.unreadable_files = []
             cp.fingerprint = {}
             cp.last_activity_at = self._wall()
+            self._undeleted.pop(name, None)
             self._sampled.pop(name, None)
-            await self._in_registry(self._registry.delete_samples, name)
-            await self._in_registry(
-                self._registry.upsert_checkpoint,
-                CheckpointRecord(name, cp.created_at, cp.last_activity_at, {}),
+            self._bookkeeping.forget_samples(name)
+            await self._registry_write(self._registry.delete_samples, name)
+            await self._registry_write(
+                lambda: self._registry.write_batch(
+                    checkpoints=[CheckpointRecord(name, cp.created_at, cp.last_activity_at, {})]
+                )
             )
-            await self._event(
+            self._event(
                 name,
                 "checkpoint_reset",
                 f"checkpoint reset: {files} files moved to {moved_to or '(nothing to move)'}; "
@@ -776,10 +1010,10 @@ class CoordinatorService:
         self._check_accepting()
         validation.checkpoint_name(checkpoint, self.limits)
         validation.source_ids(source_ids, self.limits)
-        cp = await self._checkpoint(checkpoint, create=False)
+        cp = await self._find(checkpoint, create=False)
         if cp is None:
             return [False] * len(source_ids)
-        completed = cp.completed
+        completed = await self._completed(cp)
         return [sid in completed for sid in source_ids]
 
     def _view(self, cp: Checkpoint) -> CheckpointView:
@@ -799,7 +1033,7 @@ class CoordinatorService:
         ]
         return CheckpointView(
             name=cp.name,
-            completed_count=len(cp.completed),
+            completed_count=cp.completed_count,
             live_writers=len(writers),
             pending_sources=self._sessions.pending_sources(cp.name),
             settling_sources=self._sessions.settling_sources(cp.name),
@@ -812,14 +1046,9 @@ class CoordinatorService:
         )
 
     async def get_checkpoint(self, name: str) -> CheckpointView:
+        """One checkpoint's status, from memory (its id set is not loaded for this)."""
         return self._view(await self._existing(name))
 
     async def list_checkpoints(self) -> list[CheckpointView]:
-        records = await self._in_registry(self._registry.list_checkpoints)
-        names = sorted({r.name for r in records} | set(self._checkpoints))
-        views = []
-        for name in names:
-            cp = await self._checkpoint(name, create=False)
-            if cp is not None:
-                views.append(self._view(cp))
-        return views
+        """Every known checkpoint's status, from memory: no registry query, no id set loaded."""
+        return [self._view(cp) for _, cp in sorted(self._checkpoints.items())]

@@ -22,6 +22,7 @@ class ServiceStats:
     completions: int = 0
     writers_opened: int = 0
     writers_expired: int = 0
+    commit_failures: int = 0
     commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
 
     def count(self, counts: ApplyCounts) -> None:

@@ -277,6 +277,25 @@ class LmdbCompletionStore:
             self._drop(victim, wait=False)
         return handle
 
+    def probe(self) -> None:
+        """Write, sync and remove a page-sized file under the checkpoints folder.
+
+        Tells whether completions can be written again after a failure (a full disk): the
+        coordinator reports itself not ready until this succeeds.
+        """
+        self._check_open()
+        _make_dirs(self._root)
+        path = self._root / f".probe-{os.getpid()}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            path.unlink(missing_ok=True)
+
     # -------------------------------------------------------------- lifecycle
 
     def release(self, checkpoint: str) -> None:

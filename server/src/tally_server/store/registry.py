@@ -8,9 +8,10 @@ files (``lmdb_files``), so losing the registry never loses a completion.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -19,6 +20,7 @@ from sqlalchemy.pool import StaticPool
 
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
+from tally_server.errors import Unavailable
 
 REGISTRY_FILENAME = "registry.sqlite3"
 
@@ -95,6 +97,31 @@ progress_table = sa.Table(
 )
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Errors of the database or the way to it (down, restarting, locked, disk full): transient, so
+# callers get UNAVAILABLE and retry. Integrity and data errors are bugs and propagate as they are.
+_TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
+
+
+class RegistryUnavailable(Unavailable):
+    """The registry database cannot be reached or written right now."""
+
+
+def _transient_as_unavailable(method: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except _TRANSIENT as exc:
+            registry = args[0]
+            assert isinstance(registry, SqlRegistry)
+            raise registry.unavailable(exc) from exc
+
+    return wrapper
+
+
 def default_sqlite_url(data_dir: Path) -> str:
     """The registry URL used when none is configured: ``<data_dir>/registry.sqlite3``."""
     path = (Path(data_dir) / REGISTRY_FILENAME).absolute()
@@ -120,20 +147,38 @@ class SqlRegistry:
                 f"registry database {parsed.render_as_string()!r} uses {dialect!r}; "
                 "use sqlite:///<path> or postgresql+psycopg://<user>@<host>/<db>"
             )
+        # Never show a password in messages and logs.
+        self.display_url = parsed.render_as_string(hide_password=True)
         self._engine = _create_engine(parsed)
         try:
             metadata.create_all(self._engine)
+        except _TRANSIENT as exc:
+            self._engine.dispose()
+            raise self.unavailable(exc) from exc
         except BaseException:
             self._engine.dispose()
             raise
 
+    def unavailable(self, exc: BaseException) -> RegistryUnavailable:
+        """The UNAVAILABLE error for a transient database failure, saying what to do."""
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        hint = "Tally retries by itself"
+        if "full" in cause.lower() or "no space" in cause.lower():
+            hint = "the disk holding it is full: free space or grow the volume; Tally retries by itself"
+        return RegistryUnavailable(
+            f"the registry database {self.display_url} cannot be used right now ({cause}); {hint}",
+            cause=cause,
+        )
+
     # ------------------------------------------------------------ checkpoints
 
+    @_transient_as_unavailable
     def upsert_checkpoint(self, record: CheckpointRecord) -> None:
         """Insert or update by ``name``."""
         with self._engine.begin() as conn:
             self._upsert(conn, checkpoints_table, dataclasses.asdict(record))
 
+    @_transient_as_unavailable
     def get_checkpoint(self, name: str) -> CheckpointRecord | None:
         with self._engine.connect() as conn:
             row = conn.execute(
@@ -141,6 +186,7 @@ class SqlRegistry:
             ).one_or_none()
         return None if row is None else _checkpoint(row)
 
+    @_transient_as_unavailable
     def list_checkpoints(self) -> list[CheckpointRecord]:
         """Every checkpoint, by name."""
         with self._engine.connect() as conn:
@@ -149,11 +195,13 @@ class SqlRegistry:
 
     # ---------------------------------------------------------------- writers
 
+    @_transient_as_unavailable
     def upsert_writer(self, record: WriterRecord) -> None:
         """Insert or update by ``handle``."""
         with self._engine.begin() as conn:
             self._upsert(conn, writers_table, dataclasses.asdict(record))
 
+    @_transient_as_unavailable
     def list_writers(self, checkpoint: str) -> list[WriterRecord]:
         """The checkpoint's writers, oldest first."""
         w = writers_table.c
@@ -163,6 +211,7 @@ class SqlRegistry:
             ).all()
         return [_writer(row) for row in rows]
 
+    @_transient_as_unavailable
     def mark_open_writers(self, state: str, at: float) -> list[WriterRecord]:
         """Set every writer still ``open`` to ``state`` with ``closed_at = at``; returns them.
 
@@ -180,18 +229,46 @@ class SqlRegistry:
             ).all()
         return sorted((_writer(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
 
+    @_transient_as_unavailable
+    def write_batch(
+        self,
+        *,
+        checkpoints: Sequence[CheckpointRecord] = (),
+        writers: Sequence[WriterRecord] = (),
+        events: Sequence[EventRecord] = (),
+        samples: Sequence[ProgressRecord] = (),
+    ) -> None:
+        """Upsert checkpoints and writers, append events and samples, in one transaction.
+
+        Event ids come from the database and are stored into each ``event.id``.
+        """
+        with self._engine.begin() as conn:
+            for checkpoint in checkpoints:
+                self._upsert(conn, checkpoints_table, dataclasses.asdict(checkpoint))
+            for writer in writers:
+                self._upsert(conn, writers_table, dataclasses.asdict(writer))
+            for event in events:
+                event.id = self._insert_event(conn, event)
+            if samples:
+                conn.execute(sa.insert(progress_table), [dataclasses.asdict(x) for x in samples])
+
     # ----------------------------------------------------------------- events
 
+    @_transient_as_unavailable
     def add_event(self, event: EventRecord) -> None:
         """Append ``event``; the database assigns its id, which is stored into ``event.id``."""
+        with self._engine.begin() as conn:
+            event.id = self._insert_event(conn, event)
+
+    @staticmethod
+    def _insert_event(conn: Connection, event: EventRecord) -> int:
         values = dataclasses.asdict(event)
         del values["id"]  # ids only ever come from the database, so paging by id stays ordered
-        with self._engine.begin() as conn:
-            new_id = conn.execute(
-                sa.insert(events_table).values(values).returning(events_table.c.id)
-            ).scalar_one()
-        event.id = int(new_id)
+        return int(
+            conn.execute(sa.insert(events_table).values(values).returning(events_table.c.id)).scalar_one()
+        )
 
+    @_transient_as_unavailable
     def list_events(
         self, checkpoint: str, *, limit: int = 100, before_id: int | None = None
     ) -> list[EventRecord]:
@@ -207,6 +284,7 @@ class SqlRegistry:
 
     # --------------------------------------------------------------- progress
 
+    @_transient_as_unavailable
     def add_samples(self, samples: Sequence[ProgressRecord]) -> None:
         """Append progress samples (one transaction)."""
         if not samples:
@@ -214,6 +292,7 @@ class SqlRegistry:
         with self._engine.begin() as conn:
             conn.execute(sa.insert(progress_table), [dataclasses.asdict(x) for x in samples])
 
+    @_transient_as_unavailable
     def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]:
         """The checkpoint's samples at or after ``since``, oldest first."""
         c = progress_table.c
@@ -222,6 +301,18 @@ class SqlRegistry:
             rows = conn.execute(query).all()
         return [ProgressRecord(row.checkpoint, float(row.at), int(row.completed_count)) for row in rows]
 
+    @_transient_as_unavailable
+    def latest_counts(self) -> dict[str, int]:
+        """The completed count of each checkpoint's newest sample (status without loading id sets)."""
+        c = progress_table.c
+        newest = sa.select(c.checkpoint, sa.func.max(c.at).label("at")).group_by(c.checkpoint).subquery()
+        query = sa.select(c.checkpoint, c.completed_count).join(
+            newest, sa.and_(c.checkpoint == newest.c.checkpoint, c.at == newest.c.at)
+        )
+        with self._engine.connect() as conn:
+            return {row.checkpoint: int(row.completed_count) for row in conn.execute(query)}
+
+    @_transient_as_unavailable
     def delete_samples(self, checkpoint: str) -> None:
         """Forget a checkpoint's progress history (on reset)."""
         with self._engine.begin() as conn:

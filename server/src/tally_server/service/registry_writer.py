@@ -1,0 +1,111 @@
+"""Write-behind for the registry's bookkeeping: writer rows, events and progress samples.
+
+None of these is completion state (that is in the completion files, written by the group
+committer), so none of them needs to hold up a request: keep-alives, closes, anomalies and
+samples queue their rows here and one background flush writes them in one transaction. A
+heartbeat therefore never waits for the database, and a registry that is down or full delays
+bookkeeping instead of failing writers; rows wait (writer rows coalesced per handle, events up
+to a bound) and are written once the database answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from tally_server.domain.ports import EventRecord, ProgressRecord, Registry, WriterRecord
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Events waiting for a registry that is down; past this the oldest are dropped (and counted).
+MAX_QUEUED_EVENTS = 100_000
+
+
+class RegistryWriter:
+    """Queues bookkeeping rows and writes them in batches.
+
+    Args:
+        registry: the registry.
+        run: runs a blocking registry call off the event loop.
+        max_events: queued events kept while the registry is unreachable.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        run: Callable[..., Awaitable[Any]],
+        *,
+        max_events: int = MAX_QUEUED_EVENTS,
+    ) -> None:
+        self._registry = registry
+        self._run = run
+        self._writers: dict[str, WriterRecord] = {}
+        self._events: deque[EventRecord] = deque()
+        self._samples: list[ProgressRecord] = []
+        self._max_events = max_events
+        self._lock = asyncio.Lock()
+        self.dropped_events = 0
+
+    def writer(self, record: WriterRecord) -> None:
+        """Queue a writer row; a newer row of the same handle replaces a queued one."""
+        self._writers[record.handle] = record
+
+    def event(self, record: EventRecord) -> None:
+        self._events.append(record)
+        if len(self._events) > self._max_events:
+            self._events.popleft()
+            self.dropped_events += 1
+            if self.dropped_events == 1:
+                log.error(
+                    "the registry has not accepted events for a while; more than %d are queued, so "
+                    "the oldest are dropped from now on (counted in tally_registry_events_dropped_total)",
+                    self._max_events,
+                )
+
+    def samples(self, records: Sequence[ProgressRecord]) -> None:
+        self._samples.extend(records)
+
+    def forget_samples(self, checkpoint: str) -> None:
+        """Drop queued samples of a checkpoint that was reset (its history starts over)."""
+        self._samples = [x for x in self._samples if x.checkpoint != checkpoint]
+
+    def queued_writers(self, checkpoint: str) -> list[WriterRecord]:
+        """Writer rows not yet written, so status reads never miss a writer that just closed."""
+        return [r for r in self._writers.values() if r.checkpoint == checkpoint]
+
+    def queued_samples(self, checkpoint: str) -> list[ProgressRecord]:
+        return [x for x in self._samples if x.checkpoint == checkpoint]
+
+    @property
+    def queued(self) -> int:
+        return len(self._writers) + len(self._events) + len(self._samples)
+
+    async def flush(self) -> None:
+        """Write everything queued so far in one transaction.
+
+        Raises:
+            Unavailable: the registry cannot be written; the rows stay queued for the next flush.
+        """
+        async with self._lock:
+            if not self.queued:
+                return
+            writers, self._writers = self._writers, {}
+            events, self._events = list(self._events), deque()
+            samples, self._samples = self._samples, []
+            try:
+                await self._run(
+                    lambda: self._registry.write_batch(
+                        writers=list(writers.values()), events=events, samples=samples
+                    )
+                )
+            except BaseException:
+                # Put them back in front of anything queued meanwhile (which is newer).
+                for handle, record in writers.items():
+                    self._writers.setdefault(handle, record)
+                self._events.extendleft(reversed(events))
+                self._samples[:0] = samples
+                raise

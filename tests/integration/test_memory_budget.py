@@ -1,0 +1,81 @@
+"""Idle checkpoints leave memory under the budget and come back on demand; status never loads them
+(issue 7, points 6 and 13)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+import tally
+from tally_server.testing import running_server
+from tests.polling import wait_until
+
+BUDGET_MB = 1
+IDS = 8_000  # about 0.7 MB each in memory: one fits in the budget, two do not
+NAMES = ("mem/a", "mem/b", "mem/c")
+ENV = {"TALLY_CHECKPOINT_MEMORY_MB": str(BUDGET_MB), "TALLY_PROGRESS_INTERVAL_S": "0.2"}
+
+
+def loaded_bytes(http: httpx.Client) -> dict[str, float]:
+    found = {}
+    for line in http.get("/metrics").text.splitlines():
+        match = re.fullmatch(r'tally_checkpoint_loaded_bytes\{checkpoint="([^"]+)"\} (\S+)', line)
+        if match:
+            found[match[1]] = float(match[2])
+    return found
+
+
+def ids(name: str) -> list[str]:
+    return [f"{name}-source-{i:06d}" for i in range(IDS)]
+
+
+def counts(client: tally.Client) -> dict[str, int]:
+    return {c.name: c.completed_count for c in client.checkpoints()}
+
+
+def test_idle_checkpoints_are_unloaded_under_the_budget_and_reload_on_demand(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with (
+        running_server(data, settle_ms=0, env=ENV) as server,
+        tally.Client(server.grpc_address) as client,
+        httpx.Client(base_url=server.http_url, timeout=10) as http,
+    ):
+        for name in NAMES:
+            assert client.import_completed(name, ids(name), import_id="import").imported == IDS
+        wait_until(
+            lambda: sum(loaded_bytes(http).values()) <= BUDGET_MB << 20,
+            timeout=30,
+            what="idle checkpoints unloaded down to the budget",
+        )
+        assert sum(1 for size in loaded_bytes(http).values() if size) <= 1
+        # Status and listings answer from memory without loading anything back.
+        assert counts(client) == dict.fromkeys(NAMES, IDS)
+        unloaded = [name for name, size in loaded_bytes(http).items() if size == 0]
+        assert len(unloaded) >= 2
+        for name in unloaded:
+            assert client.checkpoint(name).completed_count == IDS
+        assert all(loaded_bytes(http)[name] == 0 for name in unloaded)
+        # Asked about, an unloaded checkpoint loads again and answers exactly.
+        for name in NAMES:
+            assert client.are_completed(name, ids(name)[:3] + ["never"]) == [True, True, True, False]
+        wait_until(
+            lambda: sum(loaded_bytes(http).values()) <= BUDGET_MB << 20,
+            timeout=30,
+            what="unloaded again after use",
+        )
+
+
+def test_after_a_restart_status_answers_without_loading_any_checkpoint(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0, env=ENV) as server, tally.Client(server.grpc_address) as client:
+        for name in NAMES:
+            client.import_completed(name, ids(name), import_id="import")
+    with (
+        running_server(data, settle_ms=0, env=ENV) as server,
+        tally.Client(server.grpc_address) as client,
+        httpx.Client(base_url=server.http_url, timeout=10) as http,
+    ):
+        assert counts(client) == dict.fromkeys(NAMES, IDS)
+        assert loaded_bytes(http) == dict.fromkeys(NAMES, 0.0)
