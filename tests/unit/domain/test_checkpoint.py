@@ -1,8 +1,10 @@
-"""CompletedSet: the live completed set and its as-of-open views (DESIGN §2, §2.4)."""
+"""CompletedSet (the live completed set and its as-of-open views, DESIGN §2, §2.4) and unloading."""
 
 from __future__ import annotations
 
-from tally_server.domain.checkpoint import CompletedSet
+import pytest
+
+from tally_server.domain.checkpoint import Checkpoint, CompletedSet, choose_unloads
 
 
 def test_initial_sources_are_visible_to_views_taken_at_once() -> None:
@@ -60,3 +62,46 @@ def test_byte_order_follows_additions_and_removals() -> None:
     assert completed.in_byte_order() == [b"a", b"b", b"c", "é".encode()]
     completed.discard("a")
     assert completed.in_byte_order() == [b"b", b"c", "é".encode()]
+
+
+def _loaded(name: str, ids: int, last_used: float) -> Checkpoint:
+    cp = Checkpoint(name=name, created_at=0.0, last_activity_at=0.0)
+    cp.completed = CompletedSet(f"{name}-{i}" for i in range(ids))
+    cp.last_used = last_used
+    return cp
+
+
+def test_unloads_least_recently_used_first_until_the_loaded_ones_fit() -> None:
+    old, mid, new = _loaded("old", 1000, 1.0), _loaded("mid", 1000, 2.0), _loaded("new", 1000, 3.0)
+    one = old.ids().estimated_bytes()
+    chosen = choose_unloads(
+        [new, old, mid], budget_bytes=int(1.5 * one), busy=lambda cp: False, used_before=10.0
+    )
+    assert [cp.name for cp in chosen] == ["old", "mid"]
+
+
+def test_never_unloads_a_busy_or_recently_used_checkpoint() -> None:
+    busy, recent, idle = _loaded("busy", 1000, 1.0), _loaded("recent", 1000, 9.5), _loaded("idle", 1000, 2.0)
+    chosen = choose_unloads(
+        [busy, recent, idle], budget_bytes=0, busy=lambda cp: cp.name == "busy", used_before=9.0
+    )
+    assert [cp.name for cp in chosen] == ["idle"]
+
+
+def test_an_unloaded_checkpoint_keeps_its_count() -> None:
+    cp = _loaded("x", 42, 0.0)
+    cp.unload()
+    assert cp.completed is None and cp.completed_count == 42
+    with pytest.raises(RuntimeError, match="not loaded"):
+        cp.ids()
+
+
+def test_estimated_bytes_follow_additions_and_removals() -> None:
+    completed = CompletedSet(["aaaa"])
+    one = completed.estimated_bytes()
+    completed.add(["bbbb", "aaaa"])
+    assert completed.estimated_bytes() == 2 * one
+    completed.discard("aaaa")
+    assert completed.estimated_bytes() == one
+    completed.in_byte_order()  # the sorted copy an export keeps costs memory too
+    assert completed.estimated_bytes() > one
