@@ -43,6 +43,28 @@ class DeleteCompleted:
 CompletionOp = PutCompleted | DeleteCompleted
 
 
+@dataclass(frozen=True)
+class QuarantinedFile:
+    """A writer's own completion file that could not be written was moved aside (never deleted).
+
+    Its ids are not counted (as for any unreadable file); the commit went on into a fresh file at
+    ``path``. ``moved_to`` is where the old file (or link) now is, under ``<data_dir>/.trash``.
+    """
+
+    checkpoint: str
+    writer_id: str
+    path: str
+    moved_to: str
+    error: str
+
+
+@dataclass
+class CommitReport:
+    """What a successful ``commit`` had to do beyond writing: files it quarantined."""
+
+    quarantined: list[QuarantinedFile] = field(default_factory=list)
+
+
 class CompletionStore(Protocol):
     """NeMo-compatible completion files, one LMDB file per writer (DESIGN §3)."""
 
@@ -54,8 +76,12 @@ class CompletionStore(Protocol):
         """Union of every ``*.mdb`` in the checkpoint folder; unreadable files are listed, not counted."""
         ...
 
-    def commit(self, ops: Sequence[CompletionOp]) -> None:
-        """Apply ops in order, one synced transaction per file touched. Durable when it returns."""
+    def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:
+        """Apply ops in order, one synced transaction per file touched. Durable when it returns.
+
+        A writer's own file that is damaged (or a link, or not a regular file) is quarantined and
+        replaced by a fresh one; the report lists each such file.
+        """
         ...
 
     def release(self, checkpoint: str) -> None:
