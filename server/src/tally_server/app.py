@@ -17,6 +17,7 @@ from tally_server.http_api.app import create_app
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.settings import Settings, split_listen
+from tally_server.store.datadir_lock import DataDirLock
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry
 
@@ -59,7 +60,15 @@ def _address(host: str, port: int) -> str:
 
 
 async def serve(settings: Settings) -> None:
-    """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores."""
+    """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores.
+
+    Raises:
+        DataDirInUse: another coordinator serves the same data directory (nothing was opened).
+    """
+    # Before any store opens: a second coordinator on this directory stops here. Held until the
+    # process ends (the kernel releases it even after kill -9).
+    datadir_lock = DataDirLock(settings.data_dir)
+    datadir_lock.acquire()
     service = build_service(settings)
     metrics = Metrics(service)  # one registry, fed by both transports and the store
     authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
@@ -105,4 +114,5 @@ async def serve(settings: Settings) -> None:
     await grpc_server.stop(settings.shutdown_grace_s)
     await http_task
     await service.shutdown()
+    datadir_lock.release()
     log.info("shutdown complete")
