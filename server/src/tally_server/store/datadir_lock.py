@@ -6,9 +6,11 @@ lock is ``flock(LOCK_EX | LOCK_NB)`` on ``<data_dir>/.tally.lock``. The kernel r
 the process ends however it ends (kill -9 included), so a lock file left behind never blocks a
 restart; the file only carries the holder's details for the refusal message.
 
-``flock`` is local to one host on some network filesystems (old NFS, some FUSE mounts): there,
-keep two hosts from serving one directory by other means (the SLURM script and the Kubernetes
-manifests start one coordinator per directory).
+On a shared filesystem the lock holds across hosts where the filesystem supports ``flock``
+(NFSv4, Lustre mounted with ``-o flock``, GPFS, CephFS). Where it is local to one host (Lustre's
+``-o localflock``) or refused (Lustre without either option), keep two hosts from serving one
+directory by other means; where it is refused, ``tally serve`` logs a warning and runs unlocked
+rather than not at all.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 LOCK_FILENAME = ".tally.lock"
+# flock refused by the filesystem itself (not "held by someone else").
+_UNSUPPORTED = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
 
 class DataDirInUse(OSError):
@@ -79,9 +86,17 @@ class DataDirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                if exc.errno in _UNSUPPORTED:
+                    logger.warning(
+                        "cannot lock the data directory %s (%s): this filesystem refuses flock, so a "
+                        "second coordinator on it would not be refused; make sure only one runs",
+                        self.data_dir,
+                        os.strerror(exc.errno or 0),
+                    )
+                elif exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise DataDirInUse(self.data_dir, _read_holder(fd)) from None
+                else:
                     raise
-                raise DataDirInUse(self.data_dir, _read_holder(fd)) from None
             holder = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
