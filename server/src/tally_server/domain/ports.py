@@ -58,6 +58,25 @@ class QuarantinedFile:
     error: str
 
 
+class CompletionWriteError(Exception):
+    """Completions could not be made durable because of the disk or the system (a full disk, an
+    I/O error, a read-only filesystem); the commit did not become durable. Transient: applying the
+    same ops again is safe and succeeds once the cause is gone.
+
+    A damaged file of the writer's own never raises this: the store quarantines it instead.
+
+    Attributes:
+        path: the file (or folder) that could not be written.
+        disk_full: the disk or quota holding the data directory is full (ENOSPC, EDQUOT); the
+            message then says so and what to do.
+    """
+
+    def __init__(self, message: str, *, path: str, disk_full: bool) -> None:
+        super().__init__(message)
+        self.path = path
+        self.disk_full = disk_full
+
+
 @dataclass
 class CommitReport:
     """What a successful ``commit`` had to do beyond writing: files it quarantined."""
@@ -81,6 +100,10 @@ class CompletionStore(Protocol):
 
         A writer's own file that is damaged (or a link, or not a regular file) is quarantined and
         replaced by a fresh one; the report lists each such file.
+
+        Raises:
+            CompletionWriteError: the disk or the system refused; retry.
+            ValueError: a name or id the store cannot hold (nothing was written).
         """
         ...
 

@@ -21,6 +21,7 @@ import lmdb
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
+    CompletionWriteError,
     DeleteCompleted,
     LoadedCheckpoint,
     PutCompleted,
@@ -50,30 +51,16 @@ DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 DEFAULT_MAX_OPEN_FILES = 256
 
 
-class CompletionWriteError(Exception):
-    """A completion file could not be written; the commit did not become durable.
-
-    Raised for failures of the disk or the system (a full disk, EIO, permissions), never for a
-    damaged file of the writer's own (that one is quarantined). Files earlier in the same
-    ``commit`` call may already be committed; applying the same ops again is safe because every
-    op sets a final state (put = present, delete = absent).
-
-    Attributes:
-        path: the file (or folder) that could not be written.
-        disk_full: the disk or the quota holding the data directory is full (ENOSPC, EDQUOT):
-            transient, the commit succeeds again once space is freed.
-    """
-
-    def __init__(self, path: Path, error: BaseException, data_dir: Path) -> None:
-        self.path = str(path)
-        self.disk_full = nemo_format.is_disk_full(error, Path(path).parent)
-        detail = f"cannot write completion file {path}: {describe_error(error)}"
-        if self.disk_full:
-            detail = (
-                f"the disk holding {data_dir} is full; free space or grow the volume — Tally retries "
-                f"by itself ({detail})"
-            )
-        super().__init__(detail)
+def _write_error(path: Path, error: BaseException, data_dir: Path) -> CompletionWriteError:
+    """The error for a write the disk or the system refused, saying plainly when the disk is full."""
+    disk_full = nemo_format.is_disk_full(error, path.parent)
+    message = f"cannot write completion file {path}: {describe_error(error)}"
+    if disk_full:
+        message = (
+            f"the disk holding {data_dir} is full; free space or grow the volume — Tally retries by "
+            f"itself ({message})"
+        )
+    return CompletionWriteError(message, path=str(path), disk_full=disk_full)
 
 
 class LmdbCompletionStore:
@@ -194,7 +181,7 @@ class LmdbCompletionStore:
                 try:
                     _make_dirs(folder)
                 except OSError as exc:
-                    raise CompletionWriteError(folder, exc, self._data_dir) from exc
+                    raise _write_error(folder, exc, self._data_dir) from exc
             for path, (writer_id, changes) in sorted(own.items()):
                 # The checkpoint-wide deletes hit this file too, unless a later put re-adds the id.
                 merged = dict.fromkeys(removed, False)
@@ -222,13 +209,13 @@ class LmdbCompletionStore:
                 except DAMAGE_ERRORS as exc:
                     self._handles.forget(path)
                     if quarantined is not None:  # the fresh file failed too: not the file's fault
-                        raise CompletionWriteError(path, exc, self._data_dir) from exc
+                        raise _write_error(path, exc, self._data_dir) from exc
                     quarantined = self._quarantine(checkpoint, writer_id, path, exc)
                 except (lmdb.Error, OSError) as exc:
                     # A failed write can leave LMDB's handle unusable (MDB_PANIC after a failed
                     # meta write): the next commit reopens the file instead.
                     self._handles.forget(path)
-                    raise CompletionWriteError(path, exc, self._data_dir) from exc
+                    raise _write_error(path, exc, self._data_dir) from exc
 
     def _quarantine(
         self, checkpoint: str, writer_id: str, path: Path, error: BaseException
@@ -247,7 +234,7 @@ class LmdbCompletionStore:
             fsync_dir(path.parent)
             fsync_dir(destination)
         except OSError as exc:
-            raise CompletionWriteError(path, exc, self._data_dir) from exc
+            raise _write_error(path, exc, self._data_dir) from exc
         text = describe_error(error, path)
         logger.warning(
             "checkpoint %r: writer %r's completion file %s cannot be written (%s); moved it to %s and "
@@ -279,7 +266,7 @@ class LmdbCompletionStore:
             except (lmdb.Error, OSError) as exc:
                 # A readable file that still holds the ids would resurrect them on the next load.
                 self._handles.forget(path)
-                raise CompletionWriteError(path, exc, self._data_dir) from exc
+                raise _write_error(path, exc, self._data_dir) from exc
 
     def _writable(self, path: Path, *, create: bool) -> OpenFile | None:
         """The cached write handle of ``path``, opening it (with NeMo Curator's flags) if needed.

@@ -59,7 +59,6 @@ DAMAGE_ERRORS: tuple[type[BaseException], ...] = (
     lmdb.VersionMismatchError,
     lmdb.IncompatibleError,
     lmdb.BadTxnError,  # what a cursor reports after walking into a garbled page
-    lmdb.BadValsizeError,
     UnicodeDecodeError,  # a key that is not UTF-8: not a source id NeMo Curator wrote
 )
 # Anything that means "this file cannot be read now": damage, or the disk/OS refusing.
