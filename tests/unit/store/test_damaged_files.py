@@ -254,7 +254,7 @@ def test_a_new_writer_file_appears_whole_and_leaves_no_temporary_file(
     folder = folder_of(data_dir, "run")
     folder.mkdir(parents=True)
     # Left by a coordinator killed while creating w1's file: never a *.mdb, so never loaded.
-    stale = folder / ".w1.mdb.tmp-deadbeef"
+    stale = folder / ".w1.mdb.tmp-coordinator"
     stale.write_bytes(b"half")
     assert store.load("run").unreadable == []
 

@@ -36,7 +36,6 @@ from tally_server.store.nemo_format import (
     METADATA_DIRNAME,
     NEMO_MAP_SIZE,
     READ_ERRORS,
-    TEMP_MARKER,
     describe_error,
     fsync_dir,
 )
@@ -49,6 +48,8 @@ DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 # Each writable LMDB handle costs two file descriptors and map_size of address space; with
 # thousands of writers (SLURM arrays) keeping all open would hit the usual 1024-fd limit.
 DEFAULT_MAX_OPEN_FILES = 256
+# A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
+TEMP_TAG = "coordinator"
 
 
 def _write_error(path: Path, error: BaseException, data_dir: Path) -> CompletionWriteError:
@@ -303,12 +304,14 @@ class LmdbCompletionStore:
 
     def _create(self, path: Path) -> None:
         """Create an empty writer file atomically; the caller holds the file's lock."""
-        # This process holds the data directory's lock, so a temporary file of this name is left
-        # over from a crash of an earlier coordinator: it never held an acknowledged completion.
-        for stale in path.parent.glob(f".{path.name}{TEMP_MARKER}*"):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
-        nemo_format.create_file(path, map_size=self._map_size)
+        # A fixed name rather than a random one: this process holds the data directory's lock and
+        # `path`'s lock, so whatever is found there was left by a coordinator that crashed while
+        # creating this file; it never held an acknowledged completion, and replacing it here
+        # needs no listing of a folder that may hold thousands of writer files.
+        temp = nemo_format.temp_name(path, TEMP_TAG)
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+        nemo_format.create_file(path, map_size=self._map_size, temp=temp)
 
     # -------------------------------------------------------------- lifecycle
 

@@ -247,26 +247,36 @@ def apply_changes(env: Any, db: Any, changes: Mapping[bytes, bool]) -> bool:
     raise lmdb.MapFullError(f"map still full after {MAX_MAP_GROWTHS} doublings")
 
 
+def temp_name(path: Path, tag: str | None = None) -> Path:
+    """Where ``create_file`` builds ``path``: ``.<name>.tmp-<tag>`` (a random tag by default)."""
+    return path.with_name(f".{path.name}{TEMP_MARKER}{tag or secrets.token_hex(4)}")
+
+
 def create_file(
-    path: Path, ids: Iterable[str] = (), *, map_size: int = NEMO_MAP_SIZE, replace: bool = False
+    path: Path,
+    ids: Iterable[str] = (),
+    *,
+    map_size: int = NEMO_MAP_SIZE,
+    replace: bool = False,
+    temp: Path | None = None,
 ) -> int:
     """Create the completion file ``path`` holding ``ids``, atomically.
 
-    The file is built under a temporary name in the same folder (``.<name>.tmp-<random>``),
-    synced, then renamed into place and the folder synced: ``path`` either does not exist or is a
-    whole file, whatever fails (a full disk, a crash). The temporary file is removed on failure.
-    The rename replaces a link at ``path`` itself, never its target.
+    The file is built under a temporary name in the same folder (``temp``, by default
+    ``temp_name(path)``), synced, then renamed into place and the folder synced: ``path`` either
+    does not exist or is a whole file, whatever fails (a full disk, a crash). The temporary file is
+    removed on failure. The rename replaces a link at ``path`` itself, never its target.
 
     Returns how many ids were written.
 
     Raises:
-        FileExistsError: something is at ``path`` and ``replace`` is false.
+        FileExistsError: something is at ``path`` and ``replace`` is false, or at ``temp``.
         ValueError: an id LMDB cannot store.
         lmdb.Error, OSError: the disk refused (nothing is left behind).
     """
     if not replace and os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "refusing to replace an existing file", str(path))
-    temp = path.with_name(f".{path.name}{TEMP_MARKER}{secrets.token_hex(4)}")
+    temp = temp_name(path) if temp is None else temp
     # O_EXCL|O_NOFOLLOW: never open something another process (or a link) put at this name.
     os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
     count = 0
