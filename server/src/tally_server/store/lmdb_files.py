@@ -238,11 +238,11 @@ class LmdbCompletionStore:
             raise _write_error(path, exc, self._data_dir) from exc
         text = describe_error(error, path)
         logger.warning(
-            "checkpoint %r: writer %r's completion file %s cannot be written (%s); moved it to %s and "
+            "checkpoint %r: completion file %s of writer %r cannot be written (%s); moved it to %s and "
             "continuing in a fresh file (its sources count as not completed)",
             checkpoint,
-            writer_id,
             path,
+            writer_id,
             text,
             moved_to,
         )
