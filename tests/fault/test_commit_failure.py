@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tally_server.domain.ports import CompletionOp
+from tally_server.domain.ports import CommitReport, CompletionOp
 from tally_server.domain.validation import Limits
 from tally_server.errors import Unavailable
 from tally_server.service import CoordinatorService
@@ -22,11 +22,11 @@ class FailingStore(LmdbCompletionStore):
 
     failures = 0
 
-    def commit(self, ops: Sequence[CompletionOp]) -> None:
+    def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:
         if self.failures:
             self.failures -= 1
             raise OSError(28, "No space left on device")
-        super().commit(ops)
+        return super().commit(ops)
 
 
 @pytest.mark.parametrize("settle_ms", [0, 20])

@@ -15,6 +15,7 @@ import pytest
 
 import tally
 from tally_server.testing import RunningServer, running_server
+from tests import lmdb_damage
 from tests.integration.workload import nemo_read, tree
 
 TALLY = str(Path(sys.executable).parent / "tally")
@@ -230,6 +231,29 @@ def test_inspect_counts_and_flags_unreadable_files(nemo_folder: Path) -> None:
         assert bad[1] == "-" and bad[2].startswith("unreadable:")
     missing = run("inspect", str(nemo_folder / "nowhere"))
     assert missing.returncode == 1 and "not a NeMo Curator checkpoint folder" in missing.stderr
+
+
+def test_inspect_never_counts_a_damaged_file_lmdb_still_opens_or_a_link(
+    nemo_folder: Path, tmp_path: Path
+) -> None:
+    meta = nemo_folder / ".nemo_curator_metadata"
+    write_nemo_file(meta / "host-4.mdb", [f"many-{i:05d}" for i in range(3000)])
+    lmdb_damage.damage(meta / "host-4.mdb", "main_root")  # NeMo Curator's own loader reads 0 here
+    write_nemo_file(tmp_path / "outside.mdb", ["elsewhere"])
+    (meta / "host-5.mdb").symlink_to(tmp_path / "outside.mdb")
+
+    out = ok("inspect", str(nemo_folder))
+
+    assert "completed sources: 4 (union of 2 readable files)" in out
+    assert "files: 5, unreadable: 3" in out
+    damaged = row(out, "host-4.mdb")
+    assert (
+        damaged[1] == "-"
+        and damaged[2].startswith("unreadable: CorruptedError")
+        and "MDB_CORRUPTED" in damaged[2]
+    )
+    link = row(out, "host-5.mdb")
+    assert link[1] == "-" and "symbolic link" in link[2]
 
 
 def test_import_skips_unreadable_files_with_a_warning(server: RunningServer, nemo_folder: Path) -> None:

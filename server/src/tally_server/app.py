@@ -23,6 +23,7 @@ from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.service.bridge import ServiceBridge
 from tally_server.settings import Settings, split_listen
+from tally_server.store.datadir_lock import DataDirLock
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry
 
@@ -128,7 +129,15 @@ def run(settings: Settings) -> None:
 
 
 async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores."""
+    """Run until SIGTERM/SIGINT, then stop accepting, flush every completion to disk and close the stores.
+
+    Raises:
+        DataDirInUse: another coordinator serves the same data directory (nothing was opened).
+    """
+    # Before any store opens: a second coordinator on this directory stops here. Held until the
+    # process ends (the kernel releases it even after kill -9).
+    datadir_lock = DataDirLock(settings.data_dir)
+    datadir_lock.acquire()
     loop = asyncio.get_running_loop()
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
@@ -172,4 +181,5 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     await health.enter_graceful_shutdown()
     await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()
+    datadir_lock.release()
     log.info("shutdown complete")

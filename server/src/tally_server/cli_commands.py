@@ -11,7 +11,6 @@ import collections
 import contextlib
 import datetime
 import json
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,16 +26,10 @@ from rich.table import Table
 from rich.text import Text
 
 import tally
+from tally_server.store import nemo_format
+from tally_server.store.nemo_format import FILE_SUFFIX, METADATA_DIRNAME
 
-# NeMo Curator 1.4.0's layout and LMDB settings; export must write what its actor would.
-METADATA_DIRNAME = ".nemo_curator_metadata"
-COMPLETED_DB = b"completed_sources"
-COMPLETED_VALUE = b"1"
 EXPORT_FILENAME = "tally-export.mdb"
-NEMO_MAP_SIZE = 1 << 30
-_EXPORT_BATCH = 10_000
-# A full map is grown by doubling, up to 1 GiB * 2**8; a runaway export stops there.
-_MAX_MAP_GROWTHS = 8
 # Window over which `tally watch` measures the completion rate.
 _RATE_WINDOW_S = 60.0
 
@@ -376,39 +369,22 @@ def metadata_dir(folder: Path) -> Path:
     return folder / METADATA_DIRNAME
 
 
-def read_mdb(path: Path) -> set[str]:
-    """Completed ids of one file, read as NeMo Curator 1.4.0 reads it.
-
-    Raises:
-        lmdb.Error, OSError, UnicodeDecodeError, ValueError: the file cannot be read.
-    """
-    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
-    try:
-        # LMDB trusts the header and maps the file: a truncated file would fault (SIGBUS) on read.
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        if os.stat(path).st_size < needed:
-            raise ValueError(f"truncated: {os.stat(path).st_size} bytes, its LMDB header needs {needed}")
-        try:
-            db = env.open_db(COMPLETED_DB)
-        except lmdb.Error:
-            return set()  # no database yet: nothing completed (NeMo's reading too)
-        with env.begin(db=db) as txn, txn.cursor(db=db) as cursor:
-            return {key.decode() for key in cursor.iternext(keys=True, values=False)}
-    finally:
-        env.close()
-
-
 def read_folder(folder: Path) -> list[MdbFile]:
-    """Every ``*.mdb`` of a NeMo-format folder; unreadable ones carry their error."""
+    """Every ``*.mdb`` of a NeMo-format folder; unreadable ones carry their error.
+
+    Read as the coordinator reads them: a damaged file, a link or anything else that is not a
+    regular file is unreadable (never counted), and only a file without the completions database
+    counts as empty.
+    """
     meta = metadata_dir(folder)
     if not meta.is_dir():
         raise fail(f"{folder} is not a NeMo Curator checkpoint folder: {meta} does not exist")
     files = []
-    for path in sorted(meta.glob("*.mdb")):
+    for path in sorted(meta.glob(f"*{FILE_SUFFIX}")):
         try:
-            files.append(MdbFile(path, read_mdb(path)))
-        except (lmdb.Error, OSError, UnicodeDecodeError, ValueError) as exc:
-            files.append(MdbFile(path, set(), f"{type(exc).__name__}: {exc}".replace(f"{path}: ", "")))
+            files.append(MdbFile(path, nemo_format.read_file(path)))
+        except nemo_format.READ_ERRORS as exc:
+            files.append(MdbFile(path, set(), nemo_format.describe_error(exc, path)))
     return files
 
 
@@ -474,60 +450,15 @@ def export(
     target = meta / EXPORT_FILENAME
     if target.exists() and not overwrite:
         raise fail(f"{target} exists; pass --overwrite to replace it")
-    # Written under a name NeMo does not read (*.mdb only), then renamed: a failed export never
-    # leaves a half-written completion file behind.
-    partial = meta / f".{EXPORT_FILENAME}.partial"
     with connect(address, token, timeout) as client:
         client.checkpoint(checkpoint)  # an unknown checkpoint is refused before anything is created
         meta.mkdir(parents=True, exist_ok=True)
-        partial.unlink(missing_ok=True)
         try:
-            count = write_nemo_file(partial, client.completed(checkpoint))
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
+            # Built aside and renamed into place: a failed export never leaves a half-written file.
+            count = nemo_format.create_file(target, client.completed(checkpoint), replace=True)
+        except (lmdb.Error, OSError) as exc:
+            raise fail(f"cannot write {target}: {nemo_format.describe_error(exc, target)}") from None
     out.print(f"exported {count} completed sources of {checkpoint} to {target}")
-
-
-def write_nemo_file(path: Path, ids: Iterable[str]) -> int:
-    """Write ``ids`` into ``path`` exactly as NeMo Curator 1.4.0's actor writes its file."""
-    env = lmdb.open(
-        str(path),
-        subdir=False,
-        lock=False,
-        max_dbs=1,
-        map_size=NEMO_MAP_SIZE,
-        metasync=False,
-        sync=True,
-        readahead=False,
-    )
-    count = 0
-    try:
-        db = env.open_db(COMPLETED_DB)
-        batch: list[bytes] = []
-        for sid in ids:
-            batch.append(sid.encode())
-            if len(batch) >= _EXPORT_BATCH:
-                count += _put_batch(env, db, batch)
-                batch = []
-        if batch:
-            count += _put_batch(env, db, batch)
-        env.sync(True)
-    finally:
-        env.close()
-    return count
-
-
-def _put_batch(env: Any, db: Any, keys: list[bytes]) -> int:
-    for _ in range(_MAX_MAP_GROWTHS + 1):
-        try:
-            with env.begin(write=True, db=db) as txn:
-                for key in keys:
-                    txn.put(key, COMPLETED_VALUE, db=db)
-            return len(keys)
-        except lmdb.MapFullError:
-            env.set_mapsize(env.info()["map_size"] * 2)
-    raise fail(f"export is larger than {NEMO_MAP_SIZE << _MAX_MAP_GROWTHS} bytes of LMDB map")
 
 
 # --------------------------------------------------------------------------- reset

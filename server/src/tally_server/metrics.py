@@ -85,6 +85,12 @@ class ServiceCollector(Collector):
             "Group commits of completions that failed (e.g. a full disk); their sources are retried.",
             value=stats.commit_failures,
         )
+        yield CounterMetricFamily(
+            "tally_files_quarantined",
+            "Writers' own completion files found damaged when written, moved to the trash and replaced "
+            "by a fresh file.",
+            value=stats.files_quarantined,
+        )
         errors = CounterMetricFamily(
             "tally_background_errors",
             "Failed steps of the coordinator's background loops (each is retried at its next interval).",

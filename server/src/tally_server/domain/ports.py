@@ -43,6 +43,47 @@ class DeleteCompleted:
 CompletionOp = PutCompleted | DeleteCompleted
 
 
+@dataclass(frozen=True)
+class QuarantinedFile:
+    """A writer's own completion file that could not be written was moved aside (never deleted).
+
+    Its ids are not counted (as for any unreadable file); the commit went on into a fresh file at
+    ``path``. ``moved_to`` is where the old file (or link) now is, under ``<data_dir>/.trash``.
+    """
+
+    checkpoint: str
+    writer_id: str
+    path: str
+    moved_to: str
+    error: str
+
+
+class CompletionWriteError(Exception):
+    """Completions could not be made durable because of the disk or the system (a full disk, an
+    I/O error, a read-only filesystem); the commit did not become durable. Transient: applying the
+    same ops again is safe and succeeds once the cause is gone.
+
+    A damaged file of the writer's own never raises this: the store quarantines it instead.
+
+    Attributes:
+        path: the file (or folder) that could not be written.
+        disk_full: the disk or quota holding the data directory is full (ENOSPC, EDQUOT); the
+            message then says so and what to do.
+    """
+
+    def __init__(self, message: str, *, path: str, disk_full: bool) -> None:
+        super().__init__(message)
+        self.path = path
+        self.disk_full = disk_full
+
+
+@dataclass
+class CommitReport:
+    """What a successful ``commit`` had to do beyond writing: files it quarantined."""
+
+    quarantined: list[QuarantinedFile] = field(default_factory=list)
+
+
 class CompletionStore(Protocol):
     """NeMo-compatible completion files, one LMDB file per writer (DESIGN §3)."""
 
@@ -54,8 +95,16 @@ class CompletionStore(Protocol):
         """Union of every ``*.mdb`` in the checkpoint folder; unreadable files are listed, not counted."""
         ...
 
-    def commit(self, ops: Sequence[CompletionOp]) -> None:
-        """Apply ops in order, one synced transaction per file touched. Durable when it returns."""
+    def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:
+        """Apply ops in order, one synced transaction per file touched. Durable when it returns.
+
+        A writer's own file that is damaged (or a link, or not a regular file) is quarantined and
+        replaced by a fresh one; the report lists each such file.
+
+        Raises:
+            CompletionWriteError: the disk or the system refused; retry.
+            ValueError: a name or id the store cannot hold (nothing was written).
+        """
         ...
 
     def probe(self) -> None:

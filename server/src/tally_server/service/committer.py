@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tally_server.domain.ports import CompletionOp, CompletionStore
+from tally_server.domain.ports import CompletionOp, CompletionStore, CompletionWriteError, QuarantinedFile
 from tally_server.errors import Unavailable
 from tally_server.logs import FailureLog
 from tally_server.service.stats import ServiceStats
@@ -27,9 +27,15 @@ class GroupCommitter:
     they never interleave with a commit.
     """
 
-    def __init__(self, store: CompletionStore, stats: ServiceStats) -> None:
+    def __init__(
+        self,
+        store: CompletionStore,
+        stats: ServiceStats,
+        on_quarantined: Callable[[QuarantinedFile], None] = lambda q: None,
+    ) -> None:
         self._store = store
         self._stats = stats
+        self._on_quarantined = on_quarantined
         self._queue: list[tuple[CompletionOp, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._closing = False
@@ -75,17 +81,23 @@ class GroupCommitter:
             group, self._queue = self._queue, []
             started = time.perf_counter()
             try:
-                await loop.run_in_executor(self._executor, self._store.commit, [op for op, _ in group])
+                report = await loop.run_in_executor(
+                    self._executor, self._store.commit, [op for op, _ in group]
+                )
             except Exception as exc:
                 self._stats.commit_failures += 1
                 self._failures.failed(exc)
+                if isinstance(exc, CompletionWriteError):
+                    message = f"could not persist completions: {exc}"  # says what to do
+                else:
+                    message = f"could not persist completions ({exc}); retry"
                 for _, future in group:
                     if not future.done():
-                        future.set_exception(
-                            Unavailable(f"could not persist completions ({exc}); retry", cause=str(exc)[:500])
-                        )
+                        future.set_exception(Unavailable(message, cause=str(exc)[:500]))
             else:
                 self._failures.succeeded()
+                for quarantined in report.quarantined:
+                    self._on_quarantined(quarantined)
                 elapsed = time.perf_counter() - started
                 sources = sum(len(op.sources) for op, _ in group)
                 for observe in self._stats.commit_observers:

@@ -38,8 +38,10 @@ from tally_server.domain.ports import (
     CompletionStore,
     DeleteCompleted,
     EventRecord,
+    LoadedCheckpoint,
     ProgressRecord,
     PutCompleted,
+    QuarantinedFile,
     Registry,
     WriterRecord,
 )
@@ -154,7 +156,7 @@ class CoordinatorService:
         self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
         self._bookkeeping = RegistryWriter(registry, self._registry_write)
         self.stats = ServiceStats()
-        self._committer = GroupCommitter(completions, self.stats)
+        self._committer = GroupCommitter(completions, self.stats, self._quarantined)
         self._loops: list[Loop] = []
         self._background: list[asyncio.Task[None]] = []
         self._finalizers: set[asyncio.Task[None]] = set()
@@ -205,11 +207,10 @@ class CoordinatorService:
         ]
         loop = asyncio.get_running_loop()
         self._background = [loop.create_task(x.run(), name=f"tally-{x.name}") for x in self._loops]
-        # Checkpoints never sampled (e.g. the coordinator was killed right after creating them)
-        # get their count by one load in the background, never on a status read.
-        unknown = [cp for name, cp in sorted(self._checkpoints.items()) if name not in counts]
-        if unknown:
-            self._background.append(loop.create_task(self._count_unknown(unknown), name="tally-count"))
+        # Every known checkpoint is read once in the background (never on a status read): counts
+        # become exact after a crash, and unreadable files are surfaced even for idle checkpoints.
+        census = sorted(self._checkpoints.values(), key=lambda cp: (cp.name in counts, cp.name))
+        self._background.append(loop.create_task(self._census(census), name="tally-census"))
         self._accepting = True
 
     def stop_accepting(self) -> None:
@@ -296,7 +297,8 @@ class CoordinatorService:
         """The checkpoint named ``name`` (its id set not necessarily loaded), or None.
 
         A folder on disk that the registry does not know yet (one NeMo Curator wrote, placed in
-        the data directory) is adopted; with ``create`` a new checkpoint is registered.
+        the data directory) is adopted and read at once, so its first status is exact; with
+        ``create`` a new checkpoint is registered.
         """
         cp = self._checkpoints.get(name)
         if cp is not None:
@@ -309,39 +311,68 @@ class CoordinatorService:
             if not on_disk and not create:
                 return None
             now = self._wall()
+            cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=self._real_clock())
+            if on_disk:
+                self._take_loaded(cp, await self._in_load_thread(self._completions.load, name))
             record = CheckpointRecord(name, created_at=now, last_activity_at=now)
             await self._registry_write(lambda: self._registry.write_batch(checkpoints=[record]))
-            cp = Checkpoint(name=name, created_at=now, last_activity_at=now)
             self._checkpoints[name] = cp
             self._event(name, "checkpoint_created", f"checkpoint {name} created")
-            return cp
+        self._unload_idle()
+        return cp
 
-    async def _completed(self, cp: Checkpoint) -> CompletedSet:
-        """The checkpoint's live completed set, loaded from its files if it is not in memory."""
-        cp.last_used = self._real_clock()
+    async def _completed(self, cp: Checkpoint, *, use: bool = True) -> CompletedSet:
+        """The checkpoint's live completed set, loaded from its files if it is not in memory.
+
+        ``use=False`` (a background census) leaves it first in line to be unloaded again.
+        """
+        if use:
+            cp.last_used = self._real_clock()
         if cp.completed is not None:
             return cp.completed
         async with self._load_locks.setdefault(cp.name, asyncio.Lock()):
             if cp.completed is None:
-                loaded = await self._in_load_thread(self._completions.load, cp.name)
-                reported = set(cp.unreadable_files)
-                cp.completed = CompletedSet(loaded.completed)
-                cp.known_count = len(cp.completed)
-                cp.unreadable_files = [u.path for u in loaded.unreadable]
-                for bad in loaded.unreadable:
-                    if bad.path not in reported:
-                        self._event(
-                            cp.name,
-                            "unreadable_file",
-                            f"completion file {bad.path} is unreadable and was skipped (its sources count "
-                            f"as not completed): {bad.error}",
-                            path=bad.path,
-                            error=bad.error,
-                        )
+                self._take_loaded(cp, await self._in_load_thread(self._completions.load, cp.name))
                 self._unload_idle()
-            completed = cp.completed
-        cp.last_used = self._real_clock()
+            completed = cp.ids()
+        if use:
+            cp.last_used = self._real_clock()
         return completed
+
+    def _take_loaded(self, cp: Checkpoint, loaded: LoadedCheckpoint) -> None:
+        """Install what the store read; unreadable files not reported before become events."""
+        reported = set(cp.unreadable_files)
+        cp.completed = CompletedSet(loaded.completed)
+        cp.known_count = len(cp.completed)
+        cp.unreadable_files = [u.path for u in loaded.unreadable]
+        for bad in loaded.unreadable:
+            if bad.path not in reported:
+                self._event(
+                    cp.name,
+                    "unreadable_file",
+                    f"completion file {bad.path} is unreadable and was skipped (its sources count as not "
+                    f"completed): {bad.error}",
+                    path=bad.path,
+                    error=bad.error,
+                )
+
+    def _quarantined(self, q: QuarantinedFile) -> None:
+        """The store moved a writer's damaged own file aside and went on in a fresh one."""
+        self.stats.files_quarantined += 1
+        cp = self._checkpoints.get(q.checkpoint)
+        if cp is not None and q.path in cp.unreadable_files:
+            cp.unreadable_files.remove(q.path)  # the path now holds a fresh, readable file
+        self._event(
+            q.checkpoint,
+            "file_quarantined",
+            f"completion file {q.path} of writer {q.writer_id} could not be written ({q.error}); it was "
+            f"moved to {q.moved_to} and the writer goes on in a fresh file (sources only in the old file "
+            "count as not completed and replay)",
+            q.writer_id,
+            path=q.path,
+            moved_to=q.moved_to,
+            error=q.error,
+        )
 
     async def _in_load_thread(self, fn: Callable[[str], T], name: str) -> T:
         try:
@@ -801,12 +832,12 @@ class CoordinatorService:
         if self._committer.failing:
             await self._committer.probe()
 
-    async def _count_unknown(self, checkpoints: list[Checkpoint]) -> None:
-        for cp in checkpoints:
+    async def _census(self, checkpoints: list[Checkpoint]) -> None:
+        for cp in checkpoints:  # those never sampled first
             try:
-                await self._completed(cp)
+                await self._completed(cp, use=False)
             except Exception:
-                log.exception("counting the completed sources of checkpoint %s failed", cp.name)
+                log.exception("reading the completion files of checkpoint %s failed", cp.name)
 
     # ------------------------------------------------------------------ status
 

@@ -23,6 +23,7 @@ class ServiceStats:
     writers_opened: int = 0
     writers_expired: int = 0
     commit_failures: int = 0
+    files_quarantined: int = 0
     commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
 
     def count(self, counts: ApplyCounts) -> None:

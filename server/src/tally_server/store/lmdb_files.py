@@ -8,67 +8,60 @@ The folder below ``<data_dir>/checkpoints/<checkpoint>`` is exactly what NeMo Cu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import threading
+import secrets
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import lmdb
 
 from tally_server.domain.ports import (
+    CommitReport,
     CompletionOp,
+    CompletionWriteError,
     DeleteCompleted,
     LoadedCheckpoint,
     PutCompleted,
+    QuarantinedFile,
     UnreadableFile,
+)
+from tally_server.store import nemo_format
+from tally_server.store.file_handles import HandleCache, OpenFile
+from tally_server.store.nemo_format import (
+    DAMAGE_ERRORS,
+    FILE_SUFFIX,
+    METADATA_DIRNAME,
+    NEMO_MAP_SIZE,
+    READ_ERRORS,
+    describe_error,
+    fsync_dir,
 )
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
-METADATA_DIRNAME = ".nemo_curator_metadata"
-COMPLETED_DB = b"completed_sources"
-COMPLETED_VALUE = b"1"
-FILE_SUFFIX = ".mdb"
-DEFAULT_MAP_SIZE = 1 << 30
+TRASH_DIRNAME = ".trash"
+DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 # Each writable LMDB handle costs two file descriptors and map_size of address space; with
 # thousands of writers (SLURM arrays) keeping all open would hit the usual 1024-fd limit.
 DEFAULT_MAX_OPEN_FILES = 256
-
-# LMDB's compiled-in key limit (mdb_env_get_maxkeysize); a longer source id cannot be stored.
-MAX_KEY_BYTES = 511
-
-# A full map is grown by doubling; this bounds a runaway (1 GiB doubled 8 times is 256 GiB).
-_MAX_MAP_GROWTHS = 8
+# A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
+TEMP_TAG = "coordinator"
 
 
-class CompletionWriteError(Exception):
-    """A completion file could not be written; the commit did not become durable.
-
-    Files earlier in the same ``commit`` call may already be committed; applying the same ops
-    again is safe because every op sets a final state (put = present, delete = absent).
-    """
-
-    def __init__(self, path: Path, error: BaseException) -> None:
-        super().__init__(f"cannot write completion file {path}: {_describe_error(error)}")
-        self.path = str(path)
-
-
-class _DamagedFileError(Exception):
-    """The file is shorter than its own LMDB header says: reading it would fault (SIGBUS)."""
-
-
-@dataclass
-class _OpenFile:
-    env: Any  # lmdb.Environment (lmdb ships no type information)
-    db: Any  # its b"completed_sources" database handle
-
-
-# Errors that mean "this file cannot be opened or read"; everything else is a bug and propagates.
-_UNREADABLE_ERRORS = (lmdb.Error, OSError, UnicodeDecodeError, _DamagedFileError)
+def _write_error(path: Path, error: BaseException, data_dir: Path) -> CompletionWriteError:
+    """The error for a write the disk or the system refused, saying plainly when the disk is full."""
+    disk_full = nemo_format.is_disk_full(error, path.parent)
+    message = f"cannot write completion file {path}: {describe_error(error)}"
+    if disk_full:
+        message = (
+            f"the disk holding {data_dir} is full; free space or grow the volume — Tally retries by "
+            f"itself ({message})"
+        )
+    return CompletionWriteError(message, path=str(path), disk_full=disk_full)
 
 
 class LmdbCompletionStore:
@@ -83,6 +76,12 @@ class LmdbCompletionStore:
     Write handles stay open between commits (least recently used first out beyond
     ``max_open_files``); reads of a file with an open write handle go through that handle.
 
+    Damage never turns into "no completions": a file that cannot be read is listed unreadable
+    and not counted, links are never followed, and a writer's own file that cannot be written
+    is quarantined into ``<data_dir>/.trash`` so that the writer continues in a fresh file. New
+    files are built aside and renamed into place, so a full disk or a crash never leaves a
+    half-made file under a ``*.mdb`` name.
+
     Args:
         data_dir: the server's data directory; files live under ``<data_dir>/checkpoints``.
         map_size: initial LMDB map size of files opened for writing (grown on demand).
@@ -96,16 +95,12 @@ class LmdbCompletionStore:
         *,
         max_open_files: int = DEFAULT_MAX_OPEN_FILES,
     ) -> None:
-        self._root = (Path(data_dir) / CHECKPOINTS_DIRNAME).resolve()
+        self._data_dir = Path(data_dir).resolve()
+        self._root = (self._data_dir / CHECKPOINTS_DIRNAME).resolve()
         self._map_size = map_size
-        self._max_open_files = max(1, max_open_files)
-        self._lock = threading.Lock()  # guards the three fields below, never held during I/O
         # Keyed by resolved file path rather than (checkpoint, writer_id) so that two names that
         # reach the same file (a symlinked checkpoint folder) can never get two write handles.
-        # Insertion order is use order: the first entry is the least recently used.
-        self._envs: dict[Path, _OpenFile] = {}
-        self._file_locks: dict[Path, threading.Lock] = {}
-        self._closed = False
+        self._handles = HandleCache(max_open_files)
 
     # ------------------------------------------------------------------ reads
 
@@ -115,28 +110,29 @@ class LmdbCompletionStore:
         The metadata folder, not the checkpoint folder, is the marker: ``a/b`` nests inside the
         folder of ``a``, which must not make ``a`` look like it exists.
         """
-        self._check_open()
+        self._handles.check_open()
         return self._folder(checkpoint).is_dir()
 
     def load(self, checkpoint: str) -> LoadedCheckpoint:
         """Union of every ``*.mdb`` in the checkpoint's metadata folder.
 
         ``files`` lists the files that were read and counted; ``unreadable`` lists the files that
-        could not be read (with the error), whose contents are never counted. A missing folder
-        gives an empty result and creates nothing.
+        could not be read (with the error), whose contents are never counted: damaged files,
+        links (never followed) and anything else that is not a regular file. Only a file without
+        the ``completed_sources`` database reads as empty. A missing folder gives an empty
+        result and creates nothing.
         """
-        self._check_open()
+        self._handles.check_open()
         folder = self._folder(checkpoint)
         result = LoadedCheckpoint(completed=set(), files=[], unreadable=[])
         if not folder.is_dir():
             return result
         for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
             try:
-                with self._file_lock(path):
+                with self._handles.lock(path):
                     sources = self._read(path)
-            except _UNREADABLE_ERRORS as exc:
-                # lmdb's messages start with the path, which the log line already names.
-                error = _describe_error(exc).replace(f"{path}: ", "")
+            except READ_ERRORS as exc:
+                error = describe_error(exc, path)  # the log line names the path already
                 logger.warning(
                     "checkpoint %r: skipping unreadable completion file %s: %s", checkpoint, path, error
                 )
@@ -148,133 +144,162 @@ class LmdbCompletionStore:
 
     def _read(self, path: Path) -> set[str]:
         """Completed ids in one file; the caller holds the file's lock."""
-        cached = self._cached(path)
+        cached = self._handles.get(path)
         if cached is not None:
             # Never open a second handle on a file this process holds open for writing.
-            return _read_sources(cached.env, cached.db)
-        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
-        try:
-            _check_whole(env, path)
-            try:
-                db = env.open_db(COMPLETED_DB)
-            except lmdb.Error:
-                return set()  # NeMo Curator's reading: no database yet means nothing completed
-            return _read_sources(env, db)
-        finally:
-            env.close()
+            return nemo_format.read_ids(cached.env, cached.db)
+        return nemo_format.read_file(path)
 
     # ----------------------------------------------------------------- writes
 
-    def commit(self, ops: Sequence[CompletionOp]) -> None:
+    def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:
         """Apply ``ops`` as if one after another, with one synced write transaction per file.
 
-        ``PutCompleted`` writes the writer's own file, creating folder and file if needed.
-        ``DeleteCompleted`` removes the ids from every ``*.mdb`` of the checkpoint, including
-        files of other writers and files Tally did not write; a file that cannot be opened is
-        skipped with a warning (its contents are never counted anyway).
+        ``PutCompleted`` writes the writer's own file, creating folder and file if needed (a new
+        file is built aside and renamed into place, so it is never left half made). An own file
+        that is damaged, a link or not a regular file is quarantined: moved (never deleted) to
+        ``<data_dir>/.trash/<checkpoint>/quarantine-<stamp>/`` and replaced by a fresh file; the
+        returned report lists it. ``DeleteCompleted`` removes the ids from every ``*.mdb`` of the
+        checkpoint, including files of other writers and files Tally did not write; a file that
+        cannot be opened is skipped with a warning (its contents are never counted anyway).
 
         Raises:
             ValueError: a checkpoint name or writer id that would leave the data directory, or a
                 source id over LMDB's key limit; raised before anything is written.
-            CompletionWriteError: a file could not be written.
+            CompletionWriteError: a file could not be written (full disk, I/O error, ...).
         """
-        self._check_open()
+        self._handles.check_open()
         puts, deletes = _plan(ops)
         # Resolve every path first so that a bad name cannot leave a commit half applied.
         folders = {name: self._folder(name) for name in sorted({c for c, _ in puts} | deletes.keys())}
         targets = {(c, w): self._writer_file(folders[c], w) for c, w in puts}
+        report = CommitReport()
 
         for checkpoint, folder in folders.items():
             removed = deletes.get(checkpoint, set())
-            own = {targets[c, w]: changes for (c, w), changes in puts.items() if c == checkpoint}
+            own = {targets[c, w]: (w, changes) for (c, w), changes in puts.items() if c == checkpoint}
             if own:
-                _make_dirs(folder)
-            for path, changes in sorted(own.items()):
+                try:
+                    _make_dirs(folder)
+                except OSError as exc:
+                    raise _write_error(folder, exc, self._data_dir) from exc
+            for path, (writer_id, changes) in sorted(own.items()):
                 # The checkpoint-wide deletes hit this file too, unless a later put re-adds the id.
                 merged = dict.fromkeys(removed, False)
                 merged.update(changes)
-                self._write_own(path, merged)
+                quarantined = self._write_own(checkpoint, writer_id, path, merged)
+                if quarantined is not None:
+                    report.quarantined.append(quarantined)
             if removed and folder.is_dir():
                 for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
                     if path not in own:
                         self._remove_from(checkpoint, path, removed)
+        return report
 
-    def _write_own(self, path: Path, changes: dict[bytes, bool]) -> None:
-        with self._file_lock(path):
-            try:
-                handle = self._writable(path, create=True)
-                assert handle is not None  # create=True always yields a handle
-                _write(handle, changes)
-            except (lmdb.Error, OSError, _DamagedFileError) as exc:
-                raise CompletionWriteError(path, exc) from exc
+    def _write_own(
+        self, checkpoint: str, writer_id: str, path: Path, changes: dict[bytes, bool]
+    ) -> QuarantinedFile | None:
+        quarantined: QuarantinedFile | None = None
+        with self._handles.lock(path):
+            while True:
+                try:
+                    handle = self._writable(path, create=True)
+                    assert handle is not None  # create=True always yields a handle
+                    nemo_format.apply_changes(handle.env, handle.db, changes)
+                    return quarantined
+                except DAMAGE_ERRORS as exc:
+                    self._handles.forget(path)
+                    if quarantined is not None:  # the fresh file failed too: not the file's fault
+                        raise _write_error(path, exc, self._data_dir) from exc
+                    quarantined = self._quarantine(checkpoint, writer_id, path, exc)
+                except (lmdb.Error, OSError) as exc:
+                    # A failed write can leave LMDB's handle unusable (MDB_PANIC after a failed
+                    # meta write): the next commit reopens the file instead.
+                    self._handles.forget(path)
+                    raise _write_error(path, exc, self._data_dir) from exc
+
+    def _quarantine(
+        self, checkpoint: str, writer_id: str, path: Path, error: BaseException
+    ) -> QuarantinedFile:
+        """Move ``path`` (a file, or a link itself: never its target) into the trash; the caller
+        holds the file's lock. Never deletes: the operator can inspect or restore it."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{secrets.token_hex(3)}"
+        trash = self._data_dir / TRASH_DIRNAME
+        destination = (trash / checkpoint / f"quarantine-{stamp}").resolve()
+        if not destination.is_relative_to(trash):
+            raise ValueError(f"quarantine folder for {checkpoint!r} would be outside {trash}; refusing")
+        moved_to = destination / path.name
+        try:
+            _make_dirs(destination)
+            os.rename(path, moved_to)
+            fsync_dir(path.parent)
+            fsync_dir(destination)
+        except OSError as exc:
+            raise _write_error(path, exc, self._data_dir) from exc
+        text = describe_error(error, path)
+        logger.warning(
+            "checkpoint %r: completion file %s of writer %r cannot be written (%s); moved it to %s and "
+            "continuing in a fresh file (its sources count as not completed)",
+            checkpoint,
+            path,
+            writer_id,
+            text,
+            moved_to,
+        )
+        return QuarantinedFile(checkpoint, writer_id, str(path), str(moved_to), text)
 
     def _remove_from(self, checkpoint: str, path: Path, keys: Iterable[bytes]) -> None:
-        with self._file_lock(path):
+        with self._handles.lock(path):
             try:
                 handle = self._writable(path, create=False)
-            except (lmdb.Error, OSError, _DamagedFileError) as exc:
+            except READ_ERRORS as exc:
                 logger.warning(
                     "checkpoint %r: cannot un-complete sources in unreadable file %s: %s",
                     checkpoint,
                     path,
-                    _describe_error(exc),
+                    describe_error(exc, path),
                 )
                 return
             if handle is None:
                 return  # no completed_sources database: nothing to remove
             try:
-                _write(handle, dict.fromkeys(keys, False))
-            except lmdb.Error as exc:
+                nemo_format.apply_changes(handle.env, handle.db, dict.fromkeys(keys, False))
+            except (lmdb.Error, OSError) as exc:
                 # A readable file that still holds the ids would resurrect them on the next load.
-                raise CompletionWriteError(path, exc) from exc
+                self._handles.forget(path)
+                raise _write_error(path, exc, self._data_dir) from exc
 
-    def _writable(self, path: Path, *, create: bool) -> _OpenFile | None:
+    def _writable(self, path: Path, *, create: bool) -> OpenFile | None:
         """The cached write handle of ``path``, opening it (with NeMo Curator's flags) if needed.
 
-        With ``create=False`` a file lacking the completed_sources database is left untouched
-        and None is returned. The caller holds the file's lock.
+        A missing file is created (atomically) only with ``create=True``. With ``create=False``
+        a missing file, or one lacking the completed_sources database, is left untouched and None
+        is returned. Every id is read once on opening, so a damaged tree is found before
+        anything is written into it. The caller holds the file's lock.
+
+        Raises:
+            DAMAGE_ERRORS: the file is damaged, a link, or not a regular file.
+            lmdb.Error, OSError: the disk or the system refused.
         """
-        cached = self._cached(path)
+        cached = self._handles.get(path)
         if cached is not None:
             return cached
-        if not create and not path.exists():
-            return None
-        is_new = not path.exists()
-        env = lmdb.open(
-            str(path),
-            subdir=False,
-            lock=False,
-            max_dbs=1,
-            map_size=self._map_size,
-            metasync=False,
-            sync=True,
-            readahead=False,
-        )
+        if not os.path.lexists(path):
+            if not create:
+                return None
+            self._create(path)
+        env = nemo_format.open_env(path, write=True, map_size=self._map_size)
         try:
-            _check_whole(env, path)
-            db = env.open_db(COMPLETED_DB, create=create)
-        except lmdb.NotFoundError:
-            env.close()
-            return None
+            db = nemo_format.open_completed_db(env, create=create)
+            if db is None:
+                env.close()
+                return None
+            nemo_format.read_ids(env, db)
         except BaseException:
             env.close()
             raise
-        if is_new:
-            _fsync_dir(path.parent)  # the new directory entry must survive a power loss too
-        handle = _OpenFile(env=env, db=db)
-        surplus: list[Path] = []
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._envs[path] = handle
-                surplus = list(self._envs)[: max(0, len(self._envs) - self._max_open_files)]
-        if closed:
-            env.close()  # close() ran meanwhile: never leave a handle it cannot see
-            raise RuntimeError("the completion store is closed")
-        for victim in surplus:
-            # Never wait here: this thread holds `path`'s lock, and a busy file is simply
-            # evicted on a later open.
-            self._drop(victim, wait=False)
+        handle = OpenFile(env=env, db=db)
+        self._handles.put(path, handle)
         return handle
 
     def probe(self) -> None:
@@ -283,7 +308,7 @@ class LmdbCompletionStore:
         Tells whether completions can be written again after a failure (a full disk): the
         coordinator reports itself not ready until this succeeds.
         """
-        self._check_open()
+        self._handles.check_open()
         _make_dirs(self._root)
         path = self._root / f".probe-{os.getpid()}"
         try:
@@ -296,6 +321,17 @@ class LmdbCompletionStore:
         finally:
             path.unlink(missing_ok=True)
 
+    def _create(self, path: Path) -> None:
+        """Create an empty writer file atomically; the caller holds the file's lock."""
+        # A fixed name rather than a random one: this process holds the data directory's lock and
+        # `path`'s lock, so whatever is found there was left by a coordinator that crashed while
+        # creating this file; it never held an acknowledged completion, and replacing it here
+        # needs no listing of a folder that may hold thousands of writer files.
+        temp = nemo_format.temp_name(path, TEMP_TAG)
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+        nemo_format.create_file(path, map_size=self._map_size, temp=temp)
+
     # -------------------------------------------------------------- lifecycle
 
     def release(self, checkpoint: str) -> None:
@@ -304,40 +340,32 @@ class LmdbCompletionStore:
         Not part of the ``CompletionStore`` port: a checkpoint reset must call it before moving
         the folder, or later puts would land in the moved files through the open handles.
         """
-        folder = self._folder(checkpoint)
-        with self._lock:
-            paths = [p for p in self._envs if p.parent == folder]
-        for path in paths:
-            self._drop(path, wait=True)
+        self._handles.drop_folder(self._folder(checkpoint))
 
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
         """Move the checkpoint's metadata folder to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
 
         Never deletes: a reset can be undone by moving the folder back.
         """
-        self._check_open()
+        self._handles.check_open()
         folder = self._folder(checkpoint)
         self.release(checkpoint)
         if not folder.exists():
             return "", 0
-        data_dir = self._root.parent
-        destination = (data_dir / ".trash" / checkpoint / stamp).resolve()
-        if not destination.is_relative_to(data_dir / ".trash"):
+        data_dir = self._data_dir
+        destination = (data_dir / TRASH_DIRNAME / checkpoint / stamp).resolve()
+        if not destination.is_relative_to(data_dir / TRASH_DIRNAME):
             raise ValueError(f"trash folder for {checkpoint!r} would be outside {data_dir}; refusing")
         destination.mkdir(parents=True, exist_ok=False)
         files = sum(1 for p in folder.iterdir() if p.is_file())
         folder.rename(destination / METADATA_DIRNAME)
-        _fsync_dir(folder.parent)
-        _fsync_dir(destination)
+        fsync_dir(folder.parent)
+        fsync_dir(destination)
         return str(destination.relative_to(data_dir)), files
 
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
-        with self._lock:
-            self._closed = True
-            paths = list(self._envs)
-        for path in paths:
-            self._drop(path, wait=True)
+        self._handles.close()
 
     def __enter__(self) -> LmdbCompletionStore:
         return self
@@ -346,38 +374,6 @@ class LmdbCompletionStore:
         self.close()
 
     # ---------------------------------------------------------------- helpers
-
-    def _check_open(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the completion store is closed")
-
-    def _cached(self, path: Path) -> _OpenFile | None:
-        with self._lock:
-            handle = self._envs.pop(path, None)
-            if handle is not None:
-                self._envs[path] = handle  # now the most recently used
-            return handle
-
-    def _drop(self, path: Path, *, wait: bool) -> None:
-        """Close the write handle of ``path``, under the file's lock so no reader is using it."""
-        lock = self._file_lock(path)
-        if not lock.acquire(blocking=wait):
-            return
-        try:
-            with self._lock:
-                handle = self._envs.pop(path, None)
-            if handle is not None:
-                handle.env.close()
-        finally:
-            lock.release()
-
-    def _file_lock(self, path: Path) -> threading.Lock:
-        with self._lock:
-            lock = self._file_locks.get(path)
-            if lock is None:
-                lock = self._file_locks[path] = threading.Lock()
-            return lock
 
     def _folder(self, checkpoint: str) -> Path:
         """The resolved metadata folder of ``checkpoint``, refusing anything outside the root.
@@ -414,7 +410,7 @@ def _plan(
     puts: dict[tuple[str, str], dict[bytes, bool]] = {}
     deletes: dict[str, set[bytes]] = {}
     for op in ops:
-        keys = [_key(sid) for sid in op.sources]
+        keys = [nemo_format.encode_key(sid) for sid in op.sources]
         if isinstance(op, PutCompleted):
             changes = puts.setdefault((op.checkpoint, op.writer_id), {})
             changes.update(dict.fromkeys(keys, True))
@@ -428,58 +424,6 @@ def _plan(
     return puts, deletes
 
 
-def _key(source_id: str) -> bytes:
-    key = source_id.encode()
-    if not key or len(key) > MAX_KEY_BYTES:
-        raise ValueError(
-            f"source id {source_id[:80]!r} is {len(key)} bytes; LMDB keys must be 1 to {MAX_KEY_BYTES} bytes"
-        )
-    return key
-
-
-def _write(handle: _OpenFile, changes: dict[bytes, bool]) -> None:
-    """One write transaction for all ``changes``, durable when this returns."""
-    for _ in range(_MAX_MAP_GROWTHS + 1):
-        changed = False
-        try:
-            with handle.env.begin(write=True) as txn:
-                for key, present in changes.items():
-                    if present:
-                        txn.put(key, COMPLETED_VALUE, db=handle.db, overwrite=True)
-                        changed = True
-                    else:
-                        changed = txn.delete(key, db=handle.db) or changed
-        except lmdb.MapFullError:
-            # The aborted transaction left the file untouched; a bigger map keeps it readable
-            # by NeMo Curator, whose readers size their map from the file.
-            handle.env.set_mapsize(handle.env.info()["map_size"] * 2)
-            continue
-        if changed:
-            # NeMo Curator's flags (metasync=False) fsync the data pages at commit but not the
-            # meta page, so a power loss could undo the last transaction. Tally promises
-            # durability (a lost un-complete would resurrect a completion), hence the meta sync.
-            handle.env.sync(True)
-        return
-    raise lmdb.MapFullError(f"map still full after {_MAX_MAP_GROWTHS} doublings")
-
-
-def _read_sources(env: Any, db: Any) -> set[str]:
-    with env.begin(db=db) as txn, txn.cursor(db=db) as cursor:
-        return {key.decode() for key in cursor.iternext(keys=True, values=False)}
-
-
-def _check_whole(env: Any, path: Path) -> None:
-    """Refuse a file shorter than the pages its meta page claims.
-
-    LMDB maps the file and trusts its header; reading a page past the end of a truncated file
-    raises SIGBUS, which would kill the whole coordinator (NeMo Curator's own loader dies so).
-    """
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.stat(path).st_size
-    if size < needed:
-        raise _DamagedFileError(f"{path}: truncated: {size} bytes, but its LMDB header needs {needed}")
-
-
 def _make_dirs(folder: Path) -> None:
     """``mkdir -p`` that also fsyncs each parent that gained an entry."""
     missing: list[Path] = []
@@ -491,16 +435,4 @@ def _make_dirs(folder: Path) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     for created in reversed(missing):
-        _fsync_dir(created.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+        fsync_dir(created.parent)
