@@ -43,6 +43,13 @@ def serve(
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="Log level [TALLY_LOG_LEVEL; INFO].")] = None,
     log_format: Annotated[str | None, typer.Option(help="text or json [TALLY_LOG_FORMAT; text].")] = None,
+    metrics_auth: Annotated[
+        bool | None,
+        typer.Option(
+            "--metrics-auth/--no-metrics-auth",
+            help="/metrics needs a reader token when tokens are set [TALLY_METRICS_AUTH; off].",
+        ),
+    ] = None,
 ) -> None:
     """Run the coordinator (gRPC + HTTP) until SIGTERM."""
     flags: dict[str, Any] = {
@@ -54,6 +61,7 @@ def serve(
         "lease_ttl_s": lease_ttl_s,
         "log_level": log_level,
         "log_format": log_format,
+        "metrics_auth": metrics_auth,
     }
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})

@@ -51,3 +51,11 @@ class ResourceExhausted(TallyServerError):
 
 class Unavailable(TallyServerError):
     code = ErrorCode.UNAVAILABLE
+
+
+class Unauthenticated(TallyServerError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDenied(TallyServerError):
+    code = ErrorCode.PERMISSION_DENIED

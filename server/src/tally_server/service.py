@@ -43,6 +43,7 @@ from tally_server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -407,6 +408,11 @@ class CoordinatorService:
             )
         return session
 
+    def checkpoint_of(self, handle: str) -> str | None:
+        """The checkpoint a writer handle was opened on, or None for an unknown handle."""
+        session = self._sessions.get(handle)
+        return session.checkpoint if session is not None else None
+
     def _renew(self, session: WriterSession) -> None:
         session.lease_deadline = self._clock() + self.lease_ttl_s
         session.last_seen_at = self._wall()
@@ -445,7 +451,10 @@ class CoordinatorService:
         host: str = "",
         pid: int = 0,
         on_mismatch: str = "refuse",
+        allow_reset: bool = True,
     ) -> OpenedWriter:
+        """``allow_reset``: whether the caller may reset the checkpoint (admin); without it,
+        ``on_mismatch="reset"`` is refused with PERMISSION_DENIED when the fingerprint differs."""
         self._check_accepting()
         if on_mismatch not in ("refuse", "reset", "ignore"):
             raise InvalidArgument(f"on_mismatch {on_mismatch!r} is not one of refuse, reset, ignore")
@@ -461,7 +470,7 @@ class CoordinatorService:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._checkpoint(checkpoint, create=True)
         assert cp is not None
-        await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch)
+        await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch, allow_reset)
         live = cp.writers.get(writer_id)
         if live is not None:
             raise AlreadyExists(
@@ -512,7 +521,7 @@ class CoordinatorService:
         return OpenedWriter(session.handle, writer_id, self.lease_ttl_s, len(cp.completed), self.settle_ms)
 
     async def _guard_fingerprint(
-        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str
+        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str, allow_reset: bool
     ) -> None:
         """DESIGN §2.5: refuse to resume a checkpoint with different inputs unless told otherwise."""
         if not fingerprint or not cp.fingerprint:
@@ -538,6 +547,13 @@ class CoordinatorService:
             )
             return
         if on_mismatch == "reset":
+            if not allow_reset:
+                raise PermissionDenied(
+                    f"checkpoint {cp.name!r} was started with a different fingerprint ({detail}) and "
+                    "on_mismatch='reset' would start it over, but resetting needs the admin role on it: "
+                    "open with an admin token, have an admin run 'tally reset', or use a new checkpoint name",
+                    differing=differing,
+                )
             # Refused while other writers are live (reset_checkpoint says so); the new fingerprint
             # is recorded by open_writer once the checkpoint is empty again.
             await self.reset_checkpoint(cp.name)

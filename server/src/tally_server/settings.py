@@ -81,10 +81,20 @@ class Settings(BaseSettings):
     tokens: str | None = Field(
         default=None,
         description="Bearer tokens with roles, 'TOKEN:ROLE' separated by commas (roles: reader, worker, "
-        "admin). Unset (and no tokens_file): authentication is off.",
+        "admin). 'TOKEN:ROLE@PREFIX' limits the entry to checkpoints whose name starts with PREFIX "
+        "(e.g. 'team-a/'); a token listed in several entries gets every grant. Unset (and no "
+        "tokens_file): authentication is off.",
     )
     tokens_file: Path | None = Field(
-        default=None, description="File with one 'TOKEN:ROLE' per line ('#' comments), added to tokens."
+        default=None,
+        description="File with one 'TOKEN:ROLE' or 'TOKEN:ROLE@PREFIX' per line ('#' comments), added "
+        "to tokens.",
+    )
+    metrics_auth: bool = Field(
+        default=False,
+        description="Require a bearer token for GET /metrics (reader role or higher, not limited to a "
+        "prefix: the metrics name every checkpoint). Off by default, so Prometheus scrapes without a "
+        "token; has no effect while authentication is off.",
     )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")

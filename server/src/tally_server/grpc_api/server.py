@@ -31,11 +31,12 @@ def build_server(
 
     With ``metrics``, unary call latencies go to its ``tally_grpc_request_duration_seconds``.
     """
+    auth = AuthInterceptor(authorizer or Authorizer({}), service.checkpoint_of)
     request_interceptor = RequestInterceptor(metrics.grpc_request_duration if metrics else None)
     server = grpc.aio.server(
         # Request ids and timing outermost, so they see the status code the error interceptor sets.
         # Auth after them, so refused calls are timed and carry a request id too.
-        interceptors=[request_interceptor, AuthInterceptor(authorizer or Authorizer({})), ErrorInterceptor()],
+        interceptors=[request_interceptor, auth, ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
