@@ -43,6 +43,14 @@ def serve(
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="Log level [TALLY_LOG_LEVEL; INFO].")] = None,
     log_format: Annotated[str | None, typer.Option(help="text or json [TALLY_LOG_FORMAT; text].")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate: serve TLS on both ports [TALLY_TLS_CERT].")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert [TALLY_TLS_KEY].")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(help="PEM CA: require client certificates it signed (mTLS) [TALLY_TLS_CLIENT_CA]."),
+    ] = None,
     metrics_auth: Annotated[
         bool | None,
         typer.Option(
@@ -61,6 +69,9 @@ def serve(
         "lease_ttl_s": lease_ttl_s,
         "log_level": log_level,
         "log_format": log_format,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
         "metrics_auth": metrics_auth,
     }
     try:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tally_server.domain.validation import Limits
@@ -96,6 +96,17 @@ class Settings(BaseSettings):
         "prefix: the metrics name every checkpoint). Off by default, so Prometheus scrapes without a "
         "token; has no effect while authentication is off.",
     )
+    tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate (chain) to serve TLS with on both the gRPC and the HTTP port; needs "
+        "tls_key. Unset: both listen in plain text.",
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert.")
+    tls_client_ca: Path | None = Field(
+        default=None,
+        description="PEM CA certificate(s): clients must present a certificate signed by one of them "
+        "(mutual TLS) on both ports; needs tls_cert. Tokens, if configured, are still required.",
+    )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")
 
@@ -104,6 +115,22 @@ class Settings(BaseSettings):
     def _listen(cls, value: str) -> str:
         split_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _tls(self) -> Self:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both to serve TLS, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key to serve TLS with")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path: Path | None = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {str(path)!r} is not a readable file; give the path of a PEM file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def limits(self) -> Limits:
