@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Self
 
-from tally._config import ClientConfig
+from tally._config import ClientConfig, tls_files_from_env
 from tally._ops import are_completed, async_are_completed, source_id_chunks
 from tally._retry import Deadline, RetryPolicy, async_call_with_retry, call_with_retry
 from tally._transport import AsyncTransport, Transport, make_async_transport, make_transport
@@ -44,12 +44,25 @@ _SLURM_LABELS = {
 }
 
 
-def _resolve_config(address: str | None, token: str | None, timeout: float | None) -> ClientConfig:
+def _resolve_config(
+    address: str | None,
+    token: str | None,
+    timeout: float | None,
+    tls_files: Mapping[str, str | os.PathLike[str] | None],
+) -> ClientConfig:
     env = ClientConfig.from_env()
+    address = address or env.address
+    env_files = tls_files_from_env(address)
+    files = {
+        name: os.fspath(given) if given is not None else env_files[name] for name, given in tls_files.items()
+    }
     return ClientConfig(
-        address=address or env.address,
+        address=address,
         token=(token if token is not None else env.token) or None,
         timeout=timeout if timeout is not None else env.timeout,
+        ca_cert=files["ca_cert"],
+        client_cert=files["client_cert"],
+        client_key=files["client_key"],
     )
 
 
@@ -245,7 +258,16 @@ class Client(_BaseClient):
             w.apply_deltas([(task_id, source_id, +1)])
     """
 
-    def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float | None = None,
+        ca_cert: str | os.PathLike[str] | None = None,
+        client_cert: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
+    ):
         """Create a client; no connection is made until the first call.
 
         Args:
@@ -255,11 +277,18 @@ class Client(_BaseClient):
             token: Bearer token; defaults to ``$TALLY_TOKEN``.
             timeout: Seconds each call may take, retries included; defaults to ``$TALLY_TIMEOUT``,
                 else 30.
+            ca_cert: PEM file of the CA that signed the coordinator's certificate (``grpcs://``,
+                ``https://``); defaults to ``$TALLY_CA_CERT``, else the system's root certificates.
+            client_cert: PEM certificate for a coordinator that requires client certificates
+                (mutual TLS); defaults to ``$TALLY_CLIENT_CERT``.
+            client_key: PEM private key of ``client_cert``; defaults to ``$TALLY_CLIENT_KEY``.
 
         Raises:
-            ValueError: The address has an unsupported scheme.
+            ValueError: The address has an unsupported scheme, TLS files are given for a plain-text
+                address, or a TLS file cannot be read.
         """
-        config = _resolve_config(address, token, timeout)
+        tls_files = {"ca_cert": ca_cert, "client_cert": client_cert, "client_key": client_key}
+        config = _resolve_config(address, token, timeout, tls_files)
         self._init(config, make_transport(config))
 
     @classmethod
@@ -538,9 +567,19 @@ class AsyncClient(_BaseClient):
                 await w.flush()
     """
 
-    def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float | None = None,
+        ca_cert: str | os.PathLike[str] | None = None,
+        client_cert: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
+    ):
         """Create a client; no connection is made until the first call. See :class:`Client`."""
-        config = _resolve_config(address, token, timeout)
+        tls_files = {"ca_cert": ca_cert, "client_cert": client_cert, "client_key": client_key}
+        config = _resolve_config(address, token, timeout, tls_files)
         self._init(config, make_async_transport(config))
 
     @classmethod

@@ -5,9 +5,38 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 30.0
+_TLS_ENV = {"ca_cert": "TALLY_CA_CERT", "client_cert": "TALLY_CLIENT_CERT", "client_key": "TALLY_CLIENT_KEY"}
+
+
+def is_tls_address(address: str) -> bool:
+    """Whether ``address`` asks for TLS (``grpcs://`` or ``https://``)."""
+    return address.strip().lower().startswith(("grpcs://", "https://"))
+
+
+def tls_files_from_env(address: str, environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``TALLY_CA_CERT``, ``TALLY_CLIENT_CERT`` and ``TALLY_CLIENT_KEY``, for a TLS ``address`` only.
+
+    Set once for a shell, they must not break a client pointed at a plain-text address.
+    """
+    env = os.environ if environ is None else environ
+    if not is_tls_address(address):
+        return {name: None for name in _TLS_ENV}
+    return {name: env.get(var) or None for name, var in _TLS_ENV.items()}
+
+
+def read_pem(what: str, path: str) -> bytes:
+    """The bytes of a PEM file, or a ValueError that names the setting and the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"{what} {path!r} cannot be read ({err.strerror or err}); give a PEM file") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {path!r} is not a PEM file (no '-----BEGIN' line)")
+    return data
 
 
 @dataclass(frozen=True)
@@ -26,6 +55,11 @@ class ClientConfig:
             below the server's settle window (250 ms by default).
         retry_initial_s: First backoff delay after a retryable failure.
         retry_max_s: Longest backoff delay.
+        ca_cert: PEM file of the CA(s) that signed the coordinator's certificate, for ``grpcs://``
+            and ``https://``; None trusts the system's root certificates.
+        client_cert: PEM certificate presented to a coordinator that requires client certificates
+            (mutual TLS); needs ``client_key``.
+        client_key: PEM private key of ``client_cert``.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -36,6 +70,9 @@ class ClientConfig:
     flush_interval_s: float = 0.05
     retry_initial_s: float = 0.05
     retry_max_s: float = 5.0
+    ca_cert: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -52,10 +89,20 @@ class ClientConfig:
             raise ValueError(
                 f"need 0 <= retry_initial_s <= retry_max_s, got {self.retry_initial_s}, {self.retry_max_s}"
             )
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together: give both for mutual TLS, or neither")
+        tls_files = [n for n in ("ca_cert", "client_cert", "client_key") if getattr(self, n) is not None]
+        if tls_files and not is_tls_address(self.address):
+            raise ValueError(
+                f"{', '.join(tls_files)} given but address {self.address!r} is not TLS; use "
+                "grpcs://host:port or https://host:port"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientConfig:
-        """Read ``TALLY_ADDRESS``, ``TALLY_TOKEN`` and ``TALLY_TIMEOUT``; unset ones keep defaults.
+        """Read ``TALLY_ADDRESS``, ``TALLY_TOKEN``, ``TALLY_TIMEOUT``, ``TALLY_CA_CERT``,
+        ``TALLY_CLIENT_CERT`` and ``TALLY_CLIENT_KEY``; unset ones keep defaults. The three TLS
+        files apply only when the address is ``grpcs://`` or ``https://``.
 
         Args:
             environ: Mapping to read instead of ``os.environ`` (for tests).
@@ -64,7 +111,8 @@ class ClientConfig:
             The configuration.
 
         Raises:
-            ValueError: ``TALLY_TIMEOUT`` is not a positive number.
+            ValueError: ``TALLY_TIMEOUT`` is not a positive number, or the TLS files do not fit
+                the address (see the attributes).
         """
         env = os.environ if environ is None else environ
         timeout = DEFAULT_TIMEOUT
@@ -73,8 +121,13 @@ class ClientConfig:
                 timeout = float(raw)
             except ValueError:
                 raise ValueError(f"TALLY_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        address = env.get("TALLY_ADDRESS", "").strip() or DEFAULT_ADDRESS
+        tls = tls_files_from_env(address, env)
         return cls(
-            address=env.get("TALLY_ADDRESS", "").strip() or DEFAULT_ADDRESS,
+            address=address,
             token=env.get("TALLY_TOKEN") or None,
             timeout=timeout,
+            ca_cert=tls["ca_cert"],
+            client_cert=tls["client_cert"],
+            client_key=tls["client_key"],
         )

@@ -10,6 +10,8 @@ import grpc
 import grpc.aio
 
 from tally import _convert as convert
+from tally._config import read_pem
+from tally._transport import TlsFiles
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -55,15 +57,37 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
 def error_from_rpc(
-    code: grpc.StatusCode | None, message: str | None, metadata: Any, target: str
+    code: grpc.StatusCode | None, message: str | None, metadata: Any, target: str, tls: bool | None = None
 ) -> TallyError:
-    """Translate a failed RPC's status into the SDK's error type."""
+    """Translate a failed RPC's status into the SDK's error type.
+
+    ``tls`` (whether the channel uses TLS) adds a hint when the failure looks like a TLS mismatch.
+    """
     status = _STATUS.get(code, StatusCode.UNKNOWN) if code is not None else StatusCode.UNKNOWN
     text = message or (code.name if code is not None else "RPC failed")
     if status in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED):
         # gRPC's own text ("failed to connect to all addresses ...") does not say where.
         text = f"Tally coordinator at {target} is unavailable ({status.value}): {text}"
+        if tls is not None:
+            text += _tls_hint(text, tls)
     return error_for_code(status, text, _details(metadata))
+
+
+def _tls_hint(text: str, tls: bool) -> str:
+    # gRPC reports a TLS mismatch only as a closed socket or a failed handshake; say what may cause it.
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (
+            " (the coordinator's certificate is not signed by a CA this client trusts: pass ca_cert or set "
+            "TALLY_CA_CERT)"
+        )
+    if "Socket closed" in text or "Connection reset" in text:
+        if tls:
+            return (
+                " (if the coordinator requires client certificates, pass client_cert and client_key or set "
+                "TALLY_CLIENT_CERT and TALLY_CLIENT_KEY)"
+            )
+        return " (if the coordinator serves TLS, use a grpcs:// address)"
+    return ""
 
 
 def _details(metadata: Any) -> dict[str, Any]:
@@ -90,20 +114,35 @@ def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
+def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    """TLS credentials: trust ``ca_cert`` (else the system's roots); present the client pair if set."""
+
+    def read(what: str, path: str | None) -> bytes | None:
+        return read_pem(what, path) if path is not None else None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("ca_cert", tls.ca_cert),
+        private_key=read("client_key", tls.client_key),
+        certificate_chain=read("client_cert", tls.client_cert),
+    )
+
+
 class GrpcTransport:
     """Blocking transport over a ``grpc.Channel``."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False) -> None:
+    def __init__(self, target: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
         """Create the channel (connection is lazy: nothing happens until the first call).
 
         Args:
             target: ``host:port``.
             token: Bearer token sent as ``authorization`` metadata.
-            tls: Use TLS with the system's root certificates.
+            tls: Use TLS with these files (``TlsFiles()``: the system's root certificates); None
+                speaks plain text.
         """
         self._target = target
-        if tls:
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(), _CHANNEL_OPTIONS)
+        self._tls = tls is not None
+        if tls is not None:
+            self._channel = grpc.secure_channel(target, channel_credentials(tls), _CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
         self._stub = CoordinatorStub(self._channel)
@@ -115,7 +154,7 @@ class GrpcTransport:
         except grpc.RpcError as err:
             call: Any = err  # sync stubs raise objects that are both RpcError and Call
             raise error_from_rpc(
-                call.code(), call.details(), call.trailing_metadata(), self._target
+                call.code(), call.details(), call.trailing_metadata(), self._target, self._tls
             ) from None
         except ValueError as err:  # grpc's answer to a call on a closed channel
             raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
@@ -202,7 +241,7 @@ class GrpcTransport:
         except grpc.RpcError as err:
             failed: Any = err
             raise error_from_rpc(
-                failed.code(), failed.details(), failed.trailing_metadata(), self._target
+                failed.code(), failed.details(), failed.trailing_metadata(), self._target, self._tls
             ) from None
         except ValueError as err:
             raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
@@ -216,23 +255,25 @@ class GrpcTransport:
 class AsyncGrpcTransport:
     """asyncio transport over a ``grpc.aio.Channel``."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False) -> None:
+    def __init__(self, target: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
         """Remember where to connect; the channel is created on first use.
 
         A grpc.aio channel binds to the event loop that is running when it is created, and
         ``AsyncClient`` may be constructed outside any loop, so creation waits for the first call.
+        The credentials (``tls``, see :class:`GrpcTransport`) are bound to no loop: made now, so
+        an unreadable file fails here.
         """
         self._target = target
-        self._tls = tls
+        self._tls = tls is not None
+        self._credentials = channel_credentials(tls) if tls is not None else None
         self._metadata = _auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
 
     def _get_stub(self) -> Any:
         if self._stub is None:
-            if self._tls:
-                creds = grpc.ssl_channel_credentials()
-                self._channel = grpc.aio.secure_channel(self._target, creds, _CHANNEL_OPTIONS)
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(self._target, self._credentials, _CHANNEL_OPTIONS)
             else:
                 self._channel = grpc.aio.insecure_channel(self._target, _CHANNEL_OPTIONS)
             self._stub = CoordinatorStub(self._channel)
@@ -243,7 +284,9 @@ class AsyncGrpcTransport:
         try:
             return await rpc(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err.code(), err.details(), err.trailing_metadata(), self._target) from None
+            raise error_from_rpc(
+                err.code(), err.details(), err.trailing_metadata(), self._target, self._tls
+            ) from None
         except grpc.aio.UsageError as err:  # e.g. the channel was closed
             raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
 
@@ -326,7 +369,9 @@ class AsyncGrpcTransport:
             async for msg in call:
                 yield convert.checkpoint_from_pb(msg)
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err.code(), err.details(), err.trailing_metadata(), self._target) from None
+            raise error_from_rpc(
+                err.code(), err.details(), err.trailing_metadata(), self._target, self._tls
+            ) from None
         except grpc.aio.UsageError as err:
             raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
         finally:

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mappi
 from typing import Any, TypeVar
 
 from tally import _convert as convert
+from tally._transport import TlsFiles
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -87,6 +88,39 @@ def _status_code(status: int) -> StatusCode:
     return StatusCode.UNKNOWN
 
 
+def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """Verify the server against ``ca_cert`` (else the system's roots); present the client pair if set.
+
+    Raises:
+        ValueError: A file is not a usable certificate or key.
+    """
+    try:
+        context = ssl.create_default_context(cafile=tls.ca_cert)
+        if tls.client_cert is not None:
+            context.load_cert_chain(tls.client_cert, tls.client_key)
+    except (OSError, ssl.SSLError) as err:
+        files = ", ".join(f"{k}={v!r}" for k, v in vars(tls).items() if v is not None)
+        raise ValueError(f"TLS files cannot be used ({files}): {err}") from None
+    return context
+
+
+def tls_hint(err: object, https: bool) -> str:
+    """What may cause a connection failure that looks like a TLS mismatch ("" if it does not)."""
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return (
+            " (the coordinator's certificate is not signed by a CA this client trusts: pass ca_cert or set "
+            "TALLY_CA_CERT)"
+        )
+    if not https and isinstance(err, (http.client.RemoteDisconnected, ConnectionResetError)):
+        return " (if the coordinator serves TLS, use an https:// address)"
+    if https and isinstance(err, (ssl.SSLError, ConnectionResetError)):
+        return (
+            " (if the coordinator requires client certificates, pass client_cert and client_key or set "
+            "TALLY_CLIENT_CERT and TALLY_CLIENT_KEY)"
+        )
+    return ""
+
+
 def _parse(parse: Callable[[Any], T], body: Any, what: str) -> T:
     try:
         return parse(body)
@@ -102,7 +136,14 @@ class EventStream:
     another thread: it shuts the socket down, which wakes a read blocked in ``__next__``.
     """
 
-    def __init__(self, base_url: str, path: str, headers: Mapping[str, str], timeout: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        path: str,
+        headers: Mapping[str, str],
+        timeout: float,
+        context: ssl.SSLContext | None = None,
+    ) -> None:
         """Prepare the request; nothing is sent until :meth:`open`.
 
         Args:
@@ -110,6 +151,7 @@ class EventStream:
             path: ``/v1/...`` with its query string.
             headers: Request headers (authorization included).
             timeout: Seconds for connecting and receiving the response headers.
+            context: TLS settings for ``https``; None: the system's defaults.
         """
         parts = urllib.parse.urlsplit(base_url)
         self._base = base_url
@@ -119,7 +161,10 @@ class EventStream:
         self._conn: http.client.HTTPConnection
         if parts.scheme == "https":
             self._conn = http.client.HTTPSConnection(
-                parts.hostname or "", parts.port, timeout=timeout, context=ssl.create_default_context()
+                parts.hostname or "",
+                parts.port,
+                timeout=timeout,
+                context=context if context is not None else ssl.create_default_context(),
             )
         else:
             self._conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
@@ -151,7 +196,8 @@ class EventStream:
             ) from None
         except (http.client.HTTPException, OSError) as err:
             self.close()
-            raise Unavailable(f"Tally coordinator at {base} is unreachable: {err!r}") from None
+            hint = tls_hint(err, base.startswith("https:"))
+            raise Unavailable(f"Tally coordinator at {base} is unreachable: {err!r}{hint}") from None
         if response.status != 200:
             body = response.read()
             self.close()
@@ -219,18 +265,24 @@ class EventStream:
 class HttpTransport:
     """Blocking transport over the HTTP/JSON API using ``urllib.request``."""
 
-    def __init__(self, base_url: str, *, token: str | None = None) -> None:
+    def __init__(self, base_url: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
         """Create the transport.
 
         Args:
             base_url: ``http[s]://host:port[/prefix]``; ``/v1/...`` is appended.
             token: Bearer token sent as the ``Authorization`` header.
+            tls: For ``https``: the CA to trust and a client certificate (None: system defaults).
+
+        Raises:
+            ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
         self._headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._opener = urllib.request.build_opener()
+        self._context = ssl_context(tls) if tls is not None else None
+        handlers = [urllib.request.HTTPSHandler(context=self._context)] if self._context is not None else []
+        self._opener = urllib.request.build_opener(*handlers)
 
     def _request(self, method: str, path: str, body: Any, timeout: float) -> Any:
         url = self._base + path
@@ -248,8 +300,9 @@ class HttpTransport:
                 raise error_from_response(err.code, err.read(), url) from None
         except urllib.error.URLError as err:
             code = StatusCode.DEADLINE_EXCEEDED if isinstance(err.reason, TimeoutError) else None
+            hint = tls_hint(err.reason, self._base.startswith("https:"))
             raise Unavailable(
-                f"Tally coordinator at {self._base} is unreachable: {err.reason}", code
+                f"Tally coordinator at {self._base} is unreachable: {err.reason}{hint}", code
             ) from None
         except TimeoutError:
             raise Unavailable(
@@ -257,7 +310,10 @@ class HttpTransport:
                 StatusCode.DEADLINE_EXCEEDED,
             ) from None
         except (http.client.HTTPException, OSError) as err:
-            raise Unavailable(f"connection to Tally coordinator at {self._base} failed: {err!r}") from None
+            hint = tls_hint(err, self._base.startswith("https:"))
+            raise Unavailable(
+                f"connection to Tally coordinator at {self._base} failed: {err!r}{hint}"
+            ) from None
         try:
             return json.loads(raw) if raw else {}
         except ValueError:
@@ -342,7 +398,7 @@ class HttpTransport:
     def event_stream(self, checkpoint: str, interval_ms: int, timeout: float) -> EventStream:
         """An unopened Server-Sent Events stream of ``checkpoint``'s status."""
         path = self._query("/v1/watch", convert.watch_query(checkpoint, interval_ms))
-        return EventStream(self._base, path, self._headers, timeout)
+        return EventStream(self._base, path, self._headers, timeout, self._context)
 
     def watch(
         self, checkpoint: str, interval_ms: int, timeout: float

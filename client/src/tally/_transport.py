@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tally._config import ClientConfig
+from tally._config import ClientConfig, read_pem
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -182,6 +182,26 @@ def parse_address(address: str) -> Endpoint:
     return Endpoint("http", f"{'https' if tls else 'http'}://{rest}", tls)
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS connection: the CA to trust (None: the system's) and a client pair."""
+
+    ca_cert: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+
+def _tls(config: ClientConfig, endpoint: Endpoint) -> TlsFiles | None:
+    """The TLS files of ``config``, checked now so a wrong path fails at construction; None: plain."""
+    if not endpoint.tls:
+        return None
+    files = TlsFiles(config.ca_cert, config.client_cert, config.client_key)
+    for what, path in vars(files).items():
+        if path is not None:
+            read_pem(what, path)
+    return files
+
+
 def make_transport(config: ClientConfig) -> Transport:
     """Create the blocking transport for ``config.address``.
 
@@ -192,10 +212,10 @@ def make_transport(config: ClientConfig) -> Transport:
     if endpoint.scheme == "grpc":
         from tally._grpc import GrpcTransport
 
-        return GrpcTransport(endpoint.target, token=config.token, tls=endpoint.tls)
+        return GrpcTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
     from tally._http import HttpTransport
 
-    return HttpTransport(endpoint.target, token=config.token)
+    return HttpTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
 
 
 def make_async_transport(config: ClientConfig) -> AsyncTransport:
@@ -204,7 +224,7 @@ def make_async_transport(config: ClientConfig) -> AsyncTransport:
     if endpoint.scheme == "grpc":
         from tally._grpc import AsyncGrpcTransport
 
-        return AsyncGrpcTransport(endpoint.target, token=config.token, tls=endpoint.tls)
+        return AsyncGrpcTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
     from tally._http import AsyncHttpTransport, HttpTransport
 
-    return AsyncHttpTransport(HttpTransport(endpoint.target, token=config.token))
+    return AsyncHttpTransport(HttpTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint)))

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
+import grpc
 import uvicorn
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from tally_server.auth import Authorizer, load_tokens
-from tally_server.grpc_api.server import SERVICE_NAME, build_server
+from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
 from tally_server.http_api.app import create_app
 from tally_server.loop_load import new_event_loop
 from tally_server.metrics import Metrics
@@ -65,6 +68,48 @@ def _bind_http(listen: str) -> socket.socket:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tls(settings: Settings) -> tuple[grpc.ServerCredentials | None, dict[str, Any]]:
+    """gRPC credentials and uvicorn's ssl options from the certificate files (none without TLS).
+
+    The files are loaded once here with Python's ssl module, so a wrong path, a key that does not
+    match the certificate or a malformed PEM stops ``tally serve`` at once with the reason.
+    """
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None, {}
+    cert, key, client_ca = settings.tls_cert, settings.tls_key, settings.tls_client_ca
+    try:
+        check = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        check.load_cert_chain(cert, key)
+        if client_ca is not None:
+            check.load_verify_locations(client_ca)
+    except (OSError, ssl.SSLError) as exc:
+        files = f"tls_cert={cert}, tls_key={key}" + (f", tls_client_ca={client_ca}" if client_ca else "")
+        raise OSError(
+            f"cannot serve TLS with {files}: {exc}; give PEM files, the key matching the certificate"
+        ) from None
+    options: dict[str, Any] = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    if client_ca is not None:
+        options.update(ssl_ca_certs=str(client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return server_credentials(cert, key, client_ca), options
+
+
+def _warn_exposed(settings: Settings, authorizer: Authorizer) -> None:
+    for listen in (settings.grpc_listen, settings.http_listen):
+        host, _ = split_listen(listen)
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if authorizer.enabled and not settings.tls and not loopback:
+            log.warning(
+                "bearer tokens travel in plain text on %s: serve TLS (--tls-cert/--tls-key) or put a "
+                "TLS-terminating proxy in front",
+                listen,
+            )
+    if settings.metrics_auth and not authorizer.enabled:
+        log.warning("metrics_auth is on but no tokens are configured, so /metrics stays open")
 
 
 async def _mirror_readiness(service: CoordinatorService, health: HealthServicer) -> None:
@@ -136,6 +181,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     """
     # Before any store opens: a second coordinator on this directory stops here. Held until the
     # process ends (the kernel releases it even after kill -9).
+    credentials, ssl_options = _tls(settings)
+    authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    _warn_exposed(settings, authorizer)
     datadir_lock = DataDirLock(settings.data_dir)
     datadir_lock.acquire()
     loop = asyncio.get_running_loop()
@@ -146,10 +194,14 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     # The HTTP transport runs on its own loop and sees the service through the bridge.
     bridged = cast(CoordinatorService, ServiceBridge(service, loop))
     metrics = Metrics(bridged)  # one registry, fed by both transports and the store
-    authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
     await service.start()
     grpc_server, grpc_port, health = build_server(
-        service, settings.grpc_listen, settings.max_message_bytes, metrics=metrics, authorizer=authorizer
+        service,
+        settings.grpc_listen,
+        settings.max_message_bytes,
+        metrics=metrics,
+        authorizer=authorizer,
+        credentials=credentials,
     )
     config = uvicorn.Config(
         create_app(bridged, settings, metrics=metrics, authorizer=authorizer),
@@ -157,6 +209,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        **ssl_options,
     )
     http = _HttpThread(_Uvicorn(config), http_sock, http_loop)
 
@@ -172,7 +225,12 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     # Tests and scripts read these two lines to find the ports when started with port 0.
     print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
     print(f"http listening on {_address(http_host, http_port)}", flush=True)
-    log.info("tally serving; data in %s, registry %s", settings.data_dir, settings.resolved_registry_url())
+    log.info(
+        "tally serving%s; data in %s, registry %s",
+        " over TLS" + (" with client certificates" if settings.tls_client_ca else "") if settings.tls else "",
+        settings.data_dir,
+        settings.resolved_registry_url(),
+    )
 
     await stop.wait()
     log.info("shutting down: refusing new work, flushing completions")

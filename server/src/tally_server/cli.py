@@ -42,6 +42,21 @@ def serve(
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="Log level [TALLY_LOG_LEVEL; INFO].")] = None,
     log_format: Annotated[str | None, typer.Option(help="text or json [TALLY_LOG_FORMAT; text].")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate: serve TLS on both ports [TALLY_TLS_CERT].")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert [TALLY_TLS_KEY].")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(help="PEM CA: require client certificates it signed (mTLS) [TALLY_TLS_CLIENT_CA]."),
+    ] = None,
+    metrics_auth: Annotated[
+        bool | None,
+        typer.Option(
+            "--metrics-auth/--no-metrics-auth",
+            help="/metrics needs a reader token when tokens are set [TALLY_METRICS_AUTH; off].",
+        ),
+    ] = None,
 ) -> None:
     """Run the coordinator (gRPC + HTTP) until SIGTERM."""
     flags: dict[str, Any] = {
@@ -53,6 +68,10 @@ def serve(
         "lease_ttl_s": lease_ttl_s,
         "log_level": log_level,
         "log_format": log_format,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+        "tls_client_ca": tls_client_ca,
+        "metrics_auth": metrics_auth,
     }
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tally_server.domain.validation import Limits
@@ -88,10 +88,31 @@ class Settings(BaseSettings):
     tokens: str | None = Field(
         default=None,
         description="Bearer tokens with roles, 'TOKEN:ROLE' separated by commas (roles: reader, worker, "
-        "admin). Unset (and no tokens_file): authentication is off.",
+        "admin). 'TOKEN:ROLE@PREFIX' limits the entry to checkpoints whose name starts with PREFIX "
+        "(e.g. 'team-a/'); a token listed in several entries gets every grant. Unset (and no "
+        "tokens_file): authentication is off.",
     )
     tokens_file: Path | None = Field(
-        default=None, description="File with one 'TOKEN:ROLE' per line ('#' comments), added to tokens."
+        default=None,
+        description="File with one 'TOKEN:ROLE' or 'TOKEN:ROLE@PREFIX' per line ('#' comments), added "
+        "to tokens.",
+    )
+    metrics_auth: bool = Field(
+        default=False,
+        description="Require a bearer token for GET /metrics (reader role or higher, not limited to a "
+        "prefix: the metrics name every checkpoint). Off by default, so Prometheus scrapes without a "
+        "token; has no effect while authentication is off.",
+    )
+    tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate (chain) to serve TLS with on both the gRPC and the HTTP port; needs "
+        "tls_key. Unset: both listen in plain text.",
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert.")
+    tls_client_ca: Path | None = Field(
+        default=None,
+        description="PEM CA certificate(s): clients must present a certificate signed by one of them "
+        "(mutual TLS) on both ports; needs tls_cert. Tokens, if configured, are still required.",
     )
     log_level: str = Field(default="INFO", description="Python logging level name.")
     log_format: Literal["text", "json"] = Field(default="text", description="Log line format.")
@@ -101,6 +122,22 @@ class Settings(BaseSettings):
     def _listen(cls, value: str) -> str:
         split_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _tls(self) -> Self:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both to serve TLS, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key to serve TLS with")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path: Path | None = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {str(path)!r} is not a readable file; give the path of a PEM file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def limits(self) -> Limits:

@@ -2,6 +2,9 @@
 
 with running_server(settle_ms=0) as server:
     client = tally.Client(server.grpc_address)
+
+With ``tls_cert``/``tls_key`` it serves TLS: use ``server.grpc_url`` / ``server.http_url`` (``grpcs://``,
+``https://``) and the client's ``ca_cert``.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ class RunningServer:
     data_dir: Path
     log_path: Path
     stdout_lines: list[str] = field(default_factory=list)
+    tls: bool = False
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.http_address}"
+        return f"{'https' if self.tls else 'http'}://{self.http_address}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{'grpcs' if self.tls else 'grpc'}://{self.grpc_address}"
 
     def terminate(self, timeout: float = 60) -> int:
         """SIGTERM and wait: the graceful path (flush everything, exit 0)."""
@@ -66,8 +74,15 @@ def running_server(
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
     startup_timeout: float = 60.0,
+    tls_cert: Path | str | None = None,
+    tls_key: Path | str | None = None,
+    tls_client_ca: Path | str | None = None,
 ) -> Iterator[RunningServer]:
-    """Start ``tally serve`` on free loopback ports; yield its addresses; SIGTERM it on exit."""
+    """Start ``tally serve`` on free loopback ports; yield its addresses; SIGTERM it on exit.
+
+    ``tls_cert``/``tls_key`` (and ``tls_client_ca`` for mutual TLS) are PEM files to serve TLS with.
+    """
+    tls_files = {"--tls-cert": tls_cert, "--tls-key": tls_key, "--tls-client-ca": tls_client_ca}
     with contextlib.ExitStack() as stack:
         if data_dir is None:
             data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tally-test-"))
@@ -87,6 +102,7 @@ def running_server(
             "--lease-ttl-s",
             str(lease_ttl_s),
             *(["--registry-url", registry_url] if registry_url else []),
+            *(part for flag, path in tls_files.items() if path is not None for part in (flag, str(path))),
             *(args or []),
         ]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -117,7 +133,7 @@ def running_server(
 
         reader = threading.Thread(target=read_stdout, name="tally-serve-stdout", daemon=True)
         reader.start()
-        server = RunningServer(process, "", "", data, log_path, lines)
+        server = RunningServer(process, "", "", data, log_path, lines, tls=tls_cert is not None)
         try:
             if not ready.wait(startup_timeout) or len(found) != 2:
                 process.kill()

@@ -1,35 +1,57 @@
-"""gRPC authentication: the bearer token in the ``authorization`` metadata, checked per RPC."""
+"""gRPC authentication: the bearer token in the ``authorization`` metadata, checked per RPC.
+
+The role is checked from the metadata alone; the checkpoint a request names (or its writer
+handle's checkpoint) is checked against the token's scopes once the request is decoded, and the
+caller is bound (:func:`tally_server.auth.bind`) for the handler.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
-from tally_server.auth import Authorizer
+from tally_server import auth
+from tally_server.auth import Authorizer, Principal
 from tally_server.errors import TallyServerError
-from tally_server.grpc_api.interceptors import STATUS
+from tally_server.grpc_api.interceptors import DETAILS_KEY, STATUS
 
 _PREFIX = "/tally.v1.Coordinator/"
+# Request fields that name a checkpoint or a writer handle (see auth.CHECKPOINT_FIELD).
+_FIELDS = ("checkpoint", "name", "handle")
+
+
+async def _abort(context: Any, exc: TallyServerError) -> None:
+    if exc.details:
+        context.set_trailing_metadata(((DETAILS_KEY, json.dumps(exc.details, default=str)),))
+    await context.abort(STATUS[exc.code], exc.message)
 
 
 def _refuse(exc: TallyServerError) -> Any:
     async def unary(request: Any, context: Any) -> Any:
-        await context.abort(STATUS[exc.code], exc.message)
+        await _abort(context, exc)
 
     async def stream(request: Any, context: Any) -> Any:
-        await context.abort(STATUS[exc.code], exc.message)
+        await _abort(context, exc)
         yield  # pragma: no cover - makes this an async generator
 
     return unary, stream
 
 
+def _fields(request: Message) -> dict[str, str]:
+    return {f: getattr(request, f) for f in _FIELDS if f in request.DESCRIPTOR.fields_by_name}
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Checks tally.v1 calls only; health checking and reflection stay open for probes and tools."""
 
-    def __init__(self, authorizer: Authorizer) -> None:
+    def __init__(self, authorizer: Authorizer, checkpoint_of: Callable[[str], str | None]) -> None:
+        """``checkpoint_of``: a writer handle's checkpoint (None if unknown), for scoped tokens."""
         self._authorizer = authorizer
+        self._checkpoint_of = checkpoint_of
 
     async def intercept_service(
         self,
@@ -37,15 +59,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         details: grpc.HandlerCallDetails,
     ) -> Any:
         method: str = details.method
-        if not self._authorizer.enabled or not method.startswith(_PREFIX):
+        if not method.startswith(_PREFIX):
             return await continuation(details)
+        operation = method[len(_PREFIX) :]
         header = dict(details.invocation_metadata or ()).get("authorization")
         if isinstance(header, bytes):
             header = header.decode("latin-1")
+        handler = await continuation(details)
         try:
-            self._authorizer.check(method[len(_PREFIX) :], header)
+            principal = self._authorizer.check(operation, header)
         except TallyServerError as exc:
-            handler = await continuation(details)
             unary, stream = _refuse(exc)
             if handler is not None and handler.unary_stream is not None:
                 return grpc.unary_stream_rpc_method_handler(
@@ -54,4 +77,48 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     response_serializer=handler.response_serializer,
                 )
             return grpc.unary_unary_rpc_method_handler(unary)
-        return await continuation(details)
+        if handler is None:
+            return None
+        return self._scoped(handler, operation, principal)
+
+    def _scoped(self, handler: Any, operation: str, principal: Principal) -> Any:
+        def check(request: Any) -> None:
+            # An undecodable request is not a message: the error interceptor inside refuses it.
+            if isinstance(request, Message):
+                principal.require_request(operation, _fields(request), self._checkpoint_of)
+
+        if handler.unary_unary is not None:
+            inner_unary = handler.unary_unary
+
+            async def unary(request: Any, context: Any) -> Any:
+                try:
+                    check(request)
+                except TallyServerError as exc:
+                    await _abort(context, exc)
+                with auth.bind(principal):
+                    return await inner_unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            # Not bound: no stream handler reads the caller, and a context variable set inside an
+            # async generator cannot be reset safely when grpc closes it from elsewhere.
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                try:
+                    check(request)
+                except TallyServerError as exc:
+                    await _abort(context, exc)
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # no client-streaming RPCs in tally.v1

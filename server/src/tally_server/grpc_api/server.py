@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -20,22 +22,34 @@ from tally_server.service import CoordinatorService
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
+def server_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> grpc.ServerCredentials:
+    """TLS from PEM files; with ``client_ca``, clients must present a certificate it signed (mTLS)."""
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca is not None else None,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def build_server(
     service: CoordinatorService,
     listen: str,
     max_message_bytes: int,
     metrics: Metrics | None = None,
     authorizer: Authorizer | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Return the (not yet started) server, the bound port and its health servicer.
 
-    With ``metrics``, unary call latencies go to its ``tally_grpc_request_duration_seconds``.
+    With ``metrics``, unary call latencies go to its ``tally_grpc_request_duration_seconds``. With
+    ``credentials`` (:func:`server_credentials`) the port serves TLS only.
     """
+    auth = AuthInterceptor(authorizer or Authorizer({}), service.checkpoint_of)
     request_interceptor = RequestInterceptor(metrics.grpc_request_duration if metrics else None)
     server = grpc.aio.server(
         # Request ids and timing outermost, so they see the status code the error interceptor sets.
         # Auth after them, so refused calls are timed and carry a request id too.
-        interceptors=[request_interceptor, AuthInterceptor(authorizer or Authorizer({})), ErrorInterceptor()],
+        interceptors=[request_interceptor, auth, ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -49,7 +63,10 @@ def build_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(listen)
+    if credentials is not None:
+        port = server.add_secure_port(listen, credentials)
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
     return server, port, health

@@ -8,6 +8,7 @@ from typing import Any
 
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server import auth
 from tally_server.domain.ledger import ApplyCounts
 from tally_server.errors import TallyServerError
 from tally_server.grpc_api.interceptors import STATUS
@@ -77,6 +78,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             host=request.host,
             pid=request.pid,
             on_mismatch=_ON_MISMATCH.get(request.on_mismatch, "invalid"),
+            allow_reset=auth.current().may_reset(request.checkpoint),
         )
         return pb.OpenWriterResponse(
             handle=opened.handle,
@@ -117,7 +119,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Context
     ) -> pb.ListCheckpointsResponse:
-        views = await self._service.list_checkpoints()
+        # A scoped token sees only the checkpoints it may read.
+        views = [v for v in await self._service.list_checkpoints() if auth.current().may_read(v.name)]
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_status(v) for v in views])
 
     async def ListWriters(self, request: pb.ListWritersRequest, context: Context) -> pb.ListWritersResponse:

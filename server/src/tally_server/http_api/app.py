@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tally_server import __version__
+from tally_server import __version__, auth
 from tally_server.auth import Authorizer, load_tokens
 from tally_server.errors import ErrorCode, TallyServerError
 from tally_server.http_api import schemas as s
@@ -75,7 +75,12 @@ def create_app(
     app.add_middleware(BodyLimit, limit=settings.max_message_bytes)
     if authorizer is None:
         authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
-    app.add_middleware(AuthMiddleware, authorizer=authorizer)
+    app.add_middleware(
+        AuthMiddleware,
+        authorizer=authorizer,
+        checkpoint_of=service.checkpoint_of,
+        metrics_auth=settings.metrics_auth,
+    )
     # Added last, so outermost: requests refused by the body limit are timed and carry an id too.
     exported = metrics if metrics is not None else Metrics(service)
     app.add_middleware(RequestMiddleware, latency=exported.http_request_duration)
@@ -125,6 +130,8 @@ def create_app(
     @app.post("/v1/writers", response_model=s.OpenWriterReply, responses=_ERRORS, tags=["writers"])
     async def open_writer(body: s.OpenWriterBody) -> s.OpenWriterReply:
         """Register a writer of a checkpoint (refuses a writer_id that is live)."""
+        caller = auth.current()
+        caller.require("OpenWriter", body.checkpoint)
         opened = await service.open_writer(
             body.checkpoint,
             writer_id=body.writer_id,
@@ -133,6 +140,7 @@ def create_app(
             host=body.host,
             pid=body.pid,
             on_mismatch=body.on_mismatch,
+            allow_reset=caller.may_reset(body.checkpoint),
         )
         return s.OpenWriterReply.model_validate(dataclasses.asdict(opened))
 
@@ -170,6 +178,7 @@ def create_app(
     )
     async def are_completed(body: s.AreCompletedBody) -> s.AreCompletedReply:
         """Parallel booleans from the live completed set of the checkpoint (no writer needed)."""
+        auth.current().require("AreCompleted", body.checkpoint)
         return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, body.source_ids))
 
     @app.get("/v1/writers", response_model=s.ListWritersReply, responses=_ERRORS, tags=["status"])
@@ -220,6 +229,7 @@ def create_app(
     @app.post("/v1/import", response_model=s.ImportReply, responses=_ERRORS, tags=["admin"])
     async def import_completed(body: s.ImportBody) -> s.ImportReply:
         """Adopt completed source ids (e.g. from a folder NeMo Curator wrote) into <import_id>.mdb."""
+        auth.current().require("ImportCompleted", body.checkpoint)
         result = await service.import_completed(body.checkpoint, body.source_ids, import_id=body.import_id)
         return s.ImportReply.model_validate(dataclasses.asdict(result))
 
@@ -227,6 +237,7 @@ def create_app(
     async def reset(body: s.ResetBody) -> s.ResetReply:
         """Move a checkpoint's files to the trash folder and start it over (refused while writers are
         live unless force)."""
+        auth.current().require("ResetCheckpoint", body.name)
         result = await service.reset_checkpoint(body.name, force=body.force)
         return s.ResetReply.model_validate(dataclasses.asdict(result))
 
@@ -234,8 +245,9 @@ def create_app(
         "/v1/checkpoints", response_model=s.ListCheckpointsReply, responses=_ERRORS, tags=["checkpoints"]
     )
     async def list_checkpoints() -> s.ListCheckpointsReply:
-        """Every checkpoint with its progress."""
-        return s.ListCheckpointsReply(checkpoints=[_status(v) for v in await service.list_checkpoints()])
+        """Every checkpoint with its progress (for a scoped token: the checkpoints it may read)."""
+        views = [v for v in await service.list_checkpoints() if auth.current().may_read(v.name)]
+        return s.ListCheckpointsReply(checkpoints=[_status(v) for v in views])
 
     @app.get(
         "/v1/checkpoints/{name:path}",

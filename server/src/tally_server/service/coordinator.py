@@ -407,6 +407,11 @@ class CoordinatorService:
             )
         return session
 
+    def checkpoint_of(self, handle: str) -> str | None:
+        """The checkpoint a writer handle was opened on, or None for an unknown handle."""
+        session = self._sessions.get(handle)
+        return session.checkpoint if session is not None else None
+
     def _renew(self, session: Session) -> None:
         session.lease_deadline = self._clock() + self.lease_ttl_s
         session.last_seen_at = self._wall()
@@ -564,8 +569,8 @@ class CoordinatorService:
             if not allow_reset:
                 raise PermissionDenied(
                     f"checkpoint {cp.name!r} was started with a different fingerprint ({detail}) and "
-                    "on_mismatch='reset' would start it over, which needs the admin role; open with an "
-                    "admin token, or use a new checkpoint name",
+                    "on_mismatch='reset' would start it over, but resetting needs the admin role on it: "
+                    "open with an admin token, have an admin run 'tally reset', or use a new checkpoint name",
                     differing=differing,
                 )
             # Refused while other writers are live (reset_checkpoint says so); the new fingerprint
