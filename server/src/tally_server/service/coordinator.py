@@ -207,10 +207,13 @@ class CoordinatorService:
         ]
         loop = asyncio.get_running_loop()
         self._background = [loop.create_task(x.run(), name=f"tally-{x.name}") for x in self._loops]
-        # Every known checkpoint is read once in the background (never on a status read): counts
-        # become exact after a crash, and unreadable files are surfaced even for idle checkpoints.
-        census = sorted(self._checkpoints.values(), key=lambda cp: (cp.name in counts, cp.name))
-        self._background.append(loop.create_task(self._census(census), name="tally-census"))
+        # Counts that may be stale are made exact in the background, never on a status read: those
+        # of checkpoints never sampled, and of those that had writers when the coordinator stopped
+        # (it may have been killed between two samples).
+        stale = {r.checkpoint for r in lost} | (self._checkpoints.keys() - counts.keys())
+        census = [self._checkpoints[name] for name in sorted(stale) if name in self._checkpoints]
+        if census:
+            self._background.append(loop.create_task(self._census(census), name="tally-census"))
         self._accepting = True
 
     def stop_accepting(self) -> None:
@@ -311,13 +314,14 @@ class CoordinatorService:
             if not on_disk and not create:
                 return None
             now = self._wall()
-            cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=self._real_clock())
-            if on_disk:
-                self._take_loaded(cp, await self._in_load_thread(self._completions.load, name))
+            loaded = await self._in_load_thread(self._completions.load, name) if on_disk else None
             record = CheckpointRecord(name, created_at=now, last_activity_at=now)
             await self._registry_write(lambda: self._registry.write_batch(checkpoints=[record]))
+            cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=self._real_clock())
             self._checkpoints[name] = cp
             self._event(name, "checkpoint_created", f"checkpoint {name} created")
+            if loaded is not None:
+                self._take_loaded(cp, loaded)
         self._unload_idle()
         return cp
 
@@ -838,11 +842,17 @@ class CoordinatorService:
             await self._committer.probe()
 
     async def _census(self, checkpoints: list[Checkpoint]) -> None:
-        for cp in checkpoints:  # those never sampled first
+        """Read each checkpoint once for its count and unreadable files, then let it go again
+        unless someone started using it meanwhile."""
+        for cp in checkpoints:
+            used = cp.last_used
             try:
                 await self._completed(cp, use=False)
             except Exception:
                 log.exception("reading the completion files of checkpoint %s failed", cp.name)
+                continue
+            if cp.last_used == used and not cp.pins and not self._sessions.live(cp.name):
+                cp.unload()
 
     # ------------------------------------------------------------------ status
 
