@@ -402,8 +402,8 @@ class CoordinatorService:
         session = self._sessions.get(handle)
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
-                f"writer handle {handle!r} is not open (unknown, closed, or its lease expired); its "
-                "pending state is gone: open a new writer (unfinished sources replay)",
+                f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
+                "expired); its pending state is gone: open a new writer (unfinished sources replay)",
             )
         return session
 
@@ -525,7 +525,8 @@ class CoordinatorService:
             return
         absent = "(absent)"
         detail = "; ".join(
-            f"{k}: recorded {recorded.get(k, absent)!r}, this writer {fingerprint.get(k, absent)!r}"
+            f"{k}: recorded {validation.describe(recorded.get(k, absent))}, "
+            f"this writer {validation.describe(fingerprint.get(k, absent))}"
             for k in differing
         )
         if on_mismatch == "ignore":
