@@ -220,7 +220,7 @@ def create_app(
     )
     async def apply_deltas(handle: str, request: Request) -> s.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
-        batch = await bodies.parse(await request.body(), lambda raw: bodies.deltas(raw, limits))
+        batch = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
         counts = await service.apply_deltas(handle, batch)
         return s.ApplyDeltasReply(counts=s.Counts.model_validate(dataclasses.asdict(counts)))
 
@@ -247,7 +247,7 @@ def create_app(
     async def are_completed(request: Request) -> s.AreCompletedReply:
         """Parallel booleans from the live completed set of the checkpoint (no writer needed)."""
         body, ids = await bodies.parse(
-            await request.body(), lambda raw: bodies.source_ids(s.AreCompletedBody, raw, limits)
+            request, lambda raw: bodies.source_ids(s.AreCompletedBody, raw, limits)
         )
         return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, ids))
 
@@ -307,9 +307,7 @@ def create_app(
     )
     async def import_completed(request: Request) -> s.ImportReply:
         """Adopt completed source ids (e.g. from a folder NeMo Curator wrote) into <import_id>.mdb."""
-        body, ids = await bodies.parse(
-            await request.body(), lambda raw: bodies.source_ids(s.ImportBody, raw, limits)
-        )
+        body, ids = await bodies.parse(request, lambda raw: bodies.source_ids(s.ImportBody, raw, limits))
         result = await service.import_completed(body.checkpoint, ids, import_id=body.import_id)
         return s.ImportReply.model_validate(dataclasses.asdict(result))
 

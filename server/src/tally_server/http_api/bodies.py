@@ -24,9 +24,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from tally_server.domain import validation
 from tally_server.domain.validation import CheckedDeltas, CheckedIds, Limits
@@ -47,8 +48,12 @@ class TooMany(Exception):
     """The body's list holds more items than the limit (counting stopped there)."""
 
 
-async def parse(raw: bytes, parser: Callable[[bytes], T]) -> T:
-    """``parser(raw)``, in a worker thread when ``raw`` is big."""
+async def parse(request: Request, parser: Callable[[bytes], T]) -> T:
+    """``parser(body)``, in a worker thread when the body is big."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise HTTPException(400, "the client went away before the whole request body arrived") from None
     if len(raw) > OFF_LOOP_BYTES:
         return await asyncio.to_thread(parser, raw)
     return parser(raw)
