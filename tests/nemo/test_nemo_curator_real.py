@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -88,6 +89,35 @@ def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
+# What a driver prints when the head wants a token it does not have: no retry will help.
+_REFUSED = re.compile(r"InvalidAuthToken|AuthenticationError|UNAUTHENTICATED")
+
+
+def _private_env(temp_dir: str) -> dict[str, str]:
+    """The environment of every process of the test's cluster, free of the user's Ray settings.
+
+    Ray reads them from the environment (``RAY_ADDRESS``, ``RAY_AUTH_*``, any ``RAY_<config>``) and
+    from the home directory: Ray 2.60 turns token authentication on for a head when
+    ``~/.ray/auth_token`` exists, and then refuses a driver that has no token. So no ``RAY_*``
+    variable is inherited, HOME and the temp dir are the cluster's own, and authentication is off
+    (a throwaway cluster on loopback ports).
+    """
+    home = Path(temp_dir) / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "VIRTUAL_ENV"}
+    env.update(
+        HOME=str(home),
+        TMPDIR=temp_dir,
+        RAY_TMPDIR=temp_dir,
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_MAX_LIMIT_FROM_API_SERVER="40000",
+        PYTHONPATH=str(HERE),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
     """A private Ray head (8 CPUs, dashboard on) on free loopback ports; the env to reach it."""
@@ -98,15 +128,10 @@ def ray_env() -> Iterator[dict[str, str]]:
     # Every process of this cluster inherits the marker; teardown finds the stragglers by it.
     marker = f"TALLY_NEMO_TEST_RAY={temp_dir}"
     env = {
-        **os.environ,
+        **_private_env(temp_dir),
         "TALLY_NEMO_TEST_RAY": temp_dir,
-        "RAY_MAX_LIMIT_FROM_API_SERVER": "40000",
-        "PYTHONPATH": str(HERE),
-        "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_ADDRESS": f"127.0.0.1:{gcs}",
-        "PYTHONUNBUFFERED": "1",
     }
-    env.pop("VIRTUAL_ENV", None)
     log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - closed in finally
     start = time.monotonic()
     # --block keeps `ray start` in the foreground, in a session of its own: teardown ends exactly
@@ -149,6 +174,12 @@ def ray_env() -> Iterator[dict[str, str]]:
             )
             if probe.returncode == 0:
                 break
+            refused = _REFUSED.search(probe.stderr)
+            assert refused is None, (
+                f"the test's private Ray head refuses its own driver ({refused and refused.group()}): "
+                "some Ray setting of this machine still reaches the cluster (see _private_env)\n"
+                + probe.stderr[-3000:]
+            )
             assert head.poll() is None, "ray start exited:\n" + (Path(temp_dir) / "ray-start.log").read_text()
             assert time.monotonic() < deadline, f"Ray head not reachable:\n{probe.stderr[-3000:]}"
             time.sleep(1)

@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 # Heartbeat period when the server reported no lease TTL.
 _FALLBACK_HEARTBEAT_S = 10.0
+# After close() gave up delivering the buffer, this long more (at most the client's timeout) is
+# spent telling the coordinator the writer is gone, so that its id is free now and not only when
+# the lease runs out.
+_CLOSE_GRACE_S = 5.0
 
 
 class _Phase(enum.Enum):
@@ -581,6 +585,19 @@ class _WriterBase:
         self._stop_locked(err, discard=True)
         return err
 
+    def _close_grace(self) -> Deadline:
+        return Deadline(min(self._config.timeout, _CLOSE_GRACE_S))
+
+    def _close_anyway_failed(self, err: TallyError) -> None:
+        if isinstance(err, NotFound):
+            return  # the coordinator had already let it go
+        logger.warning(
+            "tally writer %s: could not close it on the coordinator either (%s); it stays live there "
+            "until its lease expires",
+            self.writer_id,
+            err,
+        )
+
     def _finish_close_locked(self) -> None:
         self._phase = _Phase.CLOSED
         self._accepting = False
@@ -726,7 +743,9 @@ class Writer(_WriterBase):
         Raises:
             LeaseLost: The coordinator dropped this writer before it closed.
             InvalidArgument: A batch was refused earlier (the writer is closed nevertheless).
-            Unavailable: The buffer could not be delivered in time (it was discarded).
+            Unavailable: The buffer could not be delivered in time. It was discarded (its sources
+                replay on the next run), and the writer is still closed on the coordinator if it
+                answers within a few more seconds, so that its id is free at once.
         """
         with self._lifecycle:
             cached = self._cached_close()
@@ -748,11 +767,15 @@ class Writer(_WriterBase):
             if handle is None:
                 return CloseResult()
             target = self._begin_flush_locked()
+            abandoned = None
             if not self._changed.wait_for(lambda: self._barrier_reached_locked(target), deadline.remaining()):
-                raise self._close_abandoned_locked(target, deadline)
-            if self._lease_lost:
+                abandoned = self._close_abandoned_locked(target, deadline)
+            elif self._lease_lost:
                 self._raise_if_stopped_locked()
             refused = self._stop_error
+        if abandoned is not None:
+            self._close_anyway(handle)
+            raise abandoned
         try:
             result = call_with_retry(
                 lambda t: self._transport.close_writer(handle, t),
@@ -766,6 +789,18 @@ class Writer(_WriterBase):
         if refused is not None:
             raise _fresh(refused)
         return result
+
+    def _close_anyway(self, handle: str) -> None:
+        """Best effort CloseWriter after the buffer could not be delivered (see ``_CLOSE_GRACE_S``)."""
+        try:
+            call_with_retry(
+                lambda t: self._transport.close_writer(handle, t),
+                self._policy,
+                self._close_grace(),
+                f"close writer {self.writer_id!r}",
+            )
+        except TallyError as err:
+            self._close_anyway_failed(err)
 
     def _signal_io_exit(self) -> None:
         self._io_stop.set()
@@ -1000,7 +1035,9 @@ class AsyncWriter(_WriterBase):
             target = self._begin_flush_locked()
         if not await self._wait_until(lambda: self._barrier_reached_locked(target), deadline.remaining()):
             with self._lock:
-                raise self._close_abandoned_locked(target, deadline)
+                abandoned = self._close_abandoned_locked(target, deadline)
+            await self._close_anyway(handle)
+            raise abandoned
         with self._lock:
             if self._lease_lost:
                 self._raise_if_stopped_locked()
@@ -1018,6 +1055,18 @@ class AsyncWriter(_WriterBase):
         if refused is not None:
             raise _fresh(refused)
         return result
+
+    async def _close_anyway(self, handle: str) -> None:
+        """Best effort CloseWriter after the buffer could not be delivered (see ``_CLOSE_GRACE_S``)."""
+        try:
+            await async_call_with_retry(
+                lambda t: self._transport.close_writer(handle, t),
+                self._policy,
+                self._close_grace(),
+                f"close writer {self.writer_id!r}",
+            )
+        except TallyError as err:
+            self._close_anyway_failed(err)
 
     async def _stop_tasks(self) -> None:
         with self._lock:

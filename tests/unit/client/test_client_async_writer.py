@@ -171,6 +171,23 @@ def test_async_context_manager_closes_on_exception(fake: FakeTransport) -> None:
     assert not w.health().open and not w._tasks
 
 
+def test_async_close_timeout_discards_the_buffer_and_still_closes_on_the_coordinator(
+    fake: FakeTransport,
+) -> None:
+    fake.fail("apply_deltas", *[tally.Unavailable("down")] * 100_000)
+
+    async def body(client: tally.AsyncClient) -> tally.AsyncWriter:
+        w = client.writer("cp")
+        await w.open()
+        w.apply_deltas(deltas(3))
+        with pytest.raises(tally.Unavailable, match="close timed out"):
+            await w.close(timeout=0.05)
+        return w
+
+    w = run(body, fake, retry_initial_s=0.01, retry_max_s=0.01)
+    assert w.health().dropped == 3 and fake.count("close_writer") == 1
+
+
 def test_async_close_idempotent_and_client_queries(fake: FakeTransport) -> None:
     fake.completed.add("b")
     fake.checkpoint_names.append("cp")

@@ -275,7 +275,28 @@ def test_close_timeout_discards_the_buffer_and_raises_unavailable(
     ):
         w.close(timeout=0.05)
     assert w.health().dropped == 3 and w.health().buffered == 0
-    assert "close_writer" not in fake.calls
+    # Still closed on the coordinator, so the writer id is free now rather than after its lease.
+    assert fake.count("close_writer") == 1
+    client.close()
+    assert no_tally_threads()
+
+
+def test_close_timeout_still_raises_when_the_coordinator_cannot_close_either(
+    fake: FakeTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.fail("apply_deltas", *[tally.Unavailable("down")] * 100_000)
+    fake.fail("close_writer", *[tally.Unavailable("down")] * 100_000)
+    client = make_client(fake, retry_initial_s=0.01, retry_max_s=0.01, timeout=0.2)
+    w = client.writer("cp")
+    w.open()
+    w.apply_deltas(deltas(3))
+    with (
+        caplog.at_level(logging.WARNING, logger="tally"),
+        pytest.raises(tally.Unavailable, match="close timed out"),
+    ):
+        w.close(timeout=0.05)
+    assert fake.count("close_writer") >= 1  # retried within the grace (the client's timeout here)
+    assert any("stays live there until its lease expires" in r.getMessage() for r in caplog.records)
     client.close()
     assert no_tally_threads()
 

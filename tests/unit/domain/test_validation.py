@@ -178,3 +178,76 @@ def test_labels_over_limits_are_refused() -> None:
         validation.labels({"a": "12345"}, Limits(max_id_bytes=4))
     with pytest.raises(InvalidArgument, match="is empty"):
         validation.labels({"": "x"}, LIMITS)
+
+
+# --- numbers that reach the registry -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pid", [0, 1, 4_194_304, 2**31 - 1])
+def test_pids_a_process_can_have_are_accepted(pid: int) -> None:
+    assert validation.pid(pid) == pid
+
+
+@pytest.mark.parametrize("pid", [-1, 2**31, 2**63, 2**64, 10**400])
+def test_pids_out_of_range_are_refused(pid: int) -> None:
+    with pytest.raises(InvalidArgument, match=r"pid .* is out of range; .* \(0 to 2147483647\)") as refused:
+        validation.pid(pid)
+    assert len(refused.value.message) < 200
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (2**63 - 1, True), (2**63, False), (-1, False)])
+def test_before_id_fits_a_signed_64_bit_column(value: int, ok: bool) -> None:
+    if ok:
+        assert validation.before_id(value) == value
+    else:
+        with pytest.raises(InvalidArgument, match="before_id .* is out of range"):
+            validation.before_id(value)
+
+
+# --- echoing client input --------------------------------------------------------------------------
+
+
+def test_describe_cuts_long_values_and_says_how_long_they_were() -> None:
+    assert validation.describe("short") == "'short'"
+    shown = validation.describe("x" * 100_000)
+    assert shown.startswith("'xxx") and shown.endswith("...' (100000 characters)") and len(shown) < 120
+    assert validation.describe(2**200) == "<an integer of 201 bits>"
+    assert validation.describe(12) == "12"
+
+
+def test_refusals_echo_long_client_values_cut() -> None:
+    for refuse in [
+        lambda: validation.checkpoint_name("a b" * 80, LIMITS),
+        lambda: validation.writer_id("a b" * 80, LIMITS),
+        lambda: validation.labels({"k" * 100_000: "v"}, LIMITS),
+        lambda: validation.labels({"k": "v" * 100_000}, LIMITS),
+        lambda: validation.deltas([("t", "s", 2**500)], LIMITS),
+    ]:
+        with pytest.raises(InvalidArgument) as refused:
+            refuse()
+        assert len(refused.value.message) < 400, refused.value.message
+
+
+def test_bounded_message_and_details_cap_what_a_transport_sends() -> None:
+    assert validation.bounded_message("fine") == "fine"
+    cut = validation.bounded_message("é" * 10_000)
+    assert len(cut.encode()) <= validation.MAX_MESSAGE_BYTES and "message cut from 20000 bytes" in cut
+    assert validation.bounded_details({"k": "v"}) == {"k": "v"}
+    assert "omitted" in validation.bounded_details({"k": "v" * 10_000})
+
+
+# --- checked batches -------------------------------------------------------------------------------
+
+
+def test_a_checked_batch_is_not_checked_again() -> None:
+    checked = validation.deltas([("t", "s", 1)], LIMITS)
+    assert checked == (("t", "s", 1),)
+    assert validation.deltas(checked, Limits(max_deltas_per_call=1)) is checked
+    ids = validation.source_ids(["a", "b"], LIMITS)
+    assert validation.source_ids(ids, LIMITS) is ids
+
+
+def test_too_many_without_a_count_says_more_than_the_limit() -> None:
+    limits = Limits(max_deltas_per_call=5, max_ids_per_query=7)
+    assert "batch has more than 5 deltas" in validation.too_many_deltas(limits).message
+    assert "query has more than 7 source ids" in validation.too_many_ids(limits).message

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tally_server.errors import InvalidArgument, ResourceExhausted
+
+Delta = tuple[str, str, int]
 
 # One path segment of a checkpoint name or a writer id: it becomes a directory or a
 # file name under the data directory, so only characters that are safe everywhere.
@@ -27,9 +31,50 @@ class Limits:
     max_labels: int = 64
 
 
-def _describe(value: str) -> str:
-    shown = value if len(value) <= 80 else value[:77] + "..."
-    return repr(shown)
+# Numbers that reach the registry: SQL integers are 64-bit signed, and PostgreSQL's pid column is
+# 32-bit (Linux's pid_max is at most 2^22). Out-of-range values are refused here, at the edge.
+MAX_PID = 2**31 - 1
+MAX_EVENT_ID = 2**63 - 1
+
+# Error messages echo client input only through describe(), and never exceed these sizes in full: a
+# gRPC status travels in trailers, which peers cap at 8-16 KiB together (a longer one reaches the
+# client as RESOURCE_EXHAUSTED instead of the real error).
+_SHOWN_CHARS = 80
+MAX_MESSAGE_BYTES = 2048
+MAX_DETAILS_BYTES = 4096
+
+
+def describe(value: object) -> str:
+    """``repr`` of a client-supplied value for an error message, cut to ~80 characters.
+
+    A cut value says how long it was, so ``'aaaa...' (100000 characters)`` still tells the caller
+    what was wrong without echoing all of it back.
+    """
+    if isinstance(value, str):
+        if len(value) <= _SHOWN_CHARS:
+            return repr(value)
+        return f"{value[: _SHOWN_CHARS - 3] + '...'!r} ({len(value)} characters)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"  # str() of a huge int is slow, even refused
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 3] + "..."
+
+
+def bounded_message(message: str) -> str:
+    """``message`` cut to :data:`MAX_MESSAGE_BYTES` of UTF-8: the last guard before a transport sends it."""
+    encoded = message.encode("utf-8", "replace")
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return message
+    kept = encoded[: MAX_MESSAGE_BYTES - 64].decode("utf-8", "ignore")
+    return f"{kept}... (message cut from {len(encoded)} bytes)"
+
+
+def bounded_details(details: dict[str, Any]) -> dict[str, Any]:
+    """``details`` if their JSON fits :data:`MAX_DETAILS_BYTES`, else a note saying they were left out."""
+    size = len(json.dumps(details, default=str))
+    if size <= MAX_DETAILS_BYTES:
+        return details
+    return {"omitted": f"details were {size} bytes of JSON, over {MAX_DETAILS_BYTES}; see the message"}
 
 
 def checkpoint_name(name: str, limits: Limits) -> str:
@@ -45,13 +90,13 @@ def checkpoint_name(name: str, limits: Limits) -> str:
         )
     if "\x00" in name or "\\" in name or name.startswith("/"):
         raise InvalidArgument(
-            f"{what} {_describe(name)} is not allowed: no NUL, no backslash, no leading '/'; "
+            f"{what} {describe(name)} is not allowed: no NUL, no backslash, no leading '/'; "
             "use segments of letters, digits, '.', '_' and '-' separated by '/'",
         )
     for segment in name.split("/"):
         if not _SEGMENT.fullmatch(segment) or segment in _RESERVED_SEGMENTS:
             raise InvalidArgument(
-                f"{what} {_describe(name)} has an invalid segment {_describe(segment)}: each segment "
+                f"{what} {describe(name)} has an invalid segment {describe(segment)}: each segment "
                 "between '/' must start with a letter, digit or '_' and hold only letters, digits, "
                 "'.', '_' and '-' (no '..', no empty segment)",
             )
@@ -71,7 +116,7 @@ def writer_id(value: str, limits: Limits) -> str:
         )
     if not _SEGMENT.fullmatch(value):
         raise InvalidArgument(
-            f"{what} {_describe(value)} is not allowed: it names a file, so it must start with a "
+            f"{what} {describe(value)} is not allowed: it names a file, so it must start with a "
             "letter, digit or '_' and hold only letters, digits, '.', '_' and '-' (e.g. 'host-1234')",
         )
     return value
@@ -84,29 +129,85 @@ def _utf8(what: str, value: str) -> None:
         raise InvalidArgument(f"{what} is not valid UTF-8 ({exc.reason}); send UTF-8 text") from None
 
 
-def source_ids(ids: Sequence[str], limits: Limits) -> None:
-    """Validate the ids of an AreCompleted query."""
+class CheckedDeltas(tuple[Delta, ...]):
+    """A batch that :func:`deltas` accepted; handing it to :func:`deltas` again costs nothing.
+
+    A transport validates a big batch in a worker thread; the service's own check on the event loop
+    then finds nothing left to do.
+    """
+
+    __slots__ = ()
+
+
+class CheckedIds(tuple[str, ...]):
+    """Source ids that :func:`source_ids` accepted (see :class:`CheckedDeltas`)."""
+
+    __slots__ = ()
+
+
+def too_many_ids(limits: Limits, count: int | None = None) -> ResourceExhausted:
+    """The refusal of a query over ``max_ids_per_query`` (``count`` None: counting stopped past it)."""
+    shown = f"more than {limits.max_ids_per_query}" if count is None else count
+    return ResourceExhausted(
+        f"query has {shown} source ids, over the limit of {limits.max_ids_per_query} "
+        "(setting max_ids_per_query); split it into smaller queries",
+    )
+
+
+def too_many_deltas(limits: Limits, count: int | None = None) -> ResourceExhausted:
+    """The refusal of a batch over ``max_deltas_per_call`` (``count`` None: counting stopped past it)."""
+    shown = f"more than {limits.max_deltas_per_call}" if count is None else count
+    return ResourceExhausted(
+        f"batch has {shown} deltas, over the limit of {limits.max_deltas_per_call} "
+        "(setting max_deltas_per_call); send smaller batches",
+    )
+
+
+def source_ids(ids: Sequence[str], limits: Limits) -> CheckedIds:
+    """Validate the ids of an AreCompleted query (or an import)."""
+    if isinstance(ids, CheckedIds):
+        return ids
     if len(ids) > limits.max_ids_per_query:
-        raise ResourceExhausted(
-            f"query has {len(ids)} source ids, over the limit of {limits.max_ids_per_query} "
-            "(setting max_ids_per_query); split it into smaller queries",
-        )
+        raise too_many_ids(limits, len(ids))
     for i, sid in enumerate(ids):
         _id(f"source_ids[{i}]", sid, limits)
+    return CheckedIds(ids)
 
 
-def deltas(batch: Sequence[tuple[str, str, int]], limits: Limits) -> None:
+def deltas(batch: Sequence[Delta], limits: Limits) -> CheckedDeltas:
     """Validate a whole ApplyDeltas batch before any of it is applied."""
+    if isinstance(batch, CheckedDeltas):
+        return batch
     if len(batch) > limits.max_deltas_per_call:
-        raise ResourceExhausted(
-            f"batch has {len(batch)} deltas, over the limit of {limits.max_deltas_per_call} "
-            "(setting max_deltas_per_call); send smaller batches",
-        )
+        raise too_many_deltas(limits, len(batch))
     for i, (task_id, source_id, delta) in enumerate(batch):
         _id(f"deltas[{i}].task_id", task_id, limits)
         _id(f"deltas[{i}].source_id", source_id, limits)
         if not -(2**62) < delta < 2**62:
-            raise InvalidArgument(f"deltas[{i}].delta {delta} is out of range; deltas are small integers")
+            raise InvalidArgument(
+                f"deltas[{i}].delta {describe(delta)} is out of range; deltas are small integers"
+            )
+    return CheckedDeltas(batch)
+
+
+def pid(value: int) -> int:
+    """Return ``value`` if it can be a process id (0: unknown), else raise InvalidArgument."""
+    if not 0 <= value <= MAX_PID:
+        raise InvalidArgument(
+            f"pid {describe(value)} is out of range; send the writer's process id (0 to {MAX_PID}), "
+            "or 0 if there is none",
+        )
+    return value
+
+
+def before_id(value: int) -> int:
+    """Return ``value`` if it can be an event id to page before (0: from the newest), else raise."""
+    if not 0 <= value <= MAX_EVENT_ID:
+        raise InvalidArgument(
+            f"before_id {describe(value)} is out of range; pass 0 for the newest events or a "
+            f"next_before_id from an earlier page (at most {MAX_EVENT_ID})",
+        )
+    return value
 
 
 def _id(what: str, value: str, limits: Limits) -> None:
@@ -129,33 +230,13 @@ def labels(values: dict[str, str], limits: Limits) -> None:
             f"{len(values)} labels, over the limit of {limits.max_labels} (setting max_labels)",
         )
     for key, value in values.items():
-        _id(f"label key {key!r}", key, limits)
-        _utf8(f"label {key!r}", value)
+        _id(f"label key {describe(key)}", key, limits)
+        _utf8(f"label {describe(key)}", value)
         if len(value.encode()) > limits.max_id_bytes:
             raise InvalidArgument(
-                f"label {key!r} is over the limit of {limits.max_id_bytes} bytes (setting max_id_bytes)",
+                f"label {describe(key)} is over the limit of {limits.max_id_bytes} bytes "
+                "(setting max_id_bytes)",
             )
-
-
-# Linux pids stay below 2**22; the registry stores them in a 32-bit column.
-MAX_PID = 2**31 - 1
-# Ids that page through the registry (event ids) are 64-bit database keys.
-MAX_PAGE_ID = 2**63 - 1
-
-
-def pid(value: int) -> None:
-    if not 0 <= value <= MAX_PID:
-        raise InvalidArgument(
-            f"pid {value} is out of range; send the writer's process id (1 to {MAX_PID}) or 0 if unknown",
-        )
-
-
-def page_id(what: str, value: int) -> None:
-    if not 0 <= value <= MAX_PAGE_ID:
-        raise InvalidArgument(
-            f"{what} {value} is out of range; pass 0 for the first page, then the id the previous page "
-            "returned",
-        )
 
 
 def host(value: str, limits: Limits) -> None:

@@ -1,15 +1,21 @@
-"""Error mapping at the gRPC edge: domain errors → status codes, undecodable requests → INVALID_ARGUMENT."""
+"""Error mapping at the gRPC edge: domain errors → status codes, undecodable requests → INVALID_ARGUMENT.
+
+Messages and details are capped (``bounded_message``/``bounded_details``): they travel in trailers,
+and a peer refuses trailers over its metadata limit, replacing the real status by RESOURCE_EXHAUSTED.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from tally_server.domain.validation import bounded_details, bounded_message
 from tally_server.errors import ErrorCode, TallyServerError
 
 log = logging.getLogger(__name__)
@@ -47,8 +53,29 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
     return deserialize
 
 
+async def _abort(context: Any, exc: TallyServerError) -> None:
+    details = bounded_details(exc.details)
+    if details:
+        # The SDK reads these back into TallyError.details (HTTP carries them in the body).
+        context.set_trailing_metadata(((DETAILS_KEY, json.dumps(details, default=str)),))
+    await context.abort(STATUS[exc.code], bounded_message(exc.message))
+
+
+async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"request to {method} could not be decoded ({request.error}); strings must be valid "
+        "UTF-8 and the message must match tally.v1",
+    )
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps ``TallyServerError`` to its status code; anything else is logged and becomes INTERNAL."""
+    """Maps ``TallyServerError`` to its status code; anything else is logged and becomes INTERNAL.
+
+    Covers unary calls and server streams (WatchCheckpoint) alike: a request that cannot be decoded
+    is INVALID_ARGUMENT, and a refusal in the middle of a stream ends it with the refusal's code.
+    Client-streaming methods (none in tally.v1) pass through untouched.
+    """
 
     async def intercept_service(
         self,
@@ -56,33 +83,73 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
-        inner = handler.unary_unary
         method = details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method),
+                request_deserializer=_safe(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method),
+                request_deserializer=_safe(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
+    @staticmethod
+    def _unary(inner: Callable[..., Any], method: str) -> Callable[..., Any]:
         async def unary(request: Any, context: Any) -> Any:
             if isinstance(request, _Undecodable):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request to {method} could not be decoded ({request.error}); strings must be valid "
-                    "UTF-8 and the message must match tally.v1",
-                )
+                await _refuse_undecodable(context, method, request)
             try:
                 return await inner(request, context)
             except TallyServerError as exc:
-                if exc.details:
-                    # The SDK reads these back into TallyError.details (HTTP carries them in the body).
-                    context.set_trailing_metadata(((DETAILS_KEY, json.dumps(exc.details, default=str)),))
-                await context.abort(STATUS[exc.code], exc.message)
+                await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
             except Exception:
                 log.exception("unhandled error in %s", method)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary,
-            request_deserializer=_safe(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
+        return unary
+
+    @staticmethod
+    def _stream(inner: Callable[..., Any], method: str) -> Callable[..., Any]:
+        async def failed(context: Any, exc: Exception) -> None:
+            if isinstance(exc, TallyServerError):
+                await _abort(context, exc)
+            else:
+                log.error("unhandled error in %s", method, exc_info=exc)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+
+        if inspect.isasyncgenfunction(inner):
+
+            async def generate(request: Any, context: Any) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await _refuse_undecodable(context, method, request)
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await failed(context, exc)
+
+            return generate
+
+        async def write(request: Any, context: Any) -> Any:
+            # Streams that answer through context.write() (grpc's health Watch).
+            if isinstance(request, _Undecodable):
+                await _refuse_undecodable(context, method, request)
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await failed(context, exc)
+
+        return write

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server import auth
+from tally_server.domain import validation
 from tally_server.domain.ledger import ApplyCounts
-from tally_server.errors import TallyServerError
-from tally_server.grpc_api.interceptors import STATUS
 from tally_server.service import CheckpointView, CoordinatorService, WriterView
 
 Context = Any  # grpc.aio.ServicerContext; untyped in grpc-stubs
+T = TypeVar("T")
+
+# Requests with more items than this are unpacked and validated in a worker thread: 100k deltas take
+# a few hundred milliseconds, which every other call (heartbeats too) would wait for on the loop.
+OFF_LOOP_ITEMS = 2048
+
+
+async def _unpack(items: Sequence[Any], unpack: Callable[[], T]) -> T:
+    if len(items) > OFF_LOOP_ITEMS:
+        return await asyncio.to_thread(unpack)
+    return unpack()
 
 
 def _counts(c: ApplyCounts) -> pb.ApplyCounts:
@@ -69,7 +80,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     def __init__(self, service: CoordinatorService) -> None:
         self._service = service
 
+    def _source_ids(self, ids: Sequence[str]) -> validation.CheckedIds:
+        return validation.source_ids(ids, self._service.limits)  # counts them before reading any
+
     async def OpenWriter(self, request: pb.OpenWriterRequest, context: Context) -> pb.OpenWriterResponse:
+        validation.pid(request.pid)
         opened = await self._service.open_writer(
             request.checkpoint,
             writer_id=request.writer_id,
@@ -92,14 +107,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.KeepAliveResponse(lease_ttl_s=await self._service.keep_alive(request.handle))
 
     async def ApplyDeltas(self, request: pb.ApplyDeltasRequest, context: Context) -> pb.ApplyDeltasResponse:
-        batch = [(d.task_id, d.source_id, d.delta) for d in request.deltas]
+        limits = self._service.limits
+        if len(request.deltas) > limits.max_deltas_per_call:  # before a tuple is built for any of them
+            raise validation.too_many_deltas(limits, len(request.deltas))
+        batch = await _unpack(
+            request.deltas,
+            lambda: validation.deltas([(d.task_id, d.source_id, d.delta) for d in request.deltas], limits),
+        )
         counts = await self._service.apply_deltas(request.handle, batch)
         return pb.ApplyDeltasResponse(counts=_counts(counts))
 
     async def AreCompleted(
         self, request: pb.AreCompletedRequest, context: Context
     ) -> pb.AreCompletedResponse:
-        done = await self._service.are_completed(request.checkpoint, list(request.source_ids))
+        ids = await _unpack(request.source_ids, lambda: self._source_ids(request.source_ids))
+        done = await self._service.are_completed(request.checkpoint, ids)
         return pb.AreCompletedResponse(completed=done)
 
     async def Flush(self, request: pb.FlushRequest, context: Context) -> pb.FlushResponse:
@@ -130,6 +152,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.ListWritersResponse(writers=[writer_status(w) for w in writers])
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
+        validation.before_id(request.before_id)
         page = await self._service.list_events(
             request.checkpoint, limit=request.limit or 50, before_id=request.before_id
         )
@@ -156,14 +179,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def WatchCheckpoint(
         self, request: pb.WatchCheckpointRequest, context: Context
     ) -> AsyncIterator[pb.CheckpointStatus]:
-        # Streams bypass the unary error interceptor: map refusals here.
-        try:
-            async for view in self._service.watch(
-                request.checkpoint, interval_s=(request.interval_ms or 1000) / 1000
-            ):
-                yield checkpoint_status(view)
-        except TallyServerError as exc:
-            await context.abort(STATUS[exc.code], exc.message)
+        async for view in self._service.watch(
+            request.checkpoint, interval_s=(request.interval_ms or 1000) / 1000
+        ):
+            yield checkpoint_status(view)
 
     async def ListCompleted(
         self, request: pb.ListCompletedRequest, context: Context
@@ -176,9 +195,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def ImportCompleted(
         self, request: pb.ImportCompletedRequest, context: Context
     ) -> pb.ImportCompletedResponse:
-        result = await self._service.import_completed(
-            request.checkpoint, list(request.source_ids), import_id=request.import_id
-        )
+        ids = await _unpack(request.source_ids, lambda: self._source_ids(request.source_ids))
+        result = await self._service.import_completed(request.checkpoint, ids, import_id=request.import_id)
         return pb.ImportCompletedResponse(imported=result.imported, completed_count=result.completed_count)
 
     async def ResetCheckpoint(

@@ -7,16 +7,19 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tally_server import __version__, auth
 from tally_server.auth import Authorizer, load_tokens
+from tally_server.domain.validation import MAX_EVENT_ID, describe
 from tally_server.errors import ErrorCode, TallyServerError
+from tally_server.http_api import bodies
 from tally_server.http_api import schemas as s
 from tally_server.http_api.auth import AuthMiddleware
 from tally_server.http_api.dashboard import build_router as build_dashboard_router
@@ -31,33 +34,91 @@ log = logging.getLogger(__name__)
 _CODE_BY_STATUS = {status: code for code, status in HTTP_STATUS.items()}
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": s.ErrorReply} for status in (400, 404, 409, 412, 429, 500, 503)
+    status: {"model": s.ErrorReply} for status in (400, 404, 409, 412, 413, 429, 500, 503)
 }
+# A 400 lists this many problems of a body; the rest are counted.
+_PROBLEMS_SHOWN = 5
+
+
+class _AnyPath(Convertor[str]):
+    """Starlette's ``path`` matches no newline, so ``a%0Ab`` found no route (404, not "invalid name").
+
+    This one matches every character and leaves the verdict to the service's name validation.
+    """
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("tally_any_path", _AnyPath())
 
 
 def _status(view: CheckpointView) -> s.CheckpointStatus:
     return s.CheckpointStatus.model_validate(dataclasses.asdict(view))
 
 
+class _BodyTooLarge(Exception):
+    """Raised into the app by BodyLimit's receive once the body passed the limit (the 413 is sent)."""
+
+
 class BodyLimit:
-    """Refuses a request whose declared body is larger than the limit, before reading it."""
+    """Refuses a request body over the limit without holding more of it than the limit.
+
+    A declared Content-Length over the limit is refused before anything is read. A body without one
+    (``Transfer-Encoding: chunked``) is counted as it arrives and refused as soon as it passes the
+    limit; the server discards the rest as it comes in.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
 
+    def _refusal(self, size: str) -> JSONResponse:
+        message = (
+            f"request body is {size} bytes, over the limit of {self.limit} (setting max_message_bytes); "
+            "send smaller batches"
+        )
+        return error_response(413, ErrorCode.RESOURCE_EXHAUSTED, message)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            declared = dict(scope["headers"]).get(b"content-length", b"0")
-            if declared.isdigit() and int(declared) > self.limit:
-                message = (
-                    f"request body is {int(declared)} bytes, over the limit of {self.limit} "
-                    "(setting max_message_bytes); send smaller batches"
-                )
-                response = error_response(413, ErrorCode.RESOURCE_EXHAUSTED, message)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refusal(str(int(declared)))(scope, receive, send)
+            return
+        received = 0
+        started = refused = False
+
+        async def counted_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    if not started and not refused:
+                        refused = True
+                        await self._refusal(f"more than {self.limit}")(scope, receive, send)
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # whatever the app makes of the aborted read: the 413 is the answer
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
 
 
 def create_app(
@@ -85,23 +146,32 @@ def create_app(
     exported = metrics if metrics is not None else Metrics(service)
     app.add_middleware(RequestMiddleware, latency=exported.http_request_duration)
 
+    limits = service.limits
+    bodies.document(app, [s.ApplyDeltasBody, s.AreCompletedBody, s.ImportBody])
+
     @app.exception_handler(TallyServerError)
     async def _domainerror_response(request: Request, exc: TallyServerError) -> JSONResponse:
         return error_response(HTTP_STATUS[exc.code], exc.code, exc.message, exc.details)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
         problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()))
+        for err in errors[:_PROBLEMS_SHOWN]:
+            # Keys of the client's maps end up in loc: shown cut, like every echoed value.
+            where = ".".join(p if isinstance(p, str) and len(p) <= 80 else describe(p) for p in err["loc"])
             problems.append(f"{where}: {err.get('msg')}")
-        message = "request body is not valid: " + "; ".join(problems) + " (see /openapi.json for the schema)"
+        if len(errors) > _PROBLEMS_SHOWN:
+            problems.append(f"and {len(errors) - _PROBLEMS_SHOWN} more")
+        message = "request is not valid: " + "; ".join(problems) + " (see /openapi.json for the schema)"
         return error_response(400, ErrorCode.INVALID_ARGUMENT, message)
 
     @app.exception_handler(StarletteHTTPException)
     async def _httperror_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _CODE_BY_STATUS.get(exc.status_code, ErrorCode.INVALID_ARGUMENT)
-        return error_response(exc.status_code, code, f"{exc.detail}: {request.method} {request.url.path}")
+        path = request.url.path
+        shown = path if len(path) <= 80 else describe(path)
+        return error_response(exc.status_code, code, f"{exc.detail}: {request.method} {shown}")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -152,11 +222,15 @@ def create_app(
         return s.KeepAliveReply(lease_ttl_s=await service.keep_alive(handle))
 
     @app.post(
-        "/v1/writers/{handle}/deltas", response_model=s.ApplyDeltasReply, responses=_ERRORS, tags=["writers"]
+        "/v1/writers/{handle}/deltas",
+        response_model=s.ApplyDeltasReply,
+        responses=_ERRORS,
+        tags=["writers"],
+        openapi_extra=bodies.request_body(s.ApplyDeltasBody),
     )
-    async def apply_deltas(handle: str, body: s.ApplyDeltasBody) -> s.ApplyDeltasReply:
+    async def apply_deltas(handle: str, request: Request) -> s.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
-        batch = [(d.task_id, d.source_id, d.delta) for d in body.deltas]
+        batch = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
         counts = await service.apply_deltas(handle, batch)
         return s.ApplyDeltasReply(counts=s.Counts.model_validate(dataclasses.asdict(counts)))
 
@@ -174,12 +248,19 @@ def create_app(
         return s.CloseWriterReply.model_validate(dataclasses.asdict(closed))
 
     @app.post(
-        "/v1/are-completed", response_model=s.AreCompletedReply, responses=_ERRORS, tags=["checkpoints"]
+        "/v1/are-completed",
+        response_model=s.AreCompletedReply,
+        responses=_ERRORS,
+        tags=["checkpoints"],
+        openapi_extra=bodies.request_body(s.AreCompletedBody),
     )
-    async def are_completed(body: s.AreCompletedBody) -> s.AreCompletedReply:
+    async def are_completed(request: Request) -> s.AreCompletedReply:
         """Parallel booleans from the live completed set of the checkpoint (no writer needed)."""
+        body, ids = await bodies.parse(
+            request, lambda raw: bodies.source_ids(s.AreCompletedBody, raw, limits)
+        )
         auth.current().require("AreCompleted", body.checkpoint)
-        return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, body.source_ids))
+        return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, ids))
 
     @app.get("/v1/writers", response_model=s.ListWritersReply, responses=_ERRORS, tags=["status"])
     async def list_writers(
@@ -192,13 +273,15 @@ def create_app(
         )
 
     @app.get("/v1/events", response_model=s.ListEventsReply, responses=_ERRORS, tags=["status"])
-    async def list_events(checkpoint: str, limit: int = 50, before_id: int = 0) -> s.ListEventsReply:
+    async def list_events(
+        checkpoint: str, limit: int = 50, before_id: int = Query(0, ge=0, le=MAX_EVENT_ID)
+    ) -> s.ListEventsReply:
         """Events of a checkpoint, newest first; page with next_before_id."""
         page = await service.list_events(checkpoint, limit=limit, before_id=before_id)
         return s.ListEventsReply.model_validate(dataclasses.asdict(page))
 
     @app.get("/v1/progress", response_model=s.ProgressReply, responses=_ERRORS, tags=["status"])
-    async def progress(checkpoint: str, since: float = 0.0) -> s.ProgressReply:
+    async def progress(checkpoint: str, since: float = Query(0.0, allow_inf_nan=False)) -> s.ProgressReply:
         """Completed count over time (persisted samples, then the live count now)."""
         samples = await service.progress(checkpoint, since=since)
         return s.ProgressReply(
@@ -206,7 +289,7 @@ def create_app(
         )
 
     @app.get("/v1/watch", responses=_ERRORS, tags=["status"], response_class=StreamingResponse)
-    async def watch(checkpoint: str, interval_ms: int = 1000) -> StreamingResponse:
+    async def watch(checkpoint: str, interval_ms: int = Query(1000, ge=0, lt=2**31)) -> StreamingResponse:
         """Server-Sent Events: a CheckpointStatus JSON whenever the checkpoint changes."""
         stream = service.watch(checkpoint, interval_s=interval_ms / 1000)
         first = await anext(stream)  # refusals (unknown checkpoint) become a normal error reply
@@ -226,11 +309,18 @@ def create_app(
         page = await service.list_completed(checkpoint, after=after, limit=limit)
         return s.ListCompletedReply.model_validate(dataclasses.asdict(page))
 
-    @app.post("/v1/import", response_model=s.ImportReply, responses=_ERRORS, tags=["admin"])
-    async def import_completed(body: s.ImportBody) -> s.ImportReply:
+    @app.post(
+        "/v1/import",
+        response_model=s.ImportReply,
+        responses=_ERRORS,
+        tags=["admin"],
+        openapi_extra=bodies.request_body(s.ImportBody),
+    )
+    async def import_completed(request: Request) -> s.ImportReply:
         """Adopt completed source ids (e.g. from a folder NeMo Curator wrote) into <import_id>.mdb."""
+        body, ids = await bodies.parse(request, lambda raw: bodies.source_ids(s.ImportBody, raw, limits))
         auth.current().require("ImportCompleted", body.checkpoint)
-        result = await service.import_completed(body.checkpoint, body.source_ids, import_id=body.import_id)
+        result = await service.import_completed(body.checkpoint, ids, import_id=body.import_id)
         return s.ImportReply.model_validate(dataclasses.asdict(result))
 
     @app.post("/v1/reset", response_model=s.ResetReply, responses=_ERRORS, tags=["admin"])
@@ -250,7 +340,7 @@ def create_app(
         return s.ListCheckpointsReply(checkpoints=[_status(v) for v in views])
 
     @app.get(
-        "/v1/checkpoints/{name:path}",
+        "/v1/checkpoints/{name:tally_any_path}",
         response_model=s.CheckpointStatus,
         responses=_ERRORS,
         tags=["checkpoints"],

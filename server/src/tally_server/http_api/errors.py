@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from tally_server.domain.validation import bounded_details, bounded_message
 from tally_server.errors import ErrorCode
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -24,5 +25,10 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 def error_response(
     status: int, code: ErrorCode | str, message: str, details: dict[str, Any] | None = None
 ) -> JSONResponse:
-    body = {"error": {"code": str(code), "message": message, "details": details or {}}}
+    error = {
+        "code": str(code),
+        "message": bounded_message(message),
+        "details": bounded_details(details or {}),
+    }
+    body = {"error": error}
     return JSONResponse(status_code=status, content=body)

@@ -1,19 +1,28 @@
-"""JSON bodies of the HTTP API (field names match the tally.v1 protobuf messages)."""
+"""JSON bodies of the HTTP API (field names match the tally.v1 protobuf messages).
+
+Request bodies are strict: a number is not a string, ``true`` is not ``1``.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from tally_server.domain.validation import MAX_PID
 
 
-class OpenWriterBody(BaseModel):
+class RequestBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class OpenWriterBody(RequestBody):
     checkpoint: str = Field(description="Checkpoint name, e.g. 'curation/run-42'.")
     writer_id: str = Field(default="", description="Empty: the server picks one.")
     fingerprint: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     host: str = ""
-    pid: int = 0
+    pid: int = Field(default=0, ge=0, le=MAX_PID, description="The writer's process id; 0: unknown.")
     on_mismatch: Literal["refuse", "reset", "ignore"] = Field(
         default="refuse", description="When the fingerprint differs from the checkpoint's recorded one."
     )
@@ -31,15 +40,18 @@ class KeepAliveReply(BaseModel):
     lease_ttl_s: float
 
 
-class DeltaBody(BaseModel):
+class DeltaBody(RequestBody):
     task_id: str
     source_id: str
     delta: int
 
 
-class ApplyDeltasBody(BaseModel):
+class ApplyDeltasBody(RequestBody):
     deltas: list[DeltaBody]
-    batch_seq: int = 0
+    batch_seq: int = Field(default=0, ge=0, lt=2**64)
+
+    def batch(self) -> list[tuple[str, str, int]]:
+        return [(d.task_id, d.source_id, d.delta) for d in self.deltas]
 
 
 class Counts(BaseModel):
@@ -54,7 +66,7 @@ class ApplyDeltasReply(BaseModel):
     counts: Counts
 
 
-class AreCompletedBody(BaseModel):
+class AreCompletedBody(RequestBody):
     checkpoint: str
     source_ids: list[str]
 
@@ -147,7 +159,7 @@ class ListCompletedReply(BaseModel):
     next_after: str = Field(description="Pass as after for the next page; empty on the last page.")
 
 
-class ImportBody(BaseModel):
+class ImportBody(RequestBody):
     checkpoint: str
     source_ids: list[str]
     import_id: str = Field(description="Names the file the ids are written to: <import_id>.mdb.")
@@ -158,7 +170,7 @@ class ImportReply(BaseModel):
     completed_count: int
 
 
-class ResetBody(BaseModel):
+class ResetBody(RequestBody):
     name: str
     force: bool = False
 

@@ -78,8 +78,6 @@ T = TypeVar("T")
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 _MAX_INCOMPLETE_LISTED = 1000
-# A batch this big is validated off the event loop, so heartbeats are not held up meanwhile.
-_VALIDATE_OFF_LOOP = 10_000
 # An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).
 _UNLOAD_IDLE_S = 2.0
 # How often bookkeeping rows are written, and the storage is probed while commits fail.
@@ -406,8 +404,8 @@ class CoordinatorService:
         session = self._sessions.get(handle)
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
-                f"writer handle {handle!r} is not open (unknown, closed, or its lease expired); its "
-                "pending state is gone: open a new writer (unfinished sources replay)",
+                f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
+                "expired); its pending state is gone: open a new writer (unfinished sources replay)",
             )
         return session
 
@@ -557,7 +555,8 @@ class CoordinatorService:
             return
         absent = "(absent)"
         detail = "; ".join(
-            f"{k}: recorded {recorded.get(k, absent)!r}, this writer {fingerprint.get(k, absent)!r}"
+            f"{k}: recorded {validation.describe(recorded.get(k, absent))}, "
+            f"this writer {validation.describe(fingerprint.get(k, absent))}"
             for k in differing
         )
         if on_mismatch == "ignore":
@@ -597,10 +596,8 @@ class CoordinatorService:
 
     async def apply_deltas(self, handle: str, batch: Sequence[Delta]) -> ApplyCounts:
         self._check_accepting()
-        if len(batch) >= _VALIDATE_OFF_LOOP:
-            await asyncio.get_running_loop().run_in_executor(None, validation.deltas, batch, self.limits)
-        else:
-            validation.deltas(batch, self.limits)
+        # Transports check big batches off the event loop already; then this returns at once.
+        batch = validation.deltas(batch, self.limits)
         session = self._session(handle)
         async with session.lock:
             session = self._session(handle)  # may have closed while we waited
@@ -897,7 +894,7 @@ class CoordinatorService:
         await self._existing(checkpoint)
         if not 0 < limit <= 1000:
             raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
-        validation.page_id("before_id", before_id)
+        validation.before_id(before_id)
         try:
             await self._bookkeeping.flush()  # so the page includes what just happened
         except Unavailable:
@@ -966,7 +963,7 @@ class CoordinatorService:
         self._check_accepting()
         validation.checkpoint_name(checkpoint, self.limits)
         validation.writer_id(import_id, self.limits)
-        validation.source_ids(source_ids, self.limits)
+        source_ids = validation.source_ids(source_ids, self.limits)
         if checkpoint in self._resetting:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._find(checkpoint, create=True)
@@ -1055,7 +1052,7 @@ class CoordinatorService:
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
         self._check_accepting()
         validation.checkpoint_name(checkpoint, self.limits)
-        validation.source_ids(source_ids, self.limits)
+        source_ids = validation.source_ids(source_ids, self.limits)
         cp = await self._find(checkpoint, create=False)
         if cp is None:
             return [False] * len(source_ids)
