@@ -2,8 +2,9 @@
 
 The model is the anchor's ``apply_deltas`` (NeMo Curator 1.4.0) on plain dicts, with Tally's one
 documented difference: a source completes only if its count is still zero at the end of the batch.
-The ledger is driven the way the service drives it, including un-completing anomalies in the
-checkpoint's ``CompletedSet`` and other writers completing sources meanwhile.
+The ledger is driven through the very steps the service takes (``domain.effects``), commits made
+instant, including un-completing anomalies in the checkpoint's ``CompletedSet`` and other writers
+completing sources meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from tally_server.domain import effects
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.ledger import Anomaly, ApplyCounts, Delta, WriterLedger
 
@@ -69,7 +71,7 @@ class Model:
         return done, anomalies
 
 
-# --- driving the ledger as the service does --------------------------------------------------------
+# --- driving the ledger through the service's own steps (domain.effects), commits made instant -------
 
 
 @dataclass
@@ -83,14 +85,20 @@ class Writer:
         return cls(completed, WriterLedger(completed.as_of_now(), settle_s))
 
     def apply(self, batch: Sequence[Delta], now: float) -> tuple[list[str], list[Anomaly]]:
-        result = self.ledger.apply(batch, now)
-        for anomaly in result.anomalies:
-            self.completed.discard(anomaly.source_id)
-        return self.complete(result.complete_now), result.anomalies
+        batch_effects = effects.apply_batch(self.ledger, self.completed, batch, now)
+        effects.uncomplete_durable(self.completed, batch_effects.uncomplete)
+        effects.made_durable(self.completed, batch_effects.complete)
+        return batch_effects.complete, batch_effects.anomalies
 
-    def complete(self, sources: Iterable[str]) -> list[str]:
-        done = self.ledger.mark_completing(sources)
-        self.completed.add(done)
+    def settle(self, now: float) -> list[str]:
+        """The service's settle loop: sources whose window ran out complete."""
+        done = effects.settle_due(self.ledger, now)
+        effects.made_durable(self.completed, done)
+        return done
+
+    def close(self) -> list[str]:
+        done = effects.settle_all(self.ledger)
+        effects.made_durable(self.completed, done)
         return done
 
 
@@ -180,12 +188,11 @@ def test_settle_never_completes_a_source_within_the_window_of_its_last_delta(
     for kind, payload in [*stream, ("tick", [])]:
         now += data.draw(gaps, label="gap")
         # The service's settle loop, polling between requests.
-        due = writer.ledger.due(now)
-        for sid in due:
+        settling_before = dict(writer.ledger.settling)
+        for sid in writer.settle(now):
             event("a source completed after its window")
             assert now - last_delta[sid] >= SETTLE_S, (sid, now, last_delta[sid])
-            assert sid not in writer.ledger.own_completed
-        writer.complete(due)
+            assert sid in settling_before
         if kind == "other":
             writer.completed.add(payload)
         elif kind in ("batch", "resend"):
@@ -224,7 +231,7 @@ def test_settle_ends_where_settle_zero_does_on_streams_without_anomalies(
         batch = drop_anomalies(model, previous if kind == "resend" else payload)
         previous = batch
         now += data.draw(gaps, label="gap")
-        settled.complete(settled.ledger.due(now))
+        settled.settle(now)
 
         model.apply(batch)
         _, instant_anomalies = instant.apply(batch, now)
@@ -240,7 +247,7 @@ def test_settle_ends_where_settle_zero_does_on_streams_without_anomalies(
         event("streams completing a source")
     # Every delta is in; let the window pass.
     now += SETTLE_S
-    settled.complete(settled.ledger.due(now))
+    settled.settle(now)
     assert settled.ledger.settling == {}
     assert settled.ledger.own_completed == instant.ledger.own_completed == model.own
     assert settled.ledger.pending == instant.ledger.pending == model.pending
@@ -298,8 +305,8 @@ def test_shuffled_pipelines_complete_exactly_the_sources_without_failures(data: 
     writer = Writer.open((), settle_s=1e9)
     for now, batch in enumerate(sent):
         assert writer.apply(batch, float(now)) == ([], [])
-        assert writer.complete(writer.ledger.due(float(now))) == []
-    done = writer.complete(writer.ledger.take_all_settling())  # close
+        assert writer.settle(float(now)) == []
+    done = writer.close()
 
     assert sorted(done) == sorted(sid for sid, (_, failed) in trees.items() if failed == 0)
     assert writer.ledger.pending == {sid: failed for sid, (_, failed) in trees.items() if failed}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from tally_server.domain.ledger import WriterLedger
 
@@ -78,11 +79,13 @@ class CompletedSet:
         return list(self._completed)
 
 
-class WriterState:
+class WriterState(StrEnum):
+    """Where a writer is in its life (the wire carries the value)."""
+
     OPEN = "open"
-    CLOSED = "closed"
-    EXPIRED = "expired"
-    LOST = "lost"  # was open when the coordinator stopped
+    CLOSED = "closed"  # closed by its client
+    EXPIRED = "expired"  # its lease ran out
+    LOST = "lost"  # was open when the coordinator stopped and could not be restored
     RESET = "reset"  # closed by a forced checkpoint reset
 
 
@@ -99,7 +102,7 @@ class WriterSession:
     last_seen_at: float  # wall clock
     lease_deadline: float  # monotonic
     ledger: WriterLedger
-    state: str = WriterState.OPEN
+    state: WriterState = WriterState.OPEN
 
 
 @dataclass

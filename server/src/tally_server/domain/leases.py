@@ -10,7 +10,12 @@ listen: it pauses during stalls and slows down while the loop is saturated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from tally_server.domain.checkpoint import WriterSession, WriterState
+
+S = TypeVar("S", bound=WriterSession)
 
 # Below this busy fraction of the loop, lease time runs at full speed; above it, it slows down
 # linearly and stops at 100 % busy.
@@ -66,3 +71,8 @@ class StallClock:
         paused = gap - step
         self.paused_s += paused
         return paused
+
+
+def expired(sessions: Iterable[S], now: float) -> list[S]:
+    """Open writers whose lease deadline (on a :class:`StallClock`) has passed."""
+    return [s for s in sessions if s.state == WriterState.OPEN and s.lease_deadline < now]

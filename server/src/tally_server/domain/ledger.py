@@ -68,6 +68,14 @@ class WriterLedger:
         self.settling: dict[str, float] = {}
         self.totals = ApplyCounts()
 
+    @property
+    def in_flight(self) -> int:
+        """Sources with work in flight: pending, not counting those settling at zero.
+
+        This is what "pending sources" means everywhere (writer and checkpoint status, metrics).
+        """
+        return len(self.pending) - len(self.settling)
+
     def is_completed(self, source_id: str) -> bool:
         if source_id in self.own_completed:
             return True

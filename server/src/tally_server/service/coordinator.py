@@ -29,10 +29,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tally_server.domain import validation
+from tally_server.domain import fingerprint, validation
+from tally_server.domain.admission import admit_writer, check_reset
 from tally_server.domain.checkpoint import Checkpoint, CompletedSet, WriterState, choose_unloads
-from tally_server.domain.leases import StallClock
-from tally_server.domain.ledger import Anomaly, ApplyCounts, Delta, WriterLedger
+from tally_server.domain.effects import (
+    BatchEffects,
+    apply_batch,
+    commit_failed,
+    made_durable,
+    settle_all,
+    settle_due,
+    uncomplete_durable,
+)
+from tally_server.domain.events import EventKind
+from tally_server.domain.fingerprint import OnMismatch
+from tally_server.domain.leases import StallClock, expired
+from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
 from tally_server.domain.ports import (
     CheckpointRecord,
     CompletionStore,
@@ -48,11 +60,8 @@ from tally_server.domain.ports import (
 from tally_server.domain.validation import Limits
 from tally_server.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
-    ResourceExhausted,
     Unavailable,
 )
 from tally_server.service.committer import GroupCommitter
@@ -177,7 +186,7 @@ class CoordinatorService:
         for record in lost:
             self._event(
                 record.checkpoint,
-                "writer_lost",
+                EventKind.WRITER_LOST,
                 f"writer {record.writer_id} was open when the coordinator stopped; its pending "
                 "state is gone and its unfinished sources will replay",
                 record.writer_id,
@@ -254,6 +263,13 @@ class CoordinatorService:
     def ready(self) -> bool:
         return not self.problems()
 
+    def loop(self, name: str) -> Loop:
+        """The background loop called ``name`` (tests drive its steps by hand)."""
+        for candidate in self._loops:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(name)
+
     def loop_errors(self) -> dict[str, int]:
         """Failed steps per background loop since start."""
         return {x.name: x.errors for x in self._loops}
@@ -317,7 +333,7 @@ class CoordinatorService:
             await self._registry_write(lambda: self._registry.write_batch(checkpoints=[record]))
             cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=self._real_clock())
             self._checkpoints[name] = cp
-            self._event(name, "checkpoint_created", f"checkpoint {name} created")
+            self._event(name, EventKind.CHECKPOINT_CREATED, f"checkpoint {name} created")
             if loaded is not None:
                 self._take_loaded(cp, loaded)
         self._unload_idle()
@@ -351,7 +367,7 @@ class CoordinatorService:
             if bad.path not in reported:
                 self._event(
                     cp.name,
-                    "unreadable_file",
+                    EventKind.UNREADABLE_FILE,
                     f"completion file {bad.path} is unreadable and was skipped (its sources count as not "
                     f"completed): {bad.error}",
                     path=bad.path,
@@ -366,7 +382,7 @@ class CoordinatorService:
             cp.unreadable_files.remove(q.path)  # the path now holds a fresh, readable file
         self._event(
             q.checkpoint,
-            "file_quarantined",
+            EventKind.FILE_QUARANTINED,
             f"completion file {q.path} of writer {q.writer_id} could not be written ({q.error}); it was "
             f"moved to {q.moved_to} and the writer goes on in a fresh file (sources only in the old file "
             "count as not completed and replay)",
@@ -433,7 +449,7 @@ class CoordinatorService:
             opened_at=s.opened_at,
             last_seen_at=s.last_seen_at,
             closed_at=closed_at,
-            pending_sources=len(s.ledger.pending),
+            pending_sources=s.ledger.in_flight,
             applied=t.applied,
             skipped=t.skipped,
             rewritten=t.rewritten,
@@ -461,8 +477,12 @@ class CoordinatorService:
         that would have to reset the checkpoint.
         """
         self._check_accepting()
-        if on_mismatch not in ("refuse", "reset", "ignore"):
-            raise InvalidArgument(f"on_mismatch {on_mismatch!r} is not one of refuse, reset, ignore")
+        try:
+            mode = OnMismatch(on_mismatch)
+        except ValueError:
+            raise InvalidArgument(
+                f"on_mismatch {validation.describe(on_mismatch)} is not one of refuse, reset, ignore"
+            ) from None
         validation.checkpoint_name(checkpoint, self.limits)
         writer_id = writer_id or f"{socket.gethostname()}-tally-{uuid.uuid4().hex[:8]}"
         validation.writer_id(writer_id, self.limits)
@@ -479,26 +499,12 @@ class CoordinatorService:
         cp.pins += 1
         try:
             await self._completed(cp)
-            await self._guard_fingerprint(cp, writer_id, fingerprint, on_mismatch, allow_reset)
+            await self._guard_fingerprint(cp, writer_id, fingerprint, mode, allow_reset)
             completed = await self._completed(cp)  # a reset replaced it
         finally:
             cp.pins -= 1
         # From here to adding the session nothing awaits, so the admission holds.
-        writers = self._sessions.live(checkpoint)
-        live = writers.get(writer_id)
-        if live is not None:
-            raise AlreadyExists(
-                f"writer {writer_id!r} is already live on checkpoint {checkpoint!r} (host {live.host!r}, "
-                f"pid {live.pid}); close it, wait for its lease to expire ({self.lease_ttl_s:g} s), or "
-                "choose another writer_id",
-                writer_id=writer_id,
-            )
-        if len(writers) >= self.limits.max_writers_per_checkpoint:
-            raise ResourceExhausted(
-                f"checkpoint {checkpoint!r} already has {len(writers)} live writers, the limit "
-                f"(setting max_writers_per_checkpoint={self.limits.max_writers_per_checkpoint}); close "
-                "some writers or raise the limit",
-            )
+        admit_writer(checkpoint, writer_id, self._sessions.live(checkpoint), self.limits, self.lease_ttl_s)
         now = self._wall()
         session = Session(
             handle=uuid.uuid4().hex,
@@ -534,7 +540,7 @@ class CoordinatorService:
         cp.last_activity_at = now
         self._event(
             checkpoint,
-            "writer_opened",
+            EventKind.WRITER_OPENED,
             f"writer {writer_id} opened (host {host or '?'}, pid {pid or '?'})",
             writer_id,
             labels=labels,
@@ -542,51 +548,30 @@ class CoordinatorService:
         return OpenedWriter(session.handle, writer_id, self.lease_ttl_s, len(completed), self.settle_ms)
 
     async def _guard_fingerprint(
-        self, cp: Checkpoint, writer_id: str, fingerprint: dict[str, str], on_mismatch: str, allow_reset: bool
+        self,
+        cp: Checkpoint,
+        writer_id: str,
+        presented: dict[str, str],
+        on_mismatch: OnMismatch,
+        may_reset: bool,
     ) -> None:
         """DESIGN §2.5: refuse to resume a checkpoint with different inputs unless told otherwise."""
-        if not fingerprint or not cp.fingerprint:
-            return  # nothing to compare: the first fingerprint is recorded by open_writer
-        recorded = cp.fingerprint
-        differing = sorted(
-            k for k in recorded.keys() | fingerprint.keys() if recorded.get(k) != fingerprint.get(k)
-        )
-        if not differing:
-            return
-        absent = "(absent)"
-        detail = "; ".join(
-            f"{k}: recorded {validation.describe(recorded.get(k, absent))}, "
-            f"this writer {validation.describe(fingerprint.get(k, absent))}"
-            for k in differing
-        )
-        if on_mismatch == "ignore":
+        mismatch = fingerprint.compare(cp.fingerprint, presented)
+        if mismatch is None:
+            return  # the first fingerprint is recorded by open_writer
+        if fingerprint.decide(cp.name, mismatch, on_mismatch, may_reset=may_reset) is OnMismatch.IGNORE:
             self._event(
                 cp.name,
-                "fingerprint_mismatch_ignored",
-                f"writer {writer_id} opened with a different fingerprint ({detail}); ignored as it asked",
+                EventKind.FINGERPRINT_MISMATCH_IGNORED,
+                f"writer {writer_id} opened with a different fingerprint ({mismatch.detail}); ignored as "
+                "it asked",
                 writer_id,
-                differing=differing,
+                differing=mismatch.differing,
             )
             return
-        if on_mismatch == "reset":
-            if not allow_reset:
-                raise PermissionDenied(
-                    f"checkpoint {cp.name!r} was started with a different fingerprint ({detail}) and "
-                    "on_mismatch='reset' would start it over, but resetting needs the admin role on it: "
-                    "open with an admin token, have an admin run 'tally reset', or use a new checkpoint name",
-                    differing=differing,
-                )
-            # Refused while other writers are live (reset_checkpoint says so); the new fingerprint
-            # is recorded by open_writer once the checkpoint is empty again.
-            await self.reset_checkpoint(cp.name)
-            return
-        raise FailedPrecondition(
-            f"checkpoint {cp.name!r} was started with a different fingerprint: {detail}. Resuming it "
-            "with other inputs could skip work that was never done for them. Use a new checkpoint name, "
-            "or open with on_mismatch='reset' to start this one over (its files go to the trash) or "
-            "on_mismatch='ignore' if the difference does not matter",
-            differing=differing,
-        )
+        # Refused while other writers are live (reset_checkpoint says so); the new fingerprint is
+        # recorded by open_writer once the checkpoint is empty again.
+        await self.reset_checkpoint(cp.name)
 
     async def keep_alive(self, handle: str) -> float:
         """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
@@ -603,22 +588,20 @@ class CoordinatorService:
             session = self._session(handle)  # may have closed while we waited
             self._renew(session)
             cp = self._checkpoints[session.checkpoint]
-            result = session.ledger.apply(batch, self._clock())
-            self.stats.count(result.counts)
-            completing = session.ledger.mark_completing(result.complete_now)
+            effects = apply_batch(session.ledger, cp.ids(), batch, self._clock())
+            self.stats.count(effects.counts)
             cp.last_activity_at = session.last_seen_at
-            counts = result.counts
-            if result.anomalies:
-                await self._uncomplete(cp, session, result.anomalies)
-            if completing:
+            if effects.anomalies:
+                await self._uncomplete(cp, session, effects)
+            if effects.complete:
                 try:
-                    await self._persist(cp, session, completing)
+                    await self._persist(cp, session, effects.complete)
                 except Exception:
-                    session.ledger.revert_completing(completing, self._clock())
+                    commit_failed(session.ledger, effects.complete, self._clock())
                     raise
-                counts.completed = len(completing)
+                effects.counts.completed = len(effects.complete)
             await session.notify()
-            return counts
+            return effects.counts
 
     async def _persist(
         self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False
@@ -635,8 +618,7 @@ class CoordinatorService:
             if undeleted:
                 undeleted.difference_update(sources)  # completed again: the newer state wins
             await self._committer.submit(PutCompleted(cp.name, session.writer_id, sources))
-            # Durable now; only from here on may anyone see it.
-            cp.ids().add(sources)
+            made_durable(cp.ids(), sources)
             self.stats.completions += len(sources)
         except Exception:
             session.failed_commits += 1
@@ -645,17 +627,14 @@ class CoordinatorService:
             session.commits_in_flight -= 1
             await session.notify()
 
-    async def _uncomplete(self, cp: Checkpoint, session: Session, anomalies: Sequence[Anomaly]) -> None:
-        sources = list(dict.fromkeys(a.source_id for a in anomalies))
-        completed = cp.ids()
-        for sid in sources:
-            completed.discard(sid)  # invisible at once; never report a doubtful completion
-        cp.anomalies += len(anomalies)
-        for a in anomalies:
+    async def _uncomplete(self, cp: Checkpoint, session: Session, effects: BatchEffects) -> None:
+        """Commit the un-complete of the batch's anomalies (already gone from the live set)."""
+        cp.anomalies += len(effects.anomalies)
+        for a in effects.anomalies:
             change = "a new task" if a.old_delta is None else f"delta {a.old_delta} -> {a.new_delta}"
             self._event(
                 cp.name,
-                "anomaly",
+                EventKind.ANOMALY,
                 f"source {a.source_id} got {change} (task {a.task_id}) after it was completed; it was "
                 "un-completed in every writer file and will be reprocessed next run",
                 session.writer_id,
@@ -665,14 +644,13 @@ class CoordinatorService:
                 new_delta=a.new_delta,
             )
         try:
-            await self._committer.submit(DeleteCompleted(cp.name, sources))
+            await self._committer.submit(DeleteCompleted(cp.name, effects.uncomplete))
         except Exception:
             # A completion left in a file would come back at the next start: retried until durable.
-            self._undeleted.setdefault(cp.name, set()).update(sources)
+            self._undeleted.setdefault(cp.name, set()).update(effects.uncomplete)
             session.failed_commits += 1
             raise
-        for sid in sources:
-            completed.discard(sid)  # again, after any completion committed before this delete
+        uncomplete_durable(cp.ids(), effects.uncomplete)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion resulting from deltas applied so far is durable.
@@ -714,14 +692,13 @@ class CoordinatorService:
         session = self._session(handle)
         return await self._close(session, WriterState.CLOSED, "closed by its client")
 
-    async def _close(self, session: Session, state: str, why: str) -> ClosedWriter:
+    async def _close(self, session: Session, state: WriterState, why: str) -> ClosedWriter:
         async with session.lock:
             if session.state != WriterState.OPEN:
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
             cp = self._checkpoints[session.checkpoint]
             if state == WriterState.CLOSED:
-                # No more deltas can come: everything settling has all its deltas, so it completes.
-                completing = session.ledger.mark_completing(session.ledger.take_all_settling())
+                completing = settle_all(session.ledger)
                 if completing:
                     await self._persist(cp, session, completing)
             async with session.changed:
@@ -737,7 +714,7 @@ class CoordinatorService:
             self._bookkeeping.writer(self._writer_record(session, now))
             self._event(
                 cp.name,
-                f"writer_{state}",
+                EventKind(f"writer_{state}"),
                 f"writer {session.writer_id} {why}; {len(incomplete)} sources left incomplete will replay",
                 session.writer_id,
                 incomplete=len(incomplete),
@@ -766,7 +743,7 @@ class CoordinatorService:
         for session in self._sessions:
             if not session.ledger.settling or session.state != WriterState.OPEN:
                 continue
-            completing = session.ledger.mark_completing(session.ledger.due(now))
+            completing = settle_due(session.ledger, now)
             if completing:
                 session.commits_in_flight += 1
                 task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
@@ -790,14 +767,11 @@ class CoordinatorService:
             await self._persist(cp, session, sources, counted=True)
         except Exception:
             # The committer logged the cause (once per cause); the settle loop retries.
-            session.ledger.revert_completing(sources, self._clock())
+            commit_failed(session.ledger, sources, self._clock())
 
     async def _expire_leases(self) -> None:
-        now = self._clock()
         failures: list[Exception] = []
-        for session in self._sessions:
-            if session.state != WriterState.OPEN or session.lease_deadline >= now:
-                continue
+        for session in expired(self._sessions, self._clock()):
             try:
                 await self._close(
                     session,
@@ -985,7 +959,7 @@ class CoordinatorService:
         cp.last_activity_at = self._wall()
         self._event(
             checkpoint,
-            "imported",
+            EventKind.IMPORTED,
             f"{len(new)} completed sources imported into {import_id}.mdb "
             f"({len(source_ids) - len(new)} were already completed)",
             import_id,
@@ -999,13 +973,7 @@ class CoordinatorService:
         self._check_accepting()
         cp = await self._existing(name)
         live = dict(self._sessions.live(name))
-        if live and not force:
-            ids = ", ".join(sorted(live)[:10])
-            raise FailedPrecondition(
-                f"checkpoint {name!r} has {len(live)} live writers ({ids}); stop them first, or force "
-                "the reset (their pending state is dropped and their clients get NOT_FOUND)",
-                live_writers=len(live),
-            )
+        check_reset(name, live, force=force)
         if name in self._resetting:
             raise Unavailable(f"checkpoint {name!r} is already being reset")
         self._resetting.add(name)
@@ -1036,7 +1004,7 @@ class CoordinatorService:
             )
             self._event(
                 name,
-                "checkpoint_reset",
+                EventKind.CHECKPOINT_RESET,
                 f"checkpoint reset: {files} files moved to {moved_to or '(nothing to move)'}; "
                 f"{closed} live writers closed",
                 moved_to=moved_to,
@@ -1067,7 +1035,7 @@ class CoordinatorService:
                 pid=s.pid,
                 labels=dict(s.labels),
                 state=s.state,
-                pending_sources=len(s.ledger.pending),
+                pending_sources=s.ledger.in_flight,
                 counts=ApplyCounts(**vars(s.ledger.totals)),
                 opened_at=s.opened_at,
                 last_seen_at=s.last_seen_at,

@@ -65,7 +65,7 @@ class SessionTable:
 
     def pending_sources(self, checkpoint: str) -> int:
         """Sources with work in flight (settling ones excluded) across the checkpoint's writers."""
-        return sum(len(s.ledger.pending) - len(s.ledger.settling) for s in self.live(checkpoint).values())
+        return sum(s.ledger.in_flight for s in self.live(checkpoint).values())
 
     def settling_sources(self, checkpoint: str) -> int:
         return sum(len(s.ledger.settling) for s in self.live(checkpoint).values())
