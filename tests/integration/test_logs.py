@@ -63,7 +63,7 @@ def test_every_line_is_json_and_a_grpc_request_id_reaches_the_service_lines(
         assert entry["request_id"] == "test-123"
     for entry in lines_about(entries, "logs/grpc [writer_opened]"):
         assert entry["request_id"] == "test-123"
-        assert entry["logger"] == "tally_server.service.coordinator"
+        assert entry["logger"] == "tally_server.service"
     # Lines outside any request carry "-".
     startup = lines_about(entries, "tally serving")
     assert [e["request_id"] for e in startup] == ["-"]

@@ -1,0 +1,204 @@
+"""Every checkpoint the coordinator knows, and when their completed sets are in memory.
+
+Checkpoints are known from the registry at start without reading their files (their counts come
+from the newest progress sample). A completed set is loaded on demand (a writer opens, someone
+asks ``are_completed``, an export pages through it) and unloaded again while idle once the loaded
+ones exceed the memory budget. Status never loads anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from tally_server.domain import validation
+from tally_server.domain.checkpoint import Checkpoint, CompletedSet, choose_unloads
+from tally_server.domain.events import EventKind
+from tally_server.domain.ports import CheckpointRecord, LoadedCheckpoint, ProgressRecord, QuarantinedFile
+from tally_server.errors import NotFound, Unavailable
+from tally_server.service.core import Core
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).
+UNLOAD_IDLE_S = 2.0
+
+
+class CheckpointTable:
+    """Known checkpoints by name, loaded and unloaded under ``budget_bytes``."""
+
+    def __init__(self, core: Core, budget_bytes: int) -> None:
+        self._core = core
+        self.budget_bytes = budget_bytes
+        self.known: dict[str, Checkpoint] = {}
+        self.resetting: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
+        # Completed count last written as a progress sample, per checkpoint.
+        self._sampled: dict[str, int] = {}
+
+    def restore(self, records: Iterable[CheckpointRecord], counts: dict[str, int]) -> None:
+        """Know every registered checkpoint, with its last sampled count (nothing is read)."""
+        for record in records:
+            self.known[record.name] = Checkpoint(
+                name=record.name,
+                created_at=record.created_at,
+                last_activity_at=record.last_activity_at,
+                fingerprint=dict(record.fingerprint),
+                known_count=counts.get(record.name, 0),
+            )
+        self._sampled.update(counts)
+
+    def close(self) -> None:
+        self._load_executor.shutdown(wait=True)
+
+    def __getitem__(self, name: str) -> Checkpoint:
+        return self.known[name]
+
+    async def find(self, name: str, *, create: bool) -> Checkpoint | None:
+        """The checkpoint named ``name`` (its id set not necessarily loaded), or None.
+
+        A folder on disk that the registry does not know yet (one NeMo Curator wrote, placed in
+        the data directory) is adopted and read at once, so its first status is exact; with
+        ``create`` a new checkpoint is registered.
+        """
+        cp = self.known.get(name)
+        if cp is not None:
+            return cp
+        core = self._core
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            cp = self.known.get(name)
+            if cp is not None:
+                return cp
+            on_disk = await self._in_load_thread(core.completions.exists, name)
+            if not on_disk and not create:
+                return None
+            now = core.wall()
+            loaded = await self._in_load_thread(core.completions.load, name) if on_disk else None
+            record = CheckpointRecord(name, created_at=now, last_activity_at=now)
+            await core.registry_write(lambda: core.registry.write_batch(checkpoints=[record]))
+            cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=core.real_clock())
+            self.known[name] = cp
+            core.event(name, EventKind.CHECKPOINT_CREATED, f"checkpoint {name} created")
+            if loaded is not None:
+                self._take_loaded(cp, loaded)
+        self.unload_idle()
+        return cp
+
+    async def existing(self, name: str) -> Checkpoint:
+        """The checkpoint named ``name``; NOT_FOUND if there is none (creates nothing)."""
+        validation.checkpoint_name(name, self._core.limits)
+        cp = await self.find(name, create=False)
+        if cp is None:
+            raise NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")
+        return cp
+
+    async def completed(self, cp: Checkpoint, *, use: bool = True) -> CompletedSet:
+        """The checkpoint's live completed set, loaded from its files if it is not in memory.
+
+        ``use=False`` (a background census) leaves it first in line to be unloaded again.
+        """
+        if use:
+            cp.last_used = self._core.real_clock()
+        if cp.completed is not None:
+            return cp.completed
+        async with self._locks.setdefault(cp.name, asyncio.Lock()):
+            if cp.completed is None:
+                self._take_loaded(cp, await self._in_load_thread(self._core.completions.load, cp.name))
+                self.unload_idle()
+            completed = cp.ids()
+        if use:
+            cp.last_used = self._core.real_clock()
+        return completed
+
+    def _take_loaded(self, cp: Checkpoint, loaded: LoadedCheckpoint) -> None:
+        """Install what the store read; unreadable files not reported before become events."""
+        reported = set(cp.unreadable_files)
+        cp.completed = CompletedSet(loaded.completed)
+        cp.known_count = len(cp.completed)
+        cp.unreadable_files = [u.path for u in loaded.unreadable]
+        for bad in loaded.unreadable:
+            if bad.path not in reported:
+                self._core.event(
+                    cp.name,
+                    EventKind.UNREADABLE_FILE,
+                    f"completion file {bad.path} is unreadable and was skipped (its sources count as not "
+                    f"completed): {bad.error}",
+                    path=bad.path,
+                    error=bad.error,
+                )
+
+    def quarantined(self, q: QuarantinedFile) -> None:
+        """The store moved a writer's damaged own file aside and went on in a fresh one."""
+        self._core.stats.files_quarantined += 1
+        cp = self.known.get(q.checkpoint)
+        if cp is not None and q.path in cp.unreadable_files:
+            cp.unreadable_files.remove(q.path)  # the path now holds a fresh, readable file
+        self._core.event(
+            q.checkpoint,
+            EventKind.FILE_QUARANTINED,
+            f"completion file {q.path} of writer {q.writer_id} could not be written ({q.error}); it was "
+            f"moved to {q.moved_to} and the writer goes on in a fresh file (sources only in the old file "
+            "count as not completed and replay)",
+            q.writer_id,
+            path=q.path,
+            moved_to=q.moved_to,
+            error=q.error,
+        )
+
+    async def _in_load_thread(self, fn: Callable[[str], T], name: str) -> T:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._load_executor, fn, name)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot read the files of checkpoint {name!r} ({exc}); check the data directory's disk "
+                "and permissions, then retry",
+            ) from exc
+
+    def busy(self, cp: Checkpoint) -> bool:
+        """Live writers, a pin (an operation holding the set across an await) or a reset."""
+        return bool(cp.pins or self._core.sessions.live(cp.name) or cp.name in self.resetting)
+
+    def unload_idle(self) -> None:
+        """Unload the least recently used idle checkpoints while the loaded ones exceed the budget."""
+        for cp in choose_unloads(
+            self.known.values(),
+            self.budget_bytes,
+            busy=self.busy,
+            used_before=self._core.real_clock() - UNLOAD_IDLE_S,
+        ):
+            log.debug("unloading idle checkpoint %s (%d completed ids)", cp.name, cp.completed_count)
+            cp.unload()
+
+    async def census(self, checkpoints: list[Checkpoint]) -> None:
+        """Read each checkpoint once for its count and unreadable files, then let it go again
+        unless someone started using it meanwhile."""
+        for cp in checkpoints:
+            used = cp.last_used
+            try:
+                await self.completed(cp, use=False)
+            except Exception:
+                log.exception("reading the completion files of checkpoint %s failed", cp.name)
+                continue
+            if cp.last_used == used and not self.busy(cp):
+                cp.unload()
+
+    def sample_progress(self) -> None:
+        """Queue a sample of every checkpoint whose completed count changed since its last one."""
+        now = self._core.wall()
+        samples = []
+        for name, cp in self.known.items():
+            count = cp.completed_count
+            if self._sampled.get(name) != count:
+                samples.append(ProgressRecord(name, now, count))
+                self._sampled[name] = count
+        self._core.bookkeeping.samples(samples)
+
+    def forget_progress(self, name: str) -> None:
+        """A reset starts the checkpoint's progress history over."""
+        self._sampled.pop(name, None)
+        self._core.bookkeeping.forget_samples(name)

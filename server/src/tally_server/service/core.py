@@ -1,0 +1,71 @@
+"""What every part of the service shares: limits, clocks, the session table, and the doors to the
+stores (the group committer, the registry's threads and its write-behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tally_server.domain.events import EventKind
+from tally_server.domain.ports import CompletionStore, EventRecord, Registry
+from tally_server.domain.validation import Limits
+from tally_server.errors import Unavailable
+from tally_server.service.committer import GroupCommitter
+from tally_server.service.registry_writer import RegistryWriter
+from tally_server.service.sessions import SessionTable
+from tally_server.service.stats import ServiceStats
+
+log = logging.getLogger("tally_server.service")
+T = TypeVar("T")
+
+
+@dataclass
+class Core:
+    """Shared by the checkpoint table, the writers, status and admin operations.
+
+    ``clock`` is lease time (a stall clock: leases and settle windows), ``real_clock`` plain
+    monotonic time, ``wall`` epoch seconds for what people read.
+    """
+
+    limits: Limits
+    settle_ms: int
+    lease_ttl_s: float
+    clock: Callable[[], float]
+    real_clock: Callable[[], float]
+    wall: Callable[[], float]
+    completions: CompletionStore
+    registry: Registry
+    committer: GroupCommitter
+    bookkeeping: RegistryWriter
+    stats: ServiceStats
+    sessions: SessionTable = field(default_factory=SessionTable)
+    # Writes (the two that requests wait for, and the bookkeeping flushes) never queue behind
+    # status reads, which get threads of their own.
+    registry_writes: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tally-registry-write")
+    )
+    registry_reads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tally-registry-read")
+    )
+    accepting: bool = False
+
+    async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.registry_writes, fn, *args)
+
+    async def registry_read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.registry_reads, fn, *args)
+
+    def event(
+        self, checkpoint: str, kind: EventKind, message: str, writer_id: str | None = None, **data: Any
+    ) -> None:
+        """Log an event now and queue it for the registry (written by the registry loop)."""
+        log.info("%s [%s] %s", checkpoint, kind, message)
+        self.bookkeeping.event(EventRecord(checkpoint, kind, message, self.wall(), writer_id, dict(data)))
+
+    def check_accepting(self) -> None:
+        if not self.accepting:
+            raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")

@@ -1,0 +1,212 @@
+"""What the service answers about checkpoints and writers: the live view, status, history.
+
+Status comes from memory (counts kept per checkpoint, live writers in the session table); only
+``are_completed`` and ``list_completed`` need a checkpoint's completed set, and load it if needed.
+Past writers, events and progress samples come from the registry, merged with the rows still
+waiting in its write-behind queue so nothing that just happened is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tally_server.domain import validation
+from tally_server.domain.checkpoint import Checkpoint, WriterState
+from tally_server.domain.ledger import ApplyCounts
+from tally_server.errors import InvalidArgument, Unavailable
+from tally_server.service.checkpoints import CheckpointTable
+from tally_server.service.core import Core
+from tally_server.service.views import (
+    CheckpointView,
+    CompletedPage,
+    EventPage,
+    EventView,
+    ProgressSample,
+    WriterView,
+)
+
+
+@dataclass(frozen=True)
+class CheckpointGauges:
+    """What the metrics collector reads per checkpoint at scrape time."""
+
+    live_writers: int
+    pending_sources: int
+    completed_sources: int
+    unreadable_files: int
+    loaded_bytes: int
+
+
+class Status:
+    """Read-side operations of the service."""
+
+    def __init__(self, core: Core, checkpoints: CheckpointTable, accepting: Callable[[], bool]) -> None:
+        self._core = core
+        self._checkpoints = checkpoints
+        self._accepting = accepting
+
+    def view(self, cp: Checkpoint) -> CheckpointView:
+        sessions = self._core.sessions
+        writers = [
+            WriterView(
+                writer_id=s.writer_id,
+                host=s.host,
+                pid=s.pid,
+                labels=dict(s.labels),
+                state=s.state,
+                pending_sources=s.ledger.in_flight,
+                counts=ApplyCounts(**vars(s.ledger.totals)),
+                opened_at=s.opened_at,
+                last_seen_at=s.last_seen_at,
+            )
+            for s in sessions.live(cp.name).values()
+        ]
+        return CheckpointView(
+            name=cp.name,
+            completed_count=cp.completed_count,
+            live_writers=len(writers),
+            pending_sources=sessions.pending_sources(cp.name),
+            settling_sources=sessions.settling_sources(cp.name),
+            anomalies=cp.anomalies,
+            unreadable_files=len(cp.unreadable_files),
+            created_at=cp.created_at,
+            last_activity_at=cp.last_activity_at,
+            writers=writers,
+            fingerprint=dict(cp.fingerprint),
+        )
+
+    def gauges(self) -> dict[str, CheckpointGauges]:
+        """Per known checkpoint, read at scrape time (never loads an id set)."""
+        sessions = self._core.sessions
+        return {
+            name: CheckpointGauges(
+                live_writers=len(sessions.live(name)),
+                pending_sources=sessions.pending_sources(name),
+                completed_sources=cp.completed_count,
+                unreadable_files=len(cp.unreadable_files),
+                loaded_bytes=cp.completed.estimated_bytes() if cp.completed is not None else 0,
+            )
+            for name, cp in self._checkpoints.known.items()
+        }
+
+    async def get_checkpoint(self, name: str) -> CheckpointView:
+        """One checkpoint's status, from memory (its id set is not loaded for this)."""
+        return self.view(await self._checkpoints.existing(name))
+
+    async def list_checkpoints(self) -> list[CheckpointView]:
+        """Every known checkpoint's status, from memory: no registry query, no id set loaded."""
+        return [self.view(cp) for _, cp in sorted(self._checkpoints.known.items())]
+
+    async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
+        core = self._core
+        core.check_accepting()
+        validation.checkpoint_name(checkpoint, core.limits)
+        source_ids = validation.source_ids(source_ids, core.limits)
+        cp = await self._checkpoints.find(checkpoint, create=False)
+        if cp is None:
+            return [False] * len(source_ids)
+        completed = await self._checkpoints.completed(cp)
+        return [sid in completed for sid in source_ids]
+
+    async def list_writers(
+        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+    ) -> list[WriterView]:
+        """Live writers (fresh counters from memory), then past ones from the registry, newest first."""
+        cp = await self._checkpoints.existing(checkpoint)
+        live = self.view(cp).writers
+        if not include_closed:
+            return live[: max(limit, 0)]
+        core = self._core
+        records = await core.registry_read(core.registry.list_writers, checkpoint)
+        live_ids = {w.writer_id for w in live}
+        queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
+        records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
+        past = [
+            WriterView(
+                writer_id=r.writer_id,
+                host=r.host,
+                pid=r.pid,
+                labels=dict(r.labels),
+                state=r.state,
+                pending_sources=r.pending_sources,
+                counts=ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed),
+                opened_at=r.opened_at,
+                last_seen_at=r.last_seen_at,
+                closed_at=r.closed_at or 0.0,
+            )
+            for r in sorted(records, key=lambda r: r.opened_at, reverse=True)
+            if r.state != WriterState.OPEN or r.writer_id not in live_ids
+        ]
+        return (live + past)[: max(limit, 0)]
+
+    async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
+        await self._checkpoints.existing(checkpoint)
+        if not 0 < limit <= 1000:
+            raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
+        validation.before_id(before_id)
+        core = self._core
+        try:
+            await core.bookkeeping.flush()  # so the page includes what just happened
+        except Unavailable:
+            pass  # the read below says so if the registry is down
+        records = await core.registry_read(
+            lambda: core.registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
+        )
+        page = records[:limit]
+        events = [
+            EventView(r.id or 0, r.checkpoint, r.kind, r.message, r.at, r.writer_id or "", dict(r.data))
+            for r in page
+        ]
+        more = len(records) > limit
+        return EventPage(events, events[-1].id if more and events else 0)
+
+    async def progress(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressSample]:
+        """Persisted samples, plus the live count now, so a plot always ends at the present."""
+        cp = await self._checkpoints.existing(checkpoint)
+        core = self._core
+        records = await core.registry_read(lambda: core.registry.list_samples(checkpoint, since=since))
+        queued = [r for r in core.bookkeeping.queued_samples(checkpoint) if r.at >= since]
+        samples = [ProgressSample(r.at, r.completed_count) for r in [*records, *queued]]
+        samples.append(ProgressSample(core.wall(), cp.completed_count))
+        return samples
+
+    async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
+        """A status snapshot now and then whenever it changes, checked every ``interval_s``."""
+        cp = await self._checkpoints.existing(checkpoint)
+        interval_s = min(max(interval_s, 0.05), 60.0)
+        last: tuple[Any, ...] | None = None
+        # Re-send an unchanged snapshot now and then, so idle streams are not cut by proxies.
+        heartbeat_every = max(1, round(15.0 / interval_s))
+        quiet = 0
+        while self._accepting():
+            view = self.view(cp)
+            key = (
+                view.completed_count,
+                view.pending_sources,
+                view.settling_sources,
+                view.live_writers,
+                view.anomalies,
+                view.unreadable_files,
+            )
+            quiet += 1
+            if key != last or quiet >= heartbeat_every:
+                last, quiet = key, 0
+                yield view
+            await asyncio.sleep(interval_s)
+
+    async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
+        cp = await self._checkpoints.existing(checkpoint)
+        most = self._core.limits.max_ids_per_query
+        if not 0 < limit <= most:
+            raise InvalidArgument(
+                f"limit {limit} is out of range; ask for 1 to {most} ids per page (setting max_ids_per_query)"
+            )
+        ordered = (await self._checkpoints.completed(cp)).in_byte_order()
+        start = bisect.bisect_right(ordered, after.encode()) if after else 0
+        page = [sid.decode() for sid in ordered[start : start + limit]]
+        more = start + limit < len(ordered)
+        return CompletedPage(page, page[-1] if more and page else "")
