@@ -50,6 +50,7 @@ class StormResult:
     reads: int = 0
     server_errors: int = 0  # 5xx / INTERNAL / UNKNOWN
     other_failures: dict[str, int] = field(default_factory=dict)  # timeouts, refused connections
+    abandoned: int = 0  # reads still unanswered when the storm ended
     seconds: float = 0.0
 
 
@@ -123,10 +124,16 @@ async def _read(storm: Storm, http_url: str, grpc_address: str, seconds: float, 
                         continue
                     result.reads += 1
 
-            await asyncio.gather(
-                *(http_reader() for _ in range(storm.http_readers)),
-                *(grpc_reader(n) for n in range(storm.grpc_readers)),
-            )
+            readers = [
+                *(asyncio.ensure_future(http_reader()) for _ in range(storm.http_readers)),
+                *(asyncio.ensure_future(grpc_reader(n)) for n in range(storm.grpc_readers)),
+            ]
+            # Reads still waiting a moment after the storm's end are abandoned, not counted.
+            _, late = await asyncio.wait(readers, timeout=seconds + 2)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            result.abandoned = len(late)
 
 
 def storm_once(storm: Storm, seconds: float) -> StormResult:
@@ -177,6 +184,7 @@ def run(seconds: float) -> Row:
         failures = ", ".join(f"{v} {k}" for k, v in sorted(result.other_failures.items()))
         row.notes.append(
             f"{storm.name}: {len(result.expired)} expired, {result.reads:,} reads in {result.seconds:.0f}s"
+            + (f" ({result.abandoned} unanswered at the end)" if result.abandoned else "")
             + (f", failed reads: {failures}" if failures else "")
         )
         row.figures[storm.name] = result
