@@ -40,7 +40,7 @@ class ChunkedResult:
     rss_before: int
     rss_peak: int
     keepalive_max_s: float
-    healthy_expired: int
+    healthy_expired: list[str]  # the SDK writer and the keep-alive probe, if their lease expired
     upload_s: float
     answer_s: float
     killed_at_cap: bool
@@ -174,7 +174,7 @@ def attack(server: RunningServer, total: int) -> ChunkedResult:
         rss_before=rss_before,
         rss_peak=rss_peak,
         keepalive_max_s=worst,
-        healthy_expired=len(expired & {"healthy", "probe"}),
+        healthy_expired=sorted(expired & {"healthy", "probe"}),
         upload_s=outcome.upload_s,
         answer_s=outcome.answer_s,
         killed_at_cap=killed,
@@ -189,12 +189,13 @@ def run(sizes: list[int]) -> Row:
             if server.process.poll() is None:
                 server.kill()  # it may still be chewing on the body; its figures are taken
         size = mb(total)
-        row.expired += result.healthy_expired
+        row.expired += len(result.healthy_expired)
         if result.status.startswith("HTTP 5"):
             row.errors += 1
         row.notes.append(
             f"{size}: {result.status} after {result.answer_s:.0f}s, RSS +{mb(result.rss_growth)}, "
             f"keepalive stall {result.keepalive_max_s:.1f}s"
+            + (f", expired: {', '.join(result.healthy_expired)}" if result.healthy_expired else "")
             + (" (server killed at the RSS cap)" if result.killed_at_cap else "")
         )
         row.check(result.status == "HTTP 413", f"{size}: answered {result.status}, want HTTP 413")

@@ -37,6 +37,7 @@ class DamagedResult:
     created_outside: list[str]
     modified_outside: list[str]
     unreadable_count: int  # the checkpoint status's unreadable_files
+    writers_blocked: dict[str, str]  # writer id named after a symlink -> why it could not complete
 
 
 def ids(stem: str, n: int) -> list[str]:
@@ -116,11 +117,15 @@ def measure(base: Path) -> DamagedResult:
         with tally.Client(server.grpc_address, timeout=60) as client:
             answer = dict(zip(all_ids, client.are_completed(CHECKPOINT, all_ids), strict=True))
             # Writers whose ids name the symlinks complete a source each: their files are the links.
+            blocked = {}
             for writer_id in ("outside-link", "dangling"):
-                with client.writer(CHECKPOINT, writer_id=writer_id) as w:
-                    w.apply_deltas([(f"0_{writer_id}-new", f"{writer_id}-new", 1)])
-                    w.apply_deltas([(f"0_{writer_id}-new_0", f"{writer_id}-new", -1)])
-                    w.flush()
+                try:
+                    with client.writer(CHECKPOINT, writer_id=writer_id) as w:
+                        w.apply_deltas([(f"0_{writer_id}-new", f"{writer_id}-new", 1)])
+                        w.apply_deltas([(f"0_{writer_id}-new_0", f"{writer_id}-new", -1)])
+                        w.flush(timeout=10)
+                except tally.TallyError as err:
+                    blocked[writer_id] = err.code.value
     silently_lost = {sid for stem in DAMAGED if stem not in reported for sid in held[stem] if not answer[sid]}
     good_missing = {sid for stem in GOOD for sid in held[stem] if not answer[sid]}
     after = {p.name: _digest(p) for p in outside.iterdir() if p.is_file()}
@@ -132,6 +137,7 @@ def measure(base: Path) -> DamagedResult:
         created_outside=sorted(set(after) - set(before)),
         modified_outside=sorted(n for n in before if n in after and after[n] != before[n]),
         unreadable_count=int(status["unreadable_files"]),
+        writers_blocked=blocked,
     )
 
 
@@ -155,6 +161,11 @@ def run() -> Row:
     if result.modified_outside:
         row.notes.append("written outside: " + ", ".join(result.modified_outside))
     row.check(not unreported, f"{len(unreported)} damaged files not reported unreadable")
+    row.check(
+        not result.writers_blocked,
+        "writers whose file is a symlink could not complete: "
+        + ", ".join(f"{w} ({code})" for w, code in result.writers_blocked.items()),
+    )
     row.figures.update(
         reported=sorted(result.reported),
         silently_lost=len(result.silently_lost),

@@ -1,6 +1,6 @@
 """A chunked HTTP body (no Content-Length) larger than the body limit (bench/faults.py chunked, scaled down).
 
-The coordinator runs with a 1 MiB body limit and gets 16 MB of small deltas: the limit must hold
+The coordinator runs with a 1 MiB body limit and gets 8 MB of small deltas: the limit must hold
 while the body streams in (413), memory must not grow with the body, and a concurrent keep-alive
 must not wait behind it.
 """
@@ -16,7 +16,7 @@ from bench._faultlib import chunked
 from tally_server.testing import RunningServer, running_server
 
 LIMIT = 1024 * 1024
-BODY = 16_000_000
+BODY = 8_000_000
 
 
 @pytest.fixture(scope="module")
@@ -57,4 +57,4 @@ def test_the_server_survives_and_no_healthy_writer_expires(
 ) -> None:
     server, result = attacked
     assert server.process.poll() is None
-    assert result.healthy_expired == 0
+    assert result.healthy_expired == []

@@ -50,6 +50,11 @@ def test_nothing_is_created_or_written_outside_the_data_dir(result: damaged.Dama
     assert result.modified_outside == []
 
 
+def test_writers_whose_file_is_a_symlink_still_complete(result: damaged.DamagedResult) -> None:
+    """Refusing the symlink must not refuse the writer: it continues in a file of its own."""
+    assert result.writers_blocked == {}
+
+
 def test_the_corruption_is_the_one_lmdb_reports_as_corrupted(tmp_path: Path) -> None:
     """The scenario's MDB_CORRUPTED file really is one: LMDB opens it, then refuses the database."""
     import lmdb

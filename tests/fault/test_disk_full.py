@@ -31,10 +31,15 @@ def test_acknowledged_completions_survive_and_commits_recover(result: disk_full.
     assert result.recovery_s["w0"] is not None and result.recovery_s["w1"] is not None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 7 point 11: OpenWriter on a full disk answers INTERNAL")
-def test_storage_failures_are_unavailable_never_internal(result: disk_full.DiskFullResult) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 7 point 11: OpenWriter on a full disk answers INTERNAL; no refusal says the disk is full",
+)
+def test_storage_failures_are_unavailable_and_say_the_disk_is_full(result: disk_full.DiskFullResult) -> None:
     assert result.internal == 0, result.codes
     assert result.open_while_full == "UNAVAILABLE"
+    assert result.messages_while_full
+    assert all(disk_full.says_disk_full(m) for m in result.messages_while_full), result.messages_while_full
 
 
 @pytest.mark.xfail(strict=True, reason="issue 7 point 10: /readyz stays 200 while every commit fails")
