@@ -141,6 +141,8 @@ def _json(raw: bytes, *, items: str, limit: int, mark: bytes, marks_per_item: in
         problem = {"type": "json_invalid", "loc": ("body", exc.start), "msg": "body is not valid UTF-8"}
     except ValueError:  # json's own refusal, e.g. an integer of thousands of digits
         problem = {"type": "json_invalid", "loc": ("body",), "msg": "JSON holds a number too long to read"}
+    except RecursionError:
+        problem = {"type": "json_invalid", "loc": ("body",), "msg": "JSON nested too deeply to read"}
     raise RequestValidationError([problem])
 
 

@@ -329,9 +329,10 @@ class Writers:
                 "open a new writer (unfinished sources replay)",
             )
         if session.failed_commits != failures:
+            cause = self._core.committer.failing or "see the coordinator log for the storage error"
             raise Unavailable(
-                "persisting completions failed while flushing; they are being retried, so flush again "
-                "(see the coordinator log for the storage error)",
+                f"persisting completions failed while flushing ({cause}); they are being retried, so "
+                "flush again",
             )
         return session.ledger.totals.completed
 
