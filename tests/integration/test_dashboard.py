@@ -319,6 +319,7 @@ def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServe
         refs = re.findall(r'(?:src|href)="([^"]+)"', index.text)
         assert "ui/app.js" in refs and "ui/style.css" in refs
         assert not [r for r in refs if re.match(r"(https?:)?//", r)], refs
+        assert '<script type="module" src="ui/app.js">' in index.text  # the CSP's 'self' covers modules
 
         script = http.get("/ui/app.js")
         assert script.status_code == 200
@@ -326,8 +327,21 @@ def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServe
         assert script.headers["cache-control"] == "no-cache"
         again = http.get("/ui/app.js", headers={"If-None-Match": script.headers["etag"]})
         assert again.status_code == 304
+        # Every module app.js imports, and theirs, is served, by relative path only.
+        seen, todo = set(), ["app.js"]
+        while todo:
+            name = todo.pop()
+            seen.add(name)
+            module = http.get(f"/ui/{name}")
+            assert module.status_code == 200 and module.headers["content-type"].startswith("text/javascript")
+            for spec in re.findall(r'^import .* from "([^"]+)";$', module.text, re.M):
+                assert spec.startswith(("./", "../")), (name, spec)
+                target = os.path.normpath(os.path.join(os.path.dirname(name), spec))
+                if target not in seen:
+                    todo.append(target)
+        assert {"api.js", "live.js", "state.js", "views/checkpoint.js"} <= seen
         assert http.get("/ui/style.css").headers["content-type"].startswith("text/css")
-        for missing in ("/ui/nope.js", "/ui/__init__.py", "/ui/..%2F__init__.py"):
+        for missing in ("/ui/nope.js", "/ui/__init__.py", "/ui/..%2F__init__.py", "/ui/views"):
             assert http.get(missing).status_code == 404, missing
         # The dashboard routes stay out of the API schema.
         paths = http.get("/openapi.json").json()["paths"]
