@@ -3,8 +3,8 @@
  *
  *   app.js         this file: rendering, the connection indicator, user input, routing
  *   state.js       what the page knows and the rules for merging what arrives (no I/O)
- *   live.js        keeps it current: reads the current page's data every 2 s
- *   api.js         the /v1 API: JSON GETs (with the bearer token)
+ *   live.js        keeps it current: the watch stream for a checkpoint's status, polling for the rest
+ *   api.js         the /v1 API: JSON GETs and Server-Sent Events over fetch (with the bearer token)
  *   dom.js         h()/s() to build detached trees, morphChildren() to patch them into the page
  *   format.js      numbers, durations, rates, the server's clock
  *   chart.js       the progress plot (inline SVG) and the rate
@@ -23,11 +23,14 @@ import { setToken, getToken } from "./api.js";
 import { hoverFraction, placeTip } from "./chart.js";
 import { add, morphChildren } from "./dom.js";
 import { fmtClock, fmtDuration } from "./format.js";
-import { POLL_MS, follow, loadOlderEvents, refresh } from "./live.js";
+import { RETRY_MS, follow, loadOlderEvents, refresh } from "./live.js";
 import { navigate, onChange, parseRoute, setPref, state } from "./state.js";
 import { authView } from "./views/auth.js";
 import { checkpointView } from "./views/checkpoint.js";
 import { listView } from "./views/list.js";
+
+// Relative times ("5 s ago", heartbeat ages) move on even while no data changes.
+const TICK_MS = 2000;
 
 const view = document.getElementById("view");
 const banner = document.getElementById("banner");
@@ -46,19 +49,23 @@ function renderStatus() {
     conn.dataset.state = "error";
     connText.textContent = "offline · retrying";
     const since = c.lastOk ? ` Showing data from ${fmtDuration((Date.now() - c.lastOk) / 1000)} ago.` : "";
-    banner.textContent = `Can't reach the Tally server — ${c.error.message}. Retrying every ${POLL_MS / 1000} s.${since}`;
+    banner.textContent = `Can't reach the Tally server — ${c.error.message}. Retrying every ${RETRY_MS / 1000} s.${since}`;
     banner.hidden = false;
   } else {
     banner.hidden = true;
     banner.textContent = "";
     if (c.lastOk) {
       conn.dataset.state = "live";
-      connText.textContent = `live · updated ${fmtClock(c.lastOk / 1000)}`;
+      // An open stream would have said if anything changed: what is shown is current now.
+      connText.textContent = `live · updated ${fmtClock((c.streaming ? Date.now() : c.lastOk) / 1000)}`;
     }
   }
 }
 
+let lastRender = 0;
+
 function render() {
+  lastRender = performance.now();
   renderStatus();
   const fresh = document.createElement("main");
   if (state.conn.auth) add(fresh, authView(getToken() ? state.conn.auth : null));
@@ -76,7 +83,7 @@ function render() {
   }
 }
 
-// At most one render per frame, and none while the tab is hidden (frames stop).
+// At most one render per frame, and none while the tab is hidden (frames stop; the stream goes on).
 let frame = 0;
 function scheduleRender() {
   if (frame) return;
@@ -98,7 +105,7 @@ document.addEventListener("click", (ev) => {
     loadOlderEvents();
   } else if (action === "signout") {
     setToken("");
-    refresh();
+    follow(); // an open stream still carries the old token
   } else if (action === "range") {
     setPref("range", target.dataset.range);
     state.hoverAt = null;
@@ -114,7 +121,7 @@ document.addEventListener("submit", (ev) => {
   const value = form.querySelector("input[name='token']").value.trim();
   if (!value) return;
   setToken(value);
-  refresh();
+  follow();
 });
 
 document.addEventListener("change", (ev) => {
@@ -153,6 +160,9 @@ window.addEventListener("hashchange", () => {
   scheduleRender();
 });
 
+setInterval(() => {
+  if (performance.now() - lastRender > TICK_MS / 2) scheduleRender(); // unless data just rendered
+}, TICK_MS);
 navigate(parseRoute());
 follow();
 render();

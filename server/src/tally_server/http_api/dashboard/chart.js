@@ -21,7 +21,7 @@ function valueAt(pts, t) {
   return pts[lo].completed_count;
 }
 
-/** Persisted samples in the window, then the server's live sample, then "now" from the status. */
+/** Persisted samples in the window, then the server's live sample, then "now" from the live status. */
 export function progressPoints(page) {
   const pts = page.samples.slice();
   const prov = page.provisional;

@@ -1,8 +1,8 @@
 /* What the dashboard knows: the route, the connection, the user's options, and one object per page.
  *
  * Modules that fetch (live.js) change this state and call changed(); the page re-renders from it.
- * Nothing here does I/O, so the rules for merging what arrives (new events with loaded ones,
- * incremental progress samples) sit in one place.
+ * Nothing here does I/O, so the rules for merging what arrives (stream snapshots with polled
+ * histories, new events with loaded ones, incremental progress samples) sit in one place.
  */
 
 import { namePath } from "./api.js";
@@ -78,13 +78,13 @@ export class ListPage {
   }
 }
 
-/** One checkpoint's page: its status and the histories read beside it. */
+/** One checkpoint's page: its live status (streamed) and the histories read beside it. */
 export class CheckpointPage {
   constructor(name) {
     this.name = name;
     this.ready = false; // the first status and histories (or "not found") are in: render the page
     this.missing = false;
-    this.cp = null; // the status
+    this.cp = null; // the live status, from the stream
     this.history = null; // every writer (closed ones too) from /v1/writers; null: not read
     this.writersNote = null;
     this.events = []; // newest first
@@ -98,9 +98,15 @@ export class CheckpointPage {
     this.progressNote = null;
   }
 
+  /** Takes a status from the stream. True when the histories should be read again now: a writer came
+   *  or went, or a problem was counted (each makes an event). */
   setStatus(cp) {
+    const before = this.cp;
     this.cp = cp;
     this.missing = false;
+    if (!before) return true;
+    const ids = (x) => (x.writers || []).map((w) => `${w.writer_id}\u0000${w.opened_at}`).sort().join("\n");
+    return ids(before) !== ids(cp) || before.anomalies !== cp.anomalies || before.unreadable_files !== cp.unreadable_files;
   }
 
   setMissing() {
@@ -109,9 +115,21 @@ export class CheckpointPage {
     this.ready = true;
   }
 
-  /** Writers to show: the history, or the live writers in the status when it could not be read. */
+  /** Writers to show: the history, with each live writer as fresh as either source has it. */
   writerRows() {
-    return (this.history || ((this.cp && this.cp.writers) || []).map((w) => ({ state: "open", ...w }))).slice();
+    const live = ((this.cp && this.cp.writers) || []).map((w) => ({ state: "open", ...w }));
+    if (!this.history) return live;
+    // A writer id has at most one live session, so live rows match on the id alone.
+    const streamed = new Map(live.map((w) => [w.writer_id, w]));
+    const rows = this.history.map((w) => {
+      const fresh = isLive(w) ? streamed.get(w.writer_id) : undefined;
+      if (!fresh) return w;
+      streamed.delete(w.writer_id);
+      return (fresh.last_seen_at || 0) >= (w.last_seen_at || 0) ? fresh : w;
+    });
+    // Writers opened since the history was read, unless the history is a full page: then the new
+    // writer's arrival triggers a fresh read, which decides whether it makes the page.
+    return this.history.length < WRITERS_LIMIT ? rows.concat(Array.from(streamed.values())) : rows;
   }
 
   closedWriters() {
@@ -181,8 +199,8 @@ export class CheckpointPage {
 
 export const state = {
   route: { page: "" }, // set by navigate() at start
-  // What the connection indicator and the banner say.
-  conn: { error: null, auth: null, lastOk: 0 },
+  // What the connection indicator and the banner say. streaming: a live stream is open right now.
+  conn: { error: null, auth: null, lastOk: 0, streaming: false },
   list: new ListPage(),
   checkpoint: null, // a CheckpointPage while on a checkpoint's page
   hoverAt: null, // fraction of the plot's width under the mouse
