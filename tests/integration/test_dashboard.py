@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import tally
 from tally_server.testing import RunningServer, running_server
@@ -41,7 +42,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 CHECKPOINT = "curation/run-42"
-TIMEOUT_MS = 15_000  # the page polls every 2 s; allow a few polls on a loaded CI machine
+TIMEOUT_MS = 15_000  # lists are polled every 5 s (2 s after a failure); allow for a loaded CI machine
+STATUS_ROUTE = "/v1/checkpoints/{name:tally_any_path}"
 
 
 def _need_browser() -> None:
@@ -128,12 +130,36 @@ def _wait_sampled(server: RunningServer, count: int) -> None:
     raise AssertionError(f"no progress sample with completed_count={count} within 30 s")
 
 
+def _requests(page: Any) -> list[Any]:
+    """Every request the page makes from now on (Playwright's request log)."""
+    log: list[Any] = []
+    page.on("request", lambda request: log.append(request))
+    return log
+
+
+def _paths(log: list[Any], path: str) -> list[str]:
+    return [r.url for r in log if urlsplit(r.url).path == path]
+
+
+def _served(server: RunningServer, route: str) -> float:
+    """How many requests the server answered on ``route`` (a template), from its /metrics."""
+    reply = httpx.get(f"{server.http_url}/metrics", timeout=10)
+    reply.raise_for_status()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(reply.text)
+        for s in family.samples
+        if s.name == "tally_http_request_duration_seconds_count" and s.labels.get("route") == route
+    )
+
+
 def test_dashboard_shows_a_workload_and_updates_by_itself(
     dash_server: RunningServer, browser_page: Any
 ) -> None:
     from playwright.sync_api import expect
 
     page = browser_page
+    requests = _requests(page)
     page.goto(dash_server.http_url + "/")
     # An empty server has a friendly state, not a blank page.
     expect(page.get_by_test_id("empty")).to_contain_text("No checkpoints yet")
@@ -191,16 +217,23 @@ def test_dashboard_shows_a_workload_and_updates_by_itself(
             expect(page.get_by_test_id("progress-chart")).to_be_visible()
             expect(page.get_by_test_id("rate-value")).to_have_text(re.compile(r"\d"))
 
-            # More completions: the page follows by itself.
+            # More completions: the page follows by itself, from the watch stream.
             _complete(writer, [f"c-{i}" for i in range(5)])
             writer.apply_deltas([("0_in-flight_0", "in-flight", -1)])  # the pending one completes too
             writer.flush()
             completed += 6
-            _wait_sampled(dash_server, completed)
             expect(page.get_by_test_id("completed-value")).to_have_text(str(completed))
             expect(page.get_by_test_id("pending-value")).to_have_text("0")
             expect(live.get_by_test_id("writer-completed")).to_have_text("16")
             assert page.evaluate("window.__sameDocument") is True, "the page reloaded instead of updating"
+            # The status came over one stream, never by polling the checkpoint (in the browser's log
+            # and in the server's own count).
+            assert not _paths(requests, f"/v1/checkpoints/{CHECKPOINT}"), "the page polled the status"
+            assert _served(dash_server, STATUS_ROUTE) == 0
+            watches = _paths(requests, "/v1/watch")
+            assert len(watches) == 1, watches
+            assert "checkpoint=curation%2Frun-42" in watches[0]
+            _wait_sampled(dash_server, completed)
 
             page.mouse.move(10, 10)
             page.screenshot(path=str(ARTIFACTS / "dashboard-checkpoint.png"), full_page=True)
@@ -208,9 +241,11 @@ def test_dashboard_shows_a_workload_and_updates_by_itself(
                 DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(ARTIFACTS / "dashboard-checkpoint.png", DOCS_IMG)
 
-    # The writer closed: the page says so without a reload.
+    # The writer closed: the page says so without a reload, still on its one stream.
     expect(live.get_by_test_id("writer-state")).to_have_text("closed")
     expect(page.get_by_test_id("live-writers-value")).to_have_text("0")
+    assert len(_paths(requests, "/v1/watch")) == 1
+    assert _served(dash_server, STATUS_ROUTE) == 0
 
 
 def test_problems_are_highlighted_and_the_event_log_pages(tmp_path: Path, browser_page: Any) -> None:
@@ -281,6 +316,55 @@ def test_dashboard_keeps_retrying_when_the_server_goes_away(tmp_path: Path, brow
             expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
 
 
+def test_the_checkpoint_page_reconnects_its_stream(tmp_path: Path, browser_page: Any) -> None:
+    """A stopped server ends the stream: the banner says so, and the page streams again once it is back."""
+    from playwright.sync_api import expect
+
+    page = browser_page
+    requests = _requests(page)
+    with running_server(tmp_path / "flaky", settle_ms=0) as first:
+        address = first.http_address
+        with tally.Client(first.grpc_address) as client, client.writer("back/again") as writer:
+            _complete(writer, ["x"])
+        page.goto(first.http_url + "/#/checkpoint/back/again")
+        expect(page.get_by_test_id("completed-value")).to_have_text("1")
+    expect(page.locator("#banner")).to_contain_text("Can't reach the Tally server")
+    expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "error")
+    expect(page.get_by_test_id("completed-value")).to_have_text("1")  # what it knew stays on screen
+    with running_server(tmp_path / "flaky", settle_ms=0, http_listen=address) as second:
+        with tally.Client(second.grpc_address) as client, client.writer("back/again") as writer:
+            _complete(writer, ["y"])
+            expect(page.get_by_test_id("completed-value")).to_have_text("2")
+            expect(page.get_by_test_id("live-writers-value")).to_have_text("1")
+            expect(page.locator("#banner")).to_be_hidden()
+            expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
+            assert _served(second, STATUS_ROUTE) == 0
+    assert len(_paths(requests, "/v1/watch")) >= 2
+
+
+def test_the_event_stream_parser_takes_any_chunking(dash_server: RunningServer, browser_page: Any) -> None:
+    """Events split anywhere across network chunks (even inside a CRLF) come out whole, in order."""
+    page = browser_page
+    page.goto(dash_server.http_url + "/")
+    events = page.evaluate(
+        """async () => {
+            const { SseParser } = await import("./ui/api.js");
+            const text = ': a comment\\r\\ndata: {"n": 1}\\r\\n\\r\\n'
+                + 'data:{"n":\\ndata: 2}\\n\\n'
+                + 'id: 7\\rdata: 3\\r\\r\\n';
+            const out = [];
+            for (let size = 1; size <= text.length; size++) {
+                const parser = new SseParser();
+                const got = [];
+                for (let i = 0; i < text.length; i += size) got.push(...parser.push(text.slice(i, i + size)));
+                out.push(got);
+            }
+            return out;
+        }"""
+    )
+    assert all(got == ['{"n": 1}', '{"n":\n2}', "3"] for got in events), events
+
+
 def test_a_server_with_tokens_asks_for_one(tmp_path: Path, browser_page: Any) -> None:
     """With authentication on, the page (static, open) asks for a token and reads with a reader's."""
     from playwright.sync_api import expect
@@ -303,6 +387,17 @@ def test_a_server_with_tokens_asks_for_one(tmp_path: Path, browser_page: Any) ->
         form.get_by_role("button", name="Sign in").click()
         card = page.locator("[data-testid='checkpoint-card'][data-name='secured/run']")
         expect(card.get_by_test_id("completed-count")).to_have_text("2")
+
+        # The checkpoint's live status streams with the token (EventSource could not send it).
+        requests = _requests(page)
+        card.click()
+        expect(page.get_by_test_id("completed-value")).to_have_text("2")
+        _complete(writer, ["c"])
+        expect(page.get_by_test_id("completed-value")).to_have_text("3")
+        watches = [r for r in requests if urlsplit(r.url).path == "/v1/watch"]
+        assert [w.all_headers().get("authorization") for w in watches] == ["Bearer r3ader"]
+
+        # Forgetting the token drops the stream that carries it.
         page.get_by_role("button", name="Forget token").click()
         expect(page.get_by_test_id("signin")).to_be_visible()
 
@@ -319,6 +414,7 @@ def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServe
         refs = re.findall(r'(?:src|href)="([^"]+)"', index.text)
         assert "ui/app.js" in refs and "ui/style.css" in refs
         assert not [r for r in refs if re.match(r"(https?:)?//", r)], refs
+        assert '<script type="module" src="ui/app.js">' in index.text  # the CSP's 'self' covers modules
 
         script = http.get("/ui/app.js")
         assert script.status_code == 200
@@ -326,8 +422,21 @@ def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServe
         assert script.headers["cache-control"] == "no-cache"
         again = http.get("/ui/app.js", headers={"If-None-Match": script.headers["etag"]})
         assert again.status_code == 304
+        # Every module app.js imports, and theirs, is served, by relative path only.
+        seen, todo = set(), ["app.js"]
+        while todo:
+            name = todo.pop()
+            seen.add(name)
+            module = http.get(f"/ui/{name}")
+            assert module.status_code == 200 and module.headers["content-type"].startswith("text/javascript")
+            for spec in re.findall(r'^import .* from "([^"]+)";$', module.text, re.M):
+                assert spec.startswith(("./", "../")), (name, spec)
+                target = os.path.normpath(os.path.join(os.path.dirname(name), spec))
+                if target not in seen:
+                    todo.append(target)
+        assert {"api.js", "live.js", "state.js", "views/checkpoint.js"} <= seen
         assert http.get("/ui/style.css").headers["content-type"].startswith("text/css")
-        for missing in ("/ui/nope.js", "/ui/__init__.py", "/ui/..%2F__init__.py"):
+        for missing in ("/ui/nope.js", "/ui/__init__.py", "/ui/..%2F__init__.py", "/ui/views"):
             assert http.get(missing).status_code == 404, missing
         # The dashboard routes stay out of the API schema.
         paths = http.get("/openapi.json").json()["paths"]
