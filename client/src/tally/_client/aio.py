@@ -18,6 +18,7 @@ from tally._types import (
     CheckpointStatus,
     EventPage,
     ImportResult,
+    OnMismatch,
     ProgressSample,
     ResetResult,
     WriterStatus,
@@ -82,7 +83,7 @@ class AsyncClient(BaseClient):
         writer_id: str | None = None,
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
-        on_mismatch: str = "refuse",
+        on_mismatch: OnMismatch = "refuse",
     ) -> AsyncWriter:
         """Create a writer of ``checkpoint``; it opens on ``async with``. See :meth:`Client.writer`."""
         spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch)

@@ -8,6 +8,7 @@ import os
 import socket
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import get_args
 
 from tally import _calls as calls
 from tally._config import ClientConfig, tls_files_from_env
@@ -17,6 +18,7 @@ from tally._types import (
     CompletedPage,
     EventPage,
     ImportResult,
+    OnMismatch,
     ProgressSample,
     ResetResult,
     WriterSpec,
@@ -28,7 +30,7 @@ from tally.errors import FailedPrecondition, Internal, InvalidArgument, Unavaila
 logger = logging.getLogger(__name__)
 
 # What a writer asks for when its fingerprint differs from the checkpoint's recorded one.
-_ON_MISMATCH = ("refuse", "reset", "ignore")
+_ON_MISMATCH: tuple[OnMismatch, ...] = get_args(OnMismatch)
 
 # SLURM job identity, added to writer labels so the dashboard can tell array tasks apart.
 _SLURM_LABELS = {
@@ -154,7 +156,7 @@ class BaseClient:
         writer_id: str | None,
         fingerprint: Mapping[str, str] | None,
         labels: Mapping[str, str] | None,
-        on_mismatch: str = "refuse",
+        on_mismatch: OnMismatch = "refuse",
     ) -> WriterSpec:
         self._check_open()
         if on_mismatch not in _ON_MISMATCH:

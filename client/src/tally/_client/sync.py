@@ -18,6 +18,7 @@ from tally._types import (
     CheckpointStatus,
     EventPage,
     ImportResult,
+    OnMismatch,
     ProgressSample,
     ResetResult,
     WriterStatus,
@@ -100,7 +101,7 @@ class Client(BaseClient):
         writer_id: str | None = None,
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
-        on_mismatch: str = "refuse",
+        on_mismatch: OnMismatch = "refuse",
     ) -> Writer:
         """Create a writer of ``checkpoint``; it opens on ``with`` (or :meth:`Writer.open`).
 
