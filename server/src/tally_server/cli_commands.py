@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 import tally
-from tally_server.store import nemo_format
-from tally_server.store.nemo_format import FILE_SUFFIX, METADATA_DIRNAME
+from tally.integrations import nemo_format
+from tally.integrations.nemo_format import FILE_SUFFIX, METADATA_DIRNAME
 
 EXPORT_FILENAME = "tally-export.mdb"
 # Window over which `tally watch` measures the completion rate.
