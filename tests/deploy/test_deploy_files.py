@@ -352,8 +352,12 @@ def test_image_runs_tally_serve_as_the_tests_do() -> None:
     started = testing._command()
     assert started[-1] == "serve"
     assert Path(started[0]).name == "tally" or started[-3:-1] == ["-m", "tally_server"]
-    scripts = tomllib.loads((REPO / "server" / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tally"] == "tally_server.cli:main"
+    # The SDK's [cli] extra owns the `tally` script; the server adds `serve` to it by entry point.
+    client = tomllib.loads((REPO / "client" / "pyproject.toml").read_text())["project"]
+    server = tomllib.loads((REPO / "server" / "pyproject.toml").read_text())["project"]
+    assert client["scripts"]["tally"] == "tally.cli:main"
+    assert server["entry-points"]["tally.commands"]["serve"] == "tally_server.cli:register"
+    assert "scripts" not in server
 
 
 def test_image_runs_as_a_fixed_non_root_user_with_its_data_on_a_volume(

@@ -30,3 +30,10 @@ def test_check_fails_when_the_committed_code_differs(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "stale" in result.stderr
+
+
+def test_grpc_stubs_are_typed_for_sync_and_asyncio() -> None:
+    # mypy-protobuf's stubs: without them every stub call in the SDK and the servicer is Any.
+    stubs = (REPO / "client" / "src" / "tally" / "v1" / "coordinator_pb2_grpc.pyi").read_text()
+    assert "class CoordinatorStub" in stubs and "class CoordinatorAsyncStub" in stubs
+    assert "_aio.UnaryUnaryMultiCallable[_coordinator_pb2.ApplyDeltasRequest" in stubs

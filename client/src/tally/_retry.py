@@ -1,7 +1,8 @@
-"""Retry policy (no I/O) and the two tiny loops that apply it, blocking and asyncio.
+"""Retry policy (no I/O), the two tiny loops that apply it, and the one send path per flavour.
 
 Only :class:`tally.Unavailable` (connection failures, timeouts, UNAVAILABLE) is retried: every
-other status means the request itself was refused and resending it cannot help.
+other status means the request itself was refused and resending it cannot help. Whether a call may
+be retried at all is its description's business (``Call.retry``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tally.errors import Unavailable
+
+if TYPE_CHECKING:
+    from tally._calls import Call
+    from tally._transport.base import AsyncTransport, Transport
 
 T = TypeVar("T")
 
@@ -94,3 +99,24 @@ async def async_call_with_retry(
             if deadline.remaining() <= delay:
                 raise _timed_out(err, what, deadline) from None
             await asyncio.sleep(delay)
+
+
+def send(transport: Transport, call: Call[T], policy: RetryPolicy, deadline: Deadline) -> T:
+    """Send ``call`` within ``deadline``: the blocking flavour's one way to call the coordinator.
+
+    Raises:
+        Unavailable: The deadline passed (retryable calls), or the one attempt failed.
+        TallyError: The coordinator refused the call.
+    """
+    if not call.retry:
+        return transport.send(call, max(deadline.remaining(), _MIN_ATTEMPT_S))
+    return call_with_retry(lambda timeout: transport.send(call, timeout), policy, deadline, call.what)
+
+
+async def async_send(transport: AsyncTransport, call: Call[T], policy: RetryPolicy, deadline: Deadline) -> T:
+    """asyncio twin of :func:`send`."""
+    if not call.retry:
+        return await transport.send(call, max(deadline.remaining(), _MIN_ATTEMPT_S))
+    return await async_call_with_retry(
+        lambda timeout: transport.send(call, timeout), policy, deadline, call.what
+    )

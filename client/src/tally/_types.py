@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 #: One delta: ``(task_id, source_id, delta)``.
 Delta = tuple[str, str, int]
+
+#: What a writer asks for when its fingerprint differs from the checkpoint's recorded one.
+OnMismatch = Literal["refuse", "reset", "ignore"]
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ class WriterSpec:
     labels: Mapping[str, str]
     host: str
     pid: int
-    on_mismatch: str = "refuse"
+    on_mismatch: OnMismatch = "refuse"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""The ``tally`` command."""
+"""``tally serve``: the coordinator's command, added to the SDK's ``tally`` command.
+
+The ``tally`` console script belongs to the SDK (``tally-client[cli]``, with the operator
+commands); this distribution registers :func:`register` under the ``tally.commands`` entry-point
+group, so ``tally serve`` exists wherever the server is installed. Only typer is imported up front:
+``tally status`` loads this module too, and must stay quick.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
-
-from tally_server import cli_commands, logs
-from tally_server.settings import Settings
-
-app = typer.Typer(help="Tally: checkpoint coordination for resumable batch pipelines.", no_args_is_help=True)
 
 
-@app.callback()
-def _main() -> None:
-    """Tally: checkpoint coordination for resumable batch pipelines."""
-
-
-@app.command()
 def serve(
     data_dir: Annotated[
         Path | None, typer.Option(help="Data directory [env TALLY_DATA_DIR; ./tally-data].")
@@ -73,6 +67,11 @@ def serve(
         "tls_client_ca": tls_client_ca,
         "metrics_auth": metrics_auth,
     }
+    from pydantic import ValidationError
+
+    from tally_server import logs
+    from tally_server.settings import Settings
+
     try:
         settings = Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as exc:
@@ -87,8 +86,13 @@ def serve(
         raise typer.Exit(1) from None
 
 
-cli_commands.register(app)
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the ``tally`` command (the ``tally.commands`` entry point)."""
+    app.command()(serve)
 
 
 def main() -> None:
-    app()
+    """``python -m tally_server``: the ``tally`` command, as the console script runs it."""
+    from tally.cli import main as tally_main
+
+    tally_main()

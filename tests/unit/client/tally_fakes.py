@@ -1,8 +1,9 @@
 """Test doubles for the SDK's own Transport interface (no grpc mocking).
 
-``FakeTransport`` implements ``tally._transport.Transport``; tests script failures per method and
-hold calls at a gate to control exactly what is in flight. ``AsyncFakeTransport`` runs the same
-fake in worker threads so that a held call never blocks the event loop.
+``FakeTransport`` implements ``tally._transport.base.Transport``: ``send`` hands each call
+description to the method of the same operation below, where tests script failures and hold calls
+at a gate to control exactly what is in flight. ``AsyncFakeTransport`` runs the same fake in worker
+threads so that a held call never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import replace
+from typing import Any, TypeVar, cast
 
+from tally import _calls as calls
 from tally._client import AsyncClient, Client
 from tally._config import ClientConfig
-from tally._http import AsyncHttpTransport
+from tally._transport.http import AsyncHttpTransport
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -30,8 +33,10 @@ from tally._types import (
     WriterSpec,
     WriterStatus,
 )
-from tally._writer import _WriterBase
+from tally._writer import WriterBase
 from tally.errors import NotFound, TallyError
+
+T = TypeVar("T")
 
 # Generous bound for waits on events that should happen promptly; never a synchronization sleep.
 WAIT_S = 10.0
@@ -116,6 +121,33 @@ class FakeTransport:
                 raise self._failures[method].popleft()
 
     # ---------------------------------------------------------------- Transport
+
+    def send(self, call: calls.Call[T], timeout: float) -> T:
+        # Looked up at call time, so a test may replace one operation's method.
+        operations: dict[type[Any], Callable[[Any], Any]] = {
+            calls.OpenWriter: lambda c: self.open_writer(c.spec, timeout),
+            calls.KeepAlive: lambda c: self.keep_alive(c.handle, timeout),
+            calls.ApplyDeltas: lambda c: self.apply_deltas(c.handle, c.deltas, c.batch_seq, timeout),
+            calls.AreCompleted: lambda c: self.are_completed(c.checkpoint, c.source_ids, timeout),
+            calls.Flush: lambda c: self.flush(c.handle, timeout),
+            calls.CloseWriter: lambda c: self.close_writer(c.handle, timeout),
+            calls.GetCheckpoint: lambda c: self.get_checkpoint(c.name, timeout),
+            calls.ListCheckpoints: lambda c: self.list_checkpoints(timeout),
+            calls.ListWriters: lambda c: self.list_writers(c.checkpoint, c.include_closed, c.limit, timeout),
+            calls.ListEvents: lambda c: self.list_events(c.checkpoint, c.limit, c.before_id, timeout),
+            calls.GetProgress: lambda c: self.get_progress(c.checkpoint, c.since, timeout),
+            calls.ListCompleted: lambda c: self.list_completed(c.checkpoint, c.after, c.limit, timeout),
+            calls.ImportCompleted: lambda c: self.import_completed(
+                c.checkpoint, c.source_ids, c.import_id, timeout
+            ),
+            calls.ResetCheckpoint: lambda c: self.reset_checkpoint(c.name, c.force, timeout),
+        }
+        return cast(T, operations[type(call)](call))
+
+    def watch(self, call: calls.WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
+        return self.watch_stream(call.checkpoint, call.interval_ms, timeout)
+
+    # ---------------------------------------------------------------- one method per operation
 
     def open_writer(self, spec: WriterSpec, timeout: float) -> OpenedWriter:
         self._enter("open_writer")
@@ -207,7 +239,7 @@ class FakeTransport:
         self._enter("reset_checkpoint")
         return ResetResult(f".trash/{name}/t", 2, 1 if force else 0)
 
-    def watch(
+    def watch_stream(
         self, checkpoint: str, interval_ms: int, timeout: float
     ) -> Generator[CheckpointStatus, None, None]:
         self.args["watch"].append((checkpoint, interval_ms))
@@ -233,9 +265,9 @@ class AsyncFakeTransport(AsyncHttpTransport):
         self.fake = fake
 
     async def watch(
-        self, checkpoint: str, interval_ms: int, timeout: float
+        self, call: calls.WatchCheckpoint, timeout: float
     ) -> AsyncGenerator[CheckpointStatus, None]:
-        stream = self.fake.watch(checkpoint, interval_ms, timeout)
+        stream = self.fake.watch(call, timeout)
         try:
             for status in stream:
                 yield status
@@ -261,7 +293,7 @@ def make_async_client(fake: FakeTransport, **overrides: object) -> AsyncClient:
     return client
 
 
-def wait_state(writer: _WriterBase, predicate: Callable[[], bool]) -> None:
+def wait_state(writer: WriterBase, predicate: Callable[[], bool]) -> None:
     """Block until ``predicate`` (which reads writer internals, lock held) is true."""
     with writer._changed:
         assert writer._changed.wait_for(predicate, WAIT_S), "writer state not reached in time"

@@ -87,7 +87,7 @@ def test_async_lease_lost_on_heartbeat() -> None:
     async def body(client: tally.AsyncClient) -> None:
         w = client.writer("cp")
         await w.open()
-        assert await w._wait_until(lambda: w._lease_lost, 10.0)
+        assert await w._wait_until(lambda: w._core.lease_lost, 10.0)
         with pytest.raises(tally.LeaseLost):
             await w.flush()
         with pytest.raises(tally.LeaseLost):

@@ -7,10 +7,10 @@ import pickle
 import pytest
 
 import tally
+from tally._calls import ARE_COMPLETED_CHUNK
 from tally._config import ClientConfig
-from tally._ops import ARE_COMPLETED_CHUNK
 from tally._retry import RetryPolicy
-from tally._transport import Endpoint, parse_address
+from tally._transport.base import Endpoint, parse_address
 from tally.errors import StatusCode, error_for_code
 from tests.unit.client.tally_fakes import FakeTransport, make_client, make_status
 

@@ -1,48 +1,52 @@
-"""Wire conversion: proto3 zero values and sparse JSON read as defaults; malformed JSON is refused."""
+"""Wire conversion: proto3 zero values and sparse JSON read as defaults; malformed JSON is refused;
+every call description has a route on both wires."""
 
 from __future__ import annotations
 
 import pytest
 
 import tally
-from tally import _convert as convert
+from tally import _calls as calls
+from tally._calls import Call
+from tally._transport import grpc_convert, http_convert
 from tally._types import WriterSpec
 from tally.v1 import coordinator_pb2 as pb
 
 
 def test_empty_messages_read_as_zero_values() -> None:
-    status = convert.checkpoint_from_pb(pb.CheckpointStatus())
+    status = grpc_convert.checkpoint_from_pb(pb.CheckpointStatus())
     assert status == tally.CheckpointStatus("", 0, 0, 0, 0, 0, 0, 0.0, 0.0, (), {})
-    assert convert.close_result_from_pb(pb.CloseWriterResponse()) == tally.CloseResult()
-    assert convert.apply_counts_from_pb(pb.ApplyDeltasResponse()) == tally.ApplyCounts()
-    assert convert.completed_from_pb(pb.AreCompletedResponse()) == []
+    assert grpc_convert.close_result_from_pb(pb.CloseWriterResponse()) == tally.CloseResult()
+    apply, completed = grpc_convert.ROUTES[calls.ApplyDeltas], grpc_convert.ROUTES[calls.AreCompleted]
+    assert apply.read(pb.ApplyDeltasResponse()) == tally.ApplyCounts()
+    assert completed.read(pb.AreCompletedResponse()) == []
 
 
 def test_requests_carry_every_field() -> None:
     spec = WriterSpec("cp", "w", {"a": "1"}, {"b": "2"}, "h", 9)
-    req = convert.open_writer_request(spec)
+    req = grpc_convert.open_writer_request(spec)
     assert (req.checkpoint, req.writer_id, req.host, req.pid) == ("cp", "w", "h", 9)
     assert dict(req.fingerprint) == {"a": "1"} and dict(req.labels) == {"b": "2"}
-    batch = convert.apply_deltas_request("h1", [("t", "s", -3)], 12)
+    batch = grpc_convert.apply_deltas_request(calls.ApplyDeltas("h1", [("t", "s", -3)], 12))
     assert batch.handle == "h1" and batch.batch_seq == 12 and batch.deltas[0].delta == -3
 
 
 def test_sparse_json_reads_as_defaults() -> None:
-    status = convert.checkpoint_from_json({"name": "cp", "writers": [{"writer_id": "w"}]})
+    status = http_convert.checkpoint_from_json({"name": "cp", "writers": [{"writer_id": "w"}]})
     assert status.completed_count == 0 and status.fingerprint == {}
     assert status.writers[0].counts == tally.ApplyCounts() and status.writers[0].labels == {}
-    assert convert.close_result_from_json({}) == tally.CloseResult()
-    assert convert.checkpoints_from_json({}) == []
+    assert http_convert.close_result_from_json({}) == tally.CloseResult()
+    assert http_convert.checkpoints_from_json({}) == []
 
 
 @pytest.mark.parametrize(
     ("parse", "body"),
     [
-        (convert.opened_from_json, {}),
-        (convert.opened_from_json, []),
-        (convert.completed_from_json, {"completed": [1, 0]}),
-        (convert.checkpoint_from_json, {"name": "x", "completed_count": "many"}),
-        (convert.apply_counts_from_json, {"counts": "all"}),
+        (http_convert.opened_from_json, {}),
+        (http_convert.opened_from_json, []),
+        (http_convert.completed_from_json, {"completed": [1, 0]}),
+        (http_convert.checkpoint_from_json, {"name": "x", "completed_count": "many"}),
+        (http_convert.apply_counts_from_json, {"counts": "all"}),
     ],
 )
 def test_malformed_json_raises(parse: object, body: object) -> None:
@@ -52,17 +56,22 @@ def test_malformed_json_raises(parse: object, body: object) -> None:
 
 def test_open_body_omits_empty_optionals() -> None:
     spec = WriterSpec("cp", "w", {}, {}, "h", 1)
-    assert convert.open_writer_body(spec) == {"checkpoint": "cp", "writer_id": "w", "host": "h", "pid": 1}
+    assert http_convert.open_writer_body(spec) == {
+        "checkpoint": "cp",
+        "writer_id": "w",
+        "host": "h",
+        "pid": 1,
+    }
 
 
 def test_new_messages_read_zero_values_as_nothing() -> None:
-    assert convert.writer_status_from_pb(pb.WriterStatus()).closed_at == 0.0
-    assert convert.event_page_from_pb(pb.ListEventsResponse()) == tally.EventPage((), None)
-    assert convert.progress_from_pb(pb.GetProgressResponse()) == []
-    page = convert.completed_page_from_pb(pb.ListCompletedResponse())
+    assert grpc_convert.writer_status_from_pb(pb.WriterStatus()).closed_at == 0.0
+    assert grpc_convert.event_page_from_pb(pb.ListEventsResponse()) == tally.EventPage((), None)
+    assert grpc_convert.progress_from_pb(pb.GetProgressResponse()) == []
+    page = grpc_convert.completed_page_from_pb(pb.ListCompletedResponse())
     assert (page.source_ids, page.next_after) == ((), "")
-    assert convert.import_result_from_pb(pb.ImportCompletedResponse()) == tally.ImportResult(0, 0)
-    assert convert.reset_result_from_pb(pb.ResetCheckpointResponse()) == tally.ResetResult("", 0, 0)
+    assert grpc_convert.import_result_from_pb(pb.ImportCompletedResponse()) == tally.ImportResult(0, 0)
+    assert grpc_convert.reset_result_from_pb(pb.ResetCheckpointResponse()) == tally.ResetResult("", 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -75,17 +84,17 @@ def test_new_messages_read_zero_values_as_nothing() -> None:
     ],
 )
 def test_event_data_json_becomes_a_dict(data_json: str, data: dict[str, object]) -> None:
-    event = convert.event_from_pb(pb.Event(id=3, kind="anomaly", data_json=data_json))
+    event = grpc_convert.event_from_pb(pb.Event(id=3, kind="anomaly", data_json=data_json))
     assert event.data == data and event.id == 3
 
 
 def test_requests_of_the_status_calls() -> None:
-    assert convert.list_events_request("cp", 5, None).before_id == 0
-    assert convert.get_progress_request("cp", None).since == 0.0
-    assert convert.list_events_query("cp", 5, None) == {"checkpoint": "cp", "limit": "5"}
-    assert convert.list_writers_query("cp", False, 3)["include_closed"] == "false"
-    assert convert.list_completed_query("cp", "", 9) == {"checkpoint": "cp", "limit": "9"}
-    assert convert.import_completed_body("cp", ("a",), "i") == {
+    assert grpc_convert.ROUTES[calls.ListEvents].request(calls.ListEvents("cp", 5, None)).before_id == 0
+    assert grpc_convert.ROUTES[calls.GetProgress].request(calls.GetProgress("cp", None)).since == 0.0
+    assert http_convert.list_events_query("cp", 5, None) == {"checkpoint": "cp", "limit": "5"}
+    assert http_convert.list_writers_query("cp", False, 3)["include_closed"] == "false"
+    assert http_convert.list_completed_query("cp", "", 9) == {"checkpoint": "cp", "limit": "9"}
+    assert http_convert.import_completed_body("cp", ("a",), "i") == {
         "checkpoint": "cp",
         "source_ids": ["a"],
         "import_id": "i",
@@ -95,13 +104,32 @@ def test_requests_of_the_status_calls() -> None:
 @pytest.mark.parametrize(
     ("parse", "body"),
     [
-        (convert.event_page_from_json, {"events": [{"kind": "no id"}]}),
-        (convert.event_page_from_json, {"events": [{"id": 1, "data": "text"}]}),
-        (convert.completed_page_from_json, {"source_ids": [1, 2]}),
-        (convert.import_result_from_json, {"imported": 1}),
-        (convert.progress_from_json, {"samples": [{"at": 1.0}]}),
+        (http_convert.event_page_from_json, {"events": [{"kind": "no id"}]}),
+        (http_convert.event_page_from_json, {"events": [{"id": 1, "data": "text"}]}),
+        (http_convert.completed_page_from_json, {"source_ids": [1, 2]}),
+        (http_convert.import_result_from_json, {"imported": 1}),
+        (http_convert.progress_from_json, {"samples": [{"at": 1.0}]}),
     ],
 )
 def test_malformed_status_json_raises(parse: object, body: object) -> None:
     with pytest.raises((KeyError, TypeError, ValueError)):
         parse(body)  # type: ignore[operator]
+
+
+def _descriptions() -> list[type[Call[object]]]:
+    return [
+        cls
+        for cls in vars(calls).values()
+        if isinstance(cls, type) and issubclass(cls, Call) and cls is not Call
+    ]
+
+
+def test_every_call_description_has_a_route_on_each_wire() -> None:
+    described = set(_descriptions())
+    assert len(described) == 14
+    assert set(grpc_convert.ROUTES) == described
+    assert set(http_convert.ROUTES) == described
+
+
+def test_only_reset_is_never_retried() -> None:
+    assert [cls.__name__ for cls in _descriptions() if not cls.retry] == ["ResetCheckpoint"]

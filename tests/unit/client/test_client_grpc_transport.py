@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 import tally
-from tally._grpc import DETAILS_METADATA_KEY, AsyncGrpcTransport, GrpcTransport
+from tally import _calls as calls
+from tally._transport.grpc import DETAILS_METADATA_KEY, AsyncGrpcTransport, GrpcTransport
 from tally._types import WriterSpec
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
@@ -187,7 +188,7 @@ def test_requests_and_responses_convert_both_ways(grpc_server: tuple[str, Servic
     target, servicer = grpc_server
     transport = GrpcTransport(target, token="s3cret")
     try:
-        opened = transport.open_writer(SPEC, 5)
+        opened = transport.send(calls.OpenWriter(SPEC), 5)
         assert (opened.handle, opened.writer_id, opened.lease_ttl_s, opened.completed_count) == (
             "h1",
             "w1",
@@ -195,15 +196,15 @@ def test_requests_and_responses_convert_both_ways(grpc_server: tuple[str, Servic
             4,
         )
         assert opened.settle_ms == 250
-        assert transport.keep_alive("h1", 5) == 9.0
-        counts = transport.apply_deltas("h1", [("t1", "s1", 1), ("t2", "s1", -1)], 3, 5)
+        assert transport.send(calls.KeepAlive("h1"), 5) == 9.0
+        counts = transport.send(calls.ApplyDeltas("h1", [("t1", "s1", 1), ("t2", "s1", -1)], 3), 5)
         assert counts == tally.ApplyCounts(applied=2, completed=1)
-        assert transport.are_completed("cp/a", ["done1", "x"], 5) == [True, False]
-        assert transport.flush("h1", 5) == 7
-        closed = transport.close_writer("h1", 5)
+        assert transport.send(calls.AreCompleted("cp/a", ["done1", "x"]), 5) == [True, False]
+        assert transport.send(calls.Flush("h1"), 5) == 7
+        closed = transport.send(calls.CloseWriter("h1"), 5)
         assert closed == tally.CloseResult(tally.ApplyCounts(applied=3, skipped=1), ("s1", "s2"), 5)
-        status = transport.get_checkpoint("cp/a", 5)
-        assert [c.name for c in transport.list_checkpoints(5)] == ["a", "b/c"]
+        status = transport.send(calls.GetCheckpoint("cp/a"), 5)
+        assert [c.name for c in transport.send(calls.ListCheckpoints(), 5)] == ["a", "b/c"]
     finally:
         transport.close()
 
@@ -234,15 +235,19 @@ def test_requests_and_responses_convert_both_ways(grpc_server: tuple[str, Servic
     ("call", "error", "code"),
     [
         (
-            lambda t: t.open_writer(WriterSpec("cp", "live", {}, {}, "h", 1), 5),
+            lambda t: t.send(calls.OpenWriter(WriterSpec("cp", "live", {}, {}, "h", 1)), 5),
             tally.AlreadyExists,
             "ALREADY_EXISTS",
         ),
-        (lambda t: t.keep_alive("gone", 5), tally.NotFound, "NOT_FOUND"),
-        (lambda t: t.apply_deltas("h1", [("", "s", 1)], 1, 5), tally.InvalidArgument, "INVALID_ARGUMENT"),
-        (lambda t: t.are_completed("busy", ["a"], 5), tally.Unavailable, "UNAVAILABLE"),
-        (lambda t: t.get_checkpoint("missing", 5), tally.NotFound, "NOT_FOUND"),
-        (lambda t: t.get_checkpoint("denied", 5), tally.PermissionDenied, "PERMISSION_DENIED"),
+        (lambda t: t.send(calls.KeepAlive("gone"), 5), tally.NotFound, "NOT_FOUND"),
+        (
+            lambda t: t.send(calls.ApplyDeltas("h1", [("", "s", 1)], 1), 5),
+            tally.InvalidArgument,
+            "INVALID_ARGUMENT",
+        ),
+        (lambda t: t.send(calls.AreCompleted("busy", ["a"]), 5), tally.Unavailable, "UNAVAILABLE"),
+        (lambda t: t.send(calls.GetCheckpoint("missing"), 5), tally.NotFound, "NOT_FOUND"),
+        (lambda t: t.send(calls.GetCheckpoint("denied"), 5), tally.PermissionDenied, "PERMISSION_DENIED"),
     ],
 )
 def test_status_codes_map_to_sdk_errors(
@@ -261,7 +266,7 @@ def test_error_message_and_details_survive(grpc_server: tuple[str, Servicer]) ->
     transport = GrpcTransport(grpc_server[0])
     try:
         with pytest.raises(tally.InvalidArgument) as info:
-            transport.apply_deltas("h1", [("", "s", 1)], 1, 5)
+            transport.send(calls.ApplyDeltas("h1", [("", "s", 1)], 1), 5)
     finally:
         transport.close()
     assert info.value.message == "deltas[0].task_id is empty"
@@ -273,7 +278,7 @@ def test_unreachable_coordinator_is_unavailable() -> None:
     transport = GrpcTransport("127.0.0.1:1")
     try:
         with pytest.raises(tally.Unavailable, match=r"127\.0\.0\.1:1 is unavailable"):
-            transport.are_completed("cp", ["a"], 2)
+            transport.send(calls.AreCompleted("cp", ["a"]), 2)
     finally:
         transport.close()
 
@@ -282,26 +287,26 @@ def test_call_on_a_closed_channel_is_unavailable(grpc_server: tuple[str, Service
     transport = GrpcTransport(grpc_server[0])
     transport.close()
     with pytest.raises(tally.Unavailable, match="closed"):
-        transport.flush("h1", 5)
+        transport.send(calls.Flush("h1"), 5)
 
 
 def test_async_transport_converts_and_maps_errors(grpc_server: tuple[str, Servicer]) -> None:
     async def main() -> None:
         transport = AsyncGrpcTransport(grpc_server[0], token="tok")
         try:
-            opened = await transport.open_writer(SPEC, 5)
+            opened = await transport.send(calls.OpenWriter(SPEC), 5)
             assert opened.handle == "h1"
-            assert await transport.keep_alive("h1", 5) == 9.0
-            assert await transport.apply_deltas("h1", [("t", "s", 1)], 1, 5) == tally.ApplyCounts(
+            assert await transport.send(calls.KeepAlive("h1"), 5) == 9.0
+            assert await transport.send(calls.ApplyDeltas("h1", [("t", "s", 1)], 1), 5) == tally.ApplyCounts(
                 1, 0, 0, 0, 1
             )
-            assert await transport.are_completed("cp", ["done", "no"], 5) == [True, False]
-            assert await transport.flush("h1", 5) == 7
-            assert (await transport.close_writer("h1", 5)).incomplete_count == 5
-            assert (await transport.get_checkpoint("x", 5)).name == "x"
-            assert len(await transport.list_checkpoints(5)) == 2
+            assert await transport.send(calls.AreCompleted("cp", ["done", "no"]), 5) == [True, False]
+            assert await transport.send(calls.Flush("h1"), 5) == 7
+            assert (await transport.send(calls.CloseWriter("h1"), 5)).incomplete_count == 5
+            assert (await transport.send(calls.GetCheckpoint("x"), 5)).name == "x"
+            assert len(await transport.send(calls.ListCheckpoints(), 5)) == 2
             with pytest.raises(tally.NotFound, match="does not exist"):
-                await transport.get_checkpoint("missing", 5)
+                await transport.send(calls.GetCheckpoint("missing"), 5)
         finally:
             await transport.close()
 
@@ -341,33 +346,35 @@ def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> Non
     target, servicer = grpc_server
     transport = GrpcTransport(target)
     try:
-        (live,) = transport.list_writers("cp", False, 10, 5)
+        (live,) = transport.send(calls.ListWriters("cp", False, 10), 5)
         assert live.writer_id == "w1" and live.closed_at == 0.0
-        live_and_closed = transport.list_writers("cp", True, 10, 5)
+        live_and_closed = transport.send(calls.ListWriters("cp", True, 10), 5)
         assert live_and_closed[1] == tally.WriterStatus(
             "old", "", 0, {"slurm_job_id": "9"}, "closed", 0, tally.ApplyCounts(), 0.0, 0.0, 12.5
         )
-        page = transport.list_events("cp", 2, None, 5)
+        page = transport.send(calls.ListEvents("cp", 2, None), 5)
         assert page.next_before_id == 4
         assert page.events[0] == tally.Event(
             5, "cp", "anomaly", "late delta", 3.5, "w1", {"task_id": "t", "old": 1, "new": -1}
         )
         assert page.events[1].data == {}
-        assert transport.list_events("cp", 2, 4, 5).next_before_id is None
-        assert transport.get_progress("cp", 5.0, 5) == [
+        assert transport.send(calls.ListEvents("cp", 2, 4), 5).next_before_id is None
+        assert transport.send(calls.GetProgress("cp", 5.0), 5) == [
             tally.ProgressSample(6.0, 2),
             tally.ProgressSample(9.0, 4),
         ]
-        first = transport.list_completed("cp", "", 2, 5)
+        first = transport.send(calls.ListCompleted("cp", "", 2), 5)
         assert (first.source_ids, first.next_after) == (("a", "b"), "b")
-        last = transport.list_completed("cp", "b", 2, 5)
+        last = transport.send(calls.ListCompleted("cp", "b", 2), 5)
         assert (last.source_ids, last.next_after) == (("c",), "")
-        assert transport.import_completed("cp", ["x", "y"], "imp-1", 5) == tally.ImportResult(2, 10)
-        assert transport.reset_checkpoint("cp", True, 5) == tally.ResetResult(".trash/x/1", 3, 1)
+        assert transport.send(calls.ImportCompleted("cp", ["x", "y"], "imp-1"), 5) == tally.ImportResult(
+            2, 10
+        )
+        assert transport.send(calls.ResetCheckpoint("cp", True), 5) == tally.ResetResult(".trash/x/1", 3, 1)
         with pytest.raises(tally.FailedPrecondition, match="live writers"):
-            transport.reset_checkpoint("cp", False, 5)
+            transport.send(calls.ResetCheckpoint("cp", False), 5)
         with pytest.raises(tally.InvalidArgument, match="may not contain"):
-            transport.import_completed("cp", ["x"], "bad/id", 5)
+            transport.send(calls.ImportCompleted("cp", ["x"], "bad/id"), 5)
     finally:
         transport.close()
     requests = {name: req for name, req, _ in servicer.requests}
@@ -383,14 +390,14 @@ def test_watch_streams_and_maps_errors(grpc_server: tuple[str, Servicer]) -> Non
     target, servicer = grpc_server
     transport = GrpcTransport(target, token="tok")
     try:
-        assert [s.completed_count for s in transport.watch("cp", 250, 5)] == [0, 1, 2]
-        stream = transport.watch("breaks", 250, 5)
+        assert [s.completed_count for s in transport.watch(calls.WatchCheckpoint("cp", 250), 5)] == [0, 1, 2]
+        stream = transport.watch(calls.WatchCheckpoint("breaks", 250), 5)
         assert next(stream).name == "breaks"
         with pytest.raises(tally.Unavailable, match="shutting down"):
             list(stream)
         with pytest.raises(tally.NotFound, match="does not exist"):
-            next(transport.watch("missing", 250, 5))
-        early = transport.watch("cp", 250, 5)
+            next(transport.watch(calls.WatchCheckpoint("missing", 250), 5))
+        early = transport.watch(calls.WatchCheckpoint("cp", 250), 5)
         next(early)
         early.close()  # cancels the call
     finally:
@@ -405,18 +412,20 @@ def test_async_status_rpcs_and_watch(grpc_server: tuple[str, Servicer]) -> None:
     async def main() -> None:
         transport = AsyncGrpcTransport(grpc_server[0])
         try:
-            assert len(await transport.list_writers("cp", True, 10, 5)) == 2
-            assert (await transport.list_events("cp", 2, None, 5)).events[0].data["old"] == 1
-            assert len(await transport.get_progress("cp", None, 5)) == 2
-            assert (await transport.list_completed("cp", "", 5, 5)).source_ids == ("a", "b", "c")
-            assert (await transport.import_completed("cp", ["x"], "i", 5)).imported == 1
-            assert (await transport.reset_checkpoint("cp", True, 5)).files_moved == 3
-            assert [s.completed_count async for s in transport.watch("cp", 100, 5)] == [0, 1, 2]
+            assert len(await transport.send(calls.ListWriters("cp", True, 10), 5)) == 2
+            assert (await transport.send(calls.ListEvents("cp", 2, None), 5)).events[0].data["old"] == 1
+            assert len(await transport.send(calls.GetProgress("cp", None), 5)) == 2
+            assert (await transport.send(calls.ListCompleted("cp", "", 5), 5)).source_ids == ("a", "b", "c")
+            assert (await transport.send(calls.ImportCompleted("cp", ["x"], "i"), 5)).imported == 1
+            assert (await transport.send(calls.ResetCheckpoint("cp", True), 5)).files_moved == 3
+            assert [
+                s.completed_count async for s in transport.watch(calls.WatchCheckpoint("cp", 100), 5)
+            ] == [0, 1, 2]
             with pytest.raises(tally.NotFound):
-                async for _ in transport.watch("missing", 100, 5):
+                async for _ in transport.watch(calls.WatchCheckpoint("missing", 100), 5):
                     pass
             with pytest.raises(tally.Unavailable, match="shutting down"):
-                async for _ in transport.watch("breaks", 100, 5):
+                async for _ in transport.watch(calls.WatchCheckpoint("breaks", 100), 5):
                     pass
         finally:
             await transport.close()

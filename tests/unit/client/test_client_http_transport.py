@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import tally
-from tally._http import AsyncHttpTransport, HttpTransport
+from tally import _calls as calls
+from tally._transport.http import AsyncHttpTransport, HttpTransport
 from tally._types import WriterSpec
 
 CHECKPOINT_JSON = {
@@ -199,17 +200,19 @@ SPEC = WriterSpec("cp", "w1", {}, {"team": "x"}, "host1", 42)
 def test_requests_follow_the_json_contract(http_server: tuple[str, Recorder]) -> None:
     base, recorder = http_server
     transport = HttpTransport(base, token="s3cret")
-    opened = transport.open_writer(SPEC, 5)
+    opened = transport.send(calls.OpenWriter(SPEC), 5)
     assert opened.handle == "h/1" and opened.lease_ttl_s == 9.0 and opened.completed_count == 4
-    assert transport.keep_alive("h/1", 5) == 9.0
-    assert transport.apply_deltas("h/1", [("t1", "s1", 1), ("t2", "s1", -1)], 5, 5) == tally.ApplyCounts(
-        applied=2, completed=1
+    assert transport.send(calls.KeepAlive("h/1"), 5) == 9.0
+    assert transport.send(
+        calls.ApplyDeltas("h/1", [("t1", "s1", 1), ("t2", "s1", -1)], 5), 5
+    ) == tally.ApplyCounts(applied=2, completed=1)
+    assert transport.send(calls.AreCompleted("cp", ["a", "b"]), 5) == [True, False]
+    assert transport.send(calls.Flush("h/1"), 5) == 7
+    assert transport.send(calls.CloseWriter("h/1"), 5) == tally.CloseResult(
+        tally.ApplyCounts(applied=2), ("s1",), 1
     )
-    assert transport.are_completed("cp", ["a", "b"], 5) == [True, False]
-    assert transport.flush("h/1", 5) == 7
-    assert transport.close_writer("h/1", 5) == tally.CloseResult(tally.ApplyCounts(applied=2), ("s1",), 1)
-    status = transport.get_checkpoint("curation/run 42", 5)
-    assert transport.list_checkpoints(5) == [status]
+    status = transport.send(calls.GetCheckpoint("curation/run 42"), 5)
+    assert transport.send(calls.ListCheckpoints(), 5) == [status]
     transport.close()
 
     assert status.name == "curation/run 42" and status.unreadable_files == 1
@@ -272,7 +275,7 @@ def test_http_errors_map_to_sdk_errors(
     recorder.routes[("POST", "/v1/writers")] = (status, body)
     transport = HttpTransport(base)
     with pytest.raises(error) as info:
-        transport.open_writer(SPEC, 5)
+        transport.send(calls.OpenWriter(SPEC), 5)
     transport.close()
     assert type(info.value) is error
     if code is not None:
@@ -284,7 +287,7 @@ def test_http_errors_map_to_sdk_errors(
 def test_unreachable_http_coordinator_is_unavailable() -> None:
     transport = HttpTransport("http://127.0.0.1:1")
     with pytest.raises(tally.Unavailable, match="unreachable"):
-        transport.flush("h", 2)
+        transport.send(calls.Flush("h"), 2)
 
 
 def test_async_http_transport_runs_the_sync_one_in_threads(http_server: tuple[str, Recorder]) -> None:
@@ -292,14 +295,14 @@ def test_async_http_transport_runs_the_sync_one_in_threads(http_server: tuple[st
 
     async def main() -> None:
         transport = AsyncHttpTransport(HttpTransport(base))
-        assert (await transport.open_writer(SPEC, 5)).handle == "h/1"
-        assert await transport.keep_alive("h/1", 5) == 9.0
-        assert (await transport.apply_deltas("h/1", [("t", "s", 1)], 1, 5)).applied == 2
-        assert await transport.are_completed("cp", ["a", "b"], 5) == [True, False]
-        assert await transport.flush("h/1", 5) == 7
-        assert (await transport.close_writer("h/1", 5)).incomplete_count == 1
-        assert (await transport.get_checkpoint("curation/run 42", 5)).completed_count == 3
-        assert len(await transport.list_checkpoints(5)) == 1
+        assert (await transport.send(calls.OpenWriter(SPEC), 5)).handle == "h/1"
+        assert await transport.send(calls.KeepAlive("h/1"), 5) == 9.0
+        assert (await transport.send(calls.ApplyDeltas("h/1", [("t", "s", 1)], 1), 5)).applied == 2
+        assert await transport.send(calls.AreCompleted("cp", ["a", "b"]), 5) == [True, False]
+        assert await transport.send(calls.Flush("h/1"), 5) == 7
+        assert (await transport.send(calls.CloseWriter("h/1"), 5)).incomplete_count == 1
+        assert (await transport.send(calls.GetCheckpoint("curation/run 42"), 5)).completed_count == 3
+        assert len(await transport.send(calls.ListCheckpoints(), 5)) == 1
         await transport.close()
 
     asyncio.run(main())
@@ -334,22 +337,24 @@ def test_async_client_end_to_end_over_http(http_server: tuple[str, Recorder]) ->
 def test_status_routes_follow_the_json_contract(http_server: tuple[str, Recorder]) -> None:
     base, recorder = http_server
     transport = HttpTransport(base, token="tok")
-    (writer,) = transport.list_writers("a/b c", True, 5, 5)
+    (writer,) = transport.send(calls.ListWriters("a/b c", True, 5), 5)
     assert writer.state == "closed" and writer.closed_at == 3.5 and writer.labels == {"team": "x"}
-    page = transport.list_events("cp", 2, None, 5)
+    page = transport.send(calls.ListEvents("cp", 2, None), 5)
     assert page.events[0] == tally.Event(9, "cp", "anomaly", "m", 1.5, "w1", {"task_id": "t"})
     assert page.events[1].data == {} and page.events[1].writer_id == "" and page.next_before_id == 8
-    assert transport.list_events("cp", 2, 8, 5) == tally.EventPage((), None)
-    assert transport.get_progress("cp", 1.5, 5) == [
+    assert transport.send(calls.ListEvents("cp", 2, 8), 5) == tally.EventPage((), None)
+    assert transport.send(calls.GetProgress("cp", 1.5), 5) == [
         tally.ProgressSample(2.0, 1),
         tally.ProgressSample(3.0, 5),
     ]
-    assert transport.get_progress("cp", None, 5) == []
-    first = transport.list_completed("cp", "", 2, 5)
+    assert transport.send(calls.GetProgress("cp", None), 5) == []
+    first = transport.send(calls.ListCompleted("cp", "", 2), 5)
     assert (first.source_ids, first.next_after) == (("a", "b"), "b")
-    assert transport.list_completed("cp", "b", 2, 5).next_after == ""
-    assert transport.import_completed("cp", ["x", "y"], "imported-1", 5) == tally.ImportResult(2, 7)
-    assert transport.reset_checkpoint("cp", True, 5) == tally.ResetResult(".trash/cp/1", 2, 0)
+    assert transport.send(calls.ListCompleted("cp", "b", 2), 5).next_after == ""
+    assert transport.send(calls.ImportCompleted("cp", ["x", "y"], "imported-1"), 5) == tally.ImportResult(
+        2, 7
+    )
+    assert transport.send(calls.ResetCheckpoint("cp", True), 5) == tally.ResetResult(".trash/cp/1", 2, 0)
     transport.close()
     bodies = {path: body for method, path, _, body in recorder.requests if method == "POST"}
     assert bodies["/v1/import"] == {"checkpoint": "cp", "source_ids": ["x", "y"], "import_id": "imported-1"}
@@ -360,7 +365,7 @@ def test_status_routes_follow_the_json_contract(http_server: tuple[str, Recorder
 def test_watch_reads_server_sent_events(http_server: tuple[str, Recorder]) -> None:
     base, recorder = http_server
     transport = HttpTransport(base, token="tok")
-    statuses = list(transport.watch("cp", 250, 5))
+    statuses = list(transport.watch(calls.WatchCheckpoint("cp", 250), 5))
     assert [(s.name, s.completed_count) for s in statuses] == [("curation/run 42", 1), ("cp", 2)]
     assert statuses[0].writers[0].counts.completed == 3
     _, path, headers, _ = recorder.requests[-1]
@@ -392,12 +397,12 @@ def test_watch_errors_map_to_sdk_errors(
     base, recorder = http_server
     recorder.routes[("GET", "/v1/watch?checkpoint=x&interval_ms=1000")] = (status, payload)
     with pytest.raises(error, match=match):
-        list(HttpTransport(base).watch("x", 1000, 5))
+        list(HttpTransport(base).watch(calls.WatchCheckpoint("x", 1000), 5))
 
 
 def test_watch_of_an_unreachable_coordinator_is_unavailable() -> None:
     with pytest.raises(tally.Unavailable, match="unreachable"):
-        next(HttpTransport("http://127.0.0.1:1").watch("cp", 1000, 2))
+        next(HttpTransport("http://127.0.0.1:1").watch(calls.WatchCheckpoint("cp", 1000), 2))
 
 
 def test_a_quiet_stream_outlives_the_timeout_and_closes_from_another_thread(
@@ -409,7 +414,7 @@ def test_a_quiet_stream_outlives_the_timeout_and_closes_from_another_thread(
         200,
         SseBody(sse({"name": "q"}), hold),
     )
-    stream = HttpTransport(base).event_stream("q", 1000, 0.2)
+    stream = HttpTransport(base).event_stream(calls.WatchCheckpoint("q", 1000), 0.2)
     stream.open()
     assert next(stream).name == "q"
     got: list[object] = []
@@ -433,15 +438,18 @@ def test_async_watch_over_http(http_server: tuple[str, Recorder]) -> None:
 
     async def main() -> None:
         transport = AsyncHttpTransport(HttpTransport(base))
-        assert [s.completed_count async for s in transport.watch("cp", 250, 5)] == [1, 2]
-        assert len(await transport.list_writers("a/b c", True, 5, 5)) == 1
-        assert (await transport.list_events("cp", 2, None, 5)).next_before_id == 8
-        assert len(await transport.get_progress("cp", 1.5, 5)) == 2
-        assert (await transport.list_completed("cp", "b", 2, 5)).source_ids == ("c",)
-        assert (await transport.import_completed("cp", ["x"], "i", 5)).completed_count == 7
-        assert (await transport.reset_checkpoint("cp", False, 5)).moved_to == ".trash/cp/1"
+        assert [s.completed_count async for s in transport.watch(calls.WatchCheckpoint("cp", 250), 5)] == [
+            1,
+            2,
+        ]
+        assert len(await transport.send(calls.ListWriters("a/b c", True, 5), 5)) == 1
+        assert (await transport.send(calls.ListEvents("cp", 2, None), 5)).next_before_id == 8
+        assert len(await transport.send(calls.GetProgress("cp", 1.5), 5)) == 2
+        assert (await transport.send(calls.ListCompleted("cp", "b", 2), 5)).source_ids == ("c",)
+        assert (await transport.send(calls.ImportCompleted("cp", ["x"], "i"), 5)).completed_count == 7
+        assert (await transport.send(calls.ResetCheckpoint("cp", False), 5)).moved_to == ".trash/cp/1"
         # Cancelling a task blocked on a quiet stream ends it promptly (the socket is shut down).
-        stream = transport.watch("q", 100, 5)
+        stream = transport.watch(calls.WatchCheckpoint("q", 100), 5)
         assert (await anext(stream)).completed_count == 4
         task = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.2)

@@ -165,7 +165,7 @@ def test_not_found_on_a_heartbeat_is_a_lost_lease(caplog: pytest.LogCaptureFixtu
     w = client.writer("cp")
     with caplog.at_level(logging.WARNING, logger="tally"):
         w.open()
-        wait_state(w, lambda: w._lease_lost)
+        wait_state(w, lambda: w._core.lease_lost)
     assert fake.count("keep_alive") == 2
     assert any("lost its lease" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
     with pytest.raises(tally.LeaseLost, match="lost its lease"):

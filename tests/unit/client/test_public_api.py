@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -38,7 +39,8 @@ EXPECTED_ALL = [
     "WriterStatus",
 ]
 
-FORBIDDEN = ("tally_server", "fastapi", "ray", "sqlalchemy")
+# The server, Ray, and the [cli] extra (typer, rich, lmdb) are never loaded by `import tally`.
+FORBIDDEN = ("tally_server", "fastapi", "ray", "sqlalchemy", "typer", "click", "rich", "lmdb")
 
 
 def test_all_is_pinned_and_sorted() -> None:
@@ -50,6 +52,8 @@ def test_all_is_pinned_and_sorted() -> None:
 
 def test_version() -> None:
     assert tally.__version__ == "0.1.0"
+    # The distribution is tally-client (PyPI's "tally" is another project); the versions agree.
+    assert importlib.metadata.version("tally-client") == tally.__version__
 
 
 def test_every_exported_exception_is_a_tally_error() -> None:

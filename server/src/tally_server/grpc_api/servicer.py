@@ -76,7 +76,7 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
     )
 
 
-class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, service: CoordinatorService) -> None:
         self._service = service
 

@@ -18,6 +18,16 @@ from pathlib import Path
 
 import lmdb
 
+from tally.integrations import nemo_format
+from tally.integrations.nemo_format import (
+    DAMAGE_ERRORS,
+    FILE_SUFFIX,
+    METADATA_DIRNAME,
+    NEMO_MAP_SIZE,
+    READ_ERRORS,
+    describe_error,
+    fsync_dir,
+)
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
@@ -28,17 +38,7 @@ from tally_server.domain.ports import (
     QuarantinedFile,
     UnreadableFile,
 )
-from tally_server.store import nemo_format
 from tally_server.store.file_handles import HandleCache, OpenFile
-from tally_server.store.nemo_format import (
-    DAMAGE_ERRORS,
-    FILE_SUFFIX,
-    METADATA_DIRNAME,
-    NEMO_MAP_SIZE,
-    READ_ERRORS,
-    describe_error,
-    fsync_dir,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,12 @@
 """NeMo Curator 1.4.0's completion-file format: the one implementation in Tally (DESIGN §3).
 
 A completion file is an LMDB environment in one file (``subdir=False``) with one named database
-``b"completed_sources"``: key = source id (UTF-8), value ``b"1"``. The store
-(``lmdb_files.py``) and the offline commands (``tally inspect``, ``import``, ``export``) all go
-through these functions, so open flags, the database name, the damage checks and map growth
-exist once.
+``b"completed_sources"``: key = source id (UTF-8), value ``b"1"``. The coordinator's store
+(``tally_server.store.lmdb_files``) and the operator commands (``tally inspect``, ``import``,
+``export``) all go through these functions, so open flags, the database name, the damage checks
+and map growth exist once. It lives in the SDK because those commands ship with it
+(``tally-client[cli]``, which brings ``lmdb``) and the SDK never imports the server; the server
+depends on the SDK anyway. ``import tally`` does not import this module.
 
 Two rules go beyond what NeMo Curator itself does, because Tally serves many runs from one
 process and must neither lose nor invent completions:

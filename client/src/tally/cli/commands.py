@@ -1,153 +1,39 @@
-"""The operator commands of ``tally``: status, watch, writers, events, export, import, reset, inspect.
+"""Operator commands over a running coordinator: status, watch, writers, events, reset.
 
-Every command but ``inspect`` talks to a running coordinator through the SDK (``tally.Client``),
-exactly as any other client would; ``inspect`` reads a NeMo Curator folder offline. SDK errors
-become one red line on stderr and exit code 1.
+Each talks to the coordinator through the SDK (``tally.Client``), exactly as any other client.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import datetime
-import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import lmdb
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 import tally
-from tally_server.store import nemo_format
-from tally_server.store.nemo_format import FILE_SUFFIX, METADATA_DIRNAME
+from tally._config import DEFAULT_ADDRESS, DEFAULT_TIMEOUT
+from tally.cli.common import (
+    Address,
+    Timeout,
+    Token,
+    age,
+    clock,
+    connect,
+    duration,
+    fail,
+    out,
+    pairs,
+    writers_table,
+)
 
-EXPORT_FILENAME = "tally-export.mdb"
 # Window over which `tally watch` measures the completion rate.
 _RATE_WINDOW_S = 60.0
-
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-Address = Annotated[
-    str,
-    typer.Option(
-        "--address",
-        envvar="TALLY_ADDRESS",
-        help="Coordinator: host:port or grpc://, grpcs://, http://, https:// [TALLY_ADDRESS].",
-    ),
-]
-Token = Annotated[
-    str | None, typer.Option("--token", envvar="TALLY_TOKEN", help="Bearer token [TALLY_TOKEN].")
-]
-Timeout = Annotated[
-    float,
-    typer.Option(
-        "--timeout",
-        envvar="TALLY_TIMEOUT",
-        min=0.001,
-        help="Seconds to wait for the coordinator [TALLY_TIMEOUT].",
-    ),
-]
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_TIMEOUT = 30.0
-
-
-def fail(message: str) -> typer.Exit:
-    """Print ``message`` as one red line on stderr; return the exit to raise."""
-    err.print(f"error: {message}", style="red", markup=False)
-    return typer.Exit(1)
-
-
-def warn(message: str) -> None:
-    err.print(f"warning: {message}", style="yellow", markup=False)
-
-
-@contextlib.contextmanager
-def connect(address: str, token: str | None, timeout: float) -> Iterator[tally.Client]:
-    """A client of the coordinator whose errors end the command with one red line."""
-    try:
-        client = tally.Client(address, token=token, timeout=timeout)
-    except ValueError as exc:  # an address the SDK cannot parse
-        raise fail(str(exc)) from None
-    try:
-        with client:
-            yield client
-    except tally.TallyError as exc:
-        raise fail(exc.message) from None
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def age(at: float, now: float | None = None) -> str:
-    """``at`` (epoch seconds) as a short age, e.g. ``"3m 12s ago"``; ``"-"`` when unset."""
-    if at <= 0:
-        return "-"
-    seconds = max(0, int((time.time() if now is None else now) - at))
-    if seconds < 60:
-        text = f"{seconds}s"
-    elif seconds < 3600:
-        text = f"{seconds // 60}m {seconds % 60}s"
-    elif seconds < 86400:
-        text = f"{seconds // 3600}h {seconds % 3600 // 60}m"
-    else:
-        text = f"{seconds // 86400}d {seconds % 86400 // 3600}h"
-    return f"{text} ago"
-
-
-def clock(at: float) -> str:
-    """Epoch seconds as local ISO time to the second; ``"-"`` when unset."""
-    if at <= 0:
-        return "-"
-    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec="seconds")
-
-
-def pairs(mapping: Mapping[str, Any]) -> str:
-    """``k=v k=v`` in key order; nested values as compact JSON."""
-
-    def text(value: Any) -> str:
-        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), default=str)
-
-    return " ".join(f"{k}={text(v)}" for k, v in sorted(mapping.items()))
-
-
-def duration(seconds: float) -> str:
-    if seconds < 1:
-        return "<1s"
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m {seconds % 60}s"
-    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
-
-
-def writers_table(
-    writers: Iterable[tally.WriterStatus], *, closed: bool = False, title: str | None = None
-) -> Table:
-    table = Table(title=title, title_justify="left")
-    for name in ("writer", "host", "pid", "labels", "state", "opened", "heartbeat"):
-        table.add_column(name)
-    if closed:
-        table.add_column("closed")
-    for name in ("pending", "applied", "completions"):
-        table.add_column(name, justify="right")
-    for w in writers:
-        row = [w.writer_id, w.host, str(w.pid), pairs(w.labels), w.state, age(w.opened_at)]
-        row.append(age(w.last_seen_at))
-        if closed:
-            row.append(age(w.closed_at))
-        row += [str(w.pending_sources), str(w.counts.applied), str(w.counts.completed)]
-        table.add_row(*row)
-    return table
 
 
 # --------------------------------------------------------------------------- status
@@ -352,115 +238,6 @@ def events(
         out.print(f"older events: tally events {checkpoint} --before {page.next_before_id}")
 
 
-# --------------------------------------------------------------------------- NeMo folders
-
-
-@dataclass
-class MdbFile:
-    path: Path
-    sources: set[str]
-    error: str | None = None
-
-
-def metadata_dir(folder: Path) -> Path:
-    """The ``.nemo_curator_metadata`` folder of ``folder``, or ``folder`` itself if it is one."""
-    if folder.name == METADATA_DIRNAME and folder.is_dir():
-        return folder
-    return folder / METADATA_DIRNAME
-
-
-def read_folder(folder: Path) -> list[MdbFile]:
-    """Every ``*.mdb`` of a NeMo-format folder; unreadable ones carry their error.
-
-    Read as the coordinator reads them: a damaged file, a link or anything else that is not a
-    regular file is unreadable (never counted), and only a file without the completions database
-    counts as empty.
-    """
-    meta = metadata_dir(folder)
-    if not meta.is_dir():
-        raise fail(f"{folder} is not a NeMo Curator checkpoint folder: {meta} does not exist")
-    files = []
-    for path in sorted(meta.glob(f"*{FILE_SUFFIX}")):
-        try:
-            files.append(MdbFile(path, nemo_format.read_file(path)))
-        except nemo_format.READ_ERRORS as exc:
-            files.append(MdbFile(path, set(), nemo_format.describe_error(exc, path)))
-    return files
-
-
-def inspect(
-    folder: Annotated[
-        Path, typer.Argument(help="A NeMo Curator checkpoint folder (or its metadata folder).")
-    ],
-) -> None:
-    """Offline: completed count, per-file counts and unreadable files of a NeMo-format folder."""
-    files = read_folder(folder)
-    readable = [f for f in files if f.error is None]
-    completed = set().union(*(f.sources for f in readable))
-    table = Table()
-    table.add_column("file")
-    table.add_column("sources", justify="right")
-    table.add_column("status")
-    for f in files:
-        state = Text("ok") if f.error is None else Text(f"unreadable: {f.error}", style="red")
-        table.add_row(f.path.name, "-" if f.error else str(len(f.sources)), state)
-    out.print(f"folder: {metadata_dir(folder)}")
-    out.print(f"completed sources: {len(completed)} (union of {len(readable)} readable files)")
-    out.print(f"files: {len(files)}, unreadable: {len(files) - len(readable)}")
-    if files:
-        out.print(table)
-
-
-def import_(
-    folder: Annotated[Path, typer.Argument(help="A folder NeMo Curator wrote (checkpoint_path).")],
-    checkpoint: Annotated[str, typer.Option("--as", help="Checkpoint to import into.")],
-    address: Address = DEFAULT_ADDRESS,
-    token: Token = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
-) -> None:
-    """Adopt the completed sources of a NeMo Curator folder into a checkpoint."""
-    files = read_folder(folder)
-    ids: set[str] = set()
-    for f in files:
-        if f.error is not None:
-            warn(f"skipping unreadable {f.path}: {f.error}")
-        else:
-            ids |= f.sources
-    if not any(f.error is None for f in files):
-        raise fail(f"no readable *.mdb files in {metadata_dir(folder)}; nothing to import")
-    import_id = f"imported-{int(time.time())}"
-    with connect(address, token, timeout) as client:
-        result = client.import_completed(checkpoint, sorted(ids), import_id=import_id)
-    out.print(
-        f"imported {result.imported} new of {len(ids)} completed sources into {checkpoint} "
-        f"(file {import_id}.mdb); completed count now {result.completed_count}"
-    )
-
-
-def export(
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint name.")],
-    folder: Annotated[Path, typer.Argument(help="Folder to write; NeMo Curator resumes from it.")],
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export.")] = False,
-    address: Address = DEFAULT_ADDRESS,
-    token: Token = None,
-    timeout: Timeout = DEFAULT_TIMEOUT,
-) -> None:
-    """Write a checkpoint's completed set as a folder that plain NeMo Curator resumes from."""
-    meta = metadata_dir(folder)
-    target = meta / EXPORT_FILENAME
-    if target.exists() and not overwrite:
-        raise fail(f"{target} exists; pass --overwrite to replace it")
-    with connect(address, token, timeout) as client:
-        client.checkpoint(checkpoint)  # an unknown checkpoint is refused before anything is created
-        meta.mkdir(parents=True, exist_ok=True)
-        try:
-            # Built aside and renamed into place: a failed export never leaves a half-written file.
-            count = nemo_format.create_file(target, client.completed(checkpoint), replace=True)
-        except (lmdb.Error, OSError) as exc:
-            raise fail(f"cannot write {target}: {nemo_format.describe_error(exc, target)}") from None
-    out.print(f"exported {count} completed sources of {checkpoint} to {target}")
-
-
 # --------------------------------------------------------------------------- reset
 
 
@@ -496,15 +273,3 @@ def reset(
         f"reset {checkpoint}: moved {result.files_moved} files to {result.moved_to or '(nothing to move)'} "
         f"in the server's data directory; closed {result.writers_closed} live writers"
     )
-
-
-def register(app: typer.Typer) -> None:
-    """Add the operator commands to the ``tally`` command."""
-    app.command()(status)
-    app.command()(watch)
-    app.command()(writers)
-    app.command()(events)
-    app.command()(export)
-    app.command(name="import")(import_)
-    app.command()(reset)
-    app.command()(inspect)

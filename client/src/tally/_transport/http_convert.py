@@ -1,15 +1,21 @@
-"""Wire <-> public type conversion: the only module that touches protobuf fields or JSON shapes.
+"""HTTP/JSON wire <-> public types: the only module that knows the ``/v1`` JSON shapes.
 
-Responses are read defensively (missing fields take the proto3 zero value) so that a newer
-server adding fields, or an HTTP server omitting defaults, does not break the client.
+:data:`ROUTES` maps each call description to its HTTP method and path (query string included),
+its JSON body and the reader of the answer. Readers take the parsed JSON body and read it
+defensively (a missing member takes the proto3 zero value) so that a newer server adding members,
+or one omitting defaults, still reads; a body of the wrong shape raises KeyError, TypeError or
+ValueError, which the transport reports as ``Internal``.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
 
+from tally import _calls as calls
+from tally._calls import Call
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
@@ -25,222 +31,37 @@ from tally._types import (
     WriterSpec,
     WriterStatus,
 )
-from tally.v1 import coordinator_pb2 as pb
 
-# --------------------------------------------------------------------------- protobuf requests
+C = TypeVar("C", bound=Call[Any])
+T = TypeVar("T")
 
 
-def open_writer_request(spec: WriterSpec) -> Any:
-    return pb.OpenWriterRequest(
-        checkpoint=spec.checkpoint,
-        writer_id=spec.writer_id,
-        fingerprint=dict(spec.fingerprint),
-        labels=dict(spec.labels),
-        host=spec.host,
-        pid=spec.pid,
-        on_mismatch=_ON_MISMATCH_PB[spec.on_mismatch],
-    )
+@dataclass(frozen=True)
+class Route(Generic[C, T]):
+    """How one call description travels over HTTP: ``path`` includes the query string."""
 
+    method: str
+    path: Callable[[C], str]
+    body: Callable[[C], dict[str, Any] | None]
+    read: Callable[[Any], T]
 
-_ON_MISMATCH_PB = {
-    "refuse": pb.ON_MISMATCH_REFUSE,
-    "reset": pb.ON_MISMATCH_RESET,
-    "ignore": pb.ON_MISMATCH_IGNORE,
-}
 
+def route(call: Call[T]) -> Route[Call[T], T]:
+    """The route of ``call``'s operation."""
+    return cast("Route[Call[T], T]", ROUTES[type(call)])
 
-def keep_alive_request(handle: str) -> Any:
-    return pb.KeepAliveRequest(handle=handle)
 
+def _query(path: str, query: Mapping[str, str]) -> str:
+    return f"{path}?{urllib.parse.urlencode(query)}"
 
-def apply_deltas_request(handle: str, deltas: Sequence[Delta], batch_seq: int) -> Any:
-    return pb.ApplyDeltasRequest(
-        handle=handle,
-        deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in deltas],
-        batch_seq=batch_seq,
-    )
 
+def writer_path(handle: str, action: str) -> str:
+    return f"/v1/writers/{urllib.parse.quote(handle, safe='')}/{action}"
 
-def are_completed_request(checkpoint: str, source_ids: Sequence[str]) -> Any:
-    return pb.AreCompletedRequest(checkpoint=checkpoint, source_ids=list(source_ids))
 
-
-def flush_request(handle: str) -> Any:
-    return pb.FlushRequest(handle=handle)
-
-
-def close_writer_request(handle: str) -> Any:
-    return pb.CloseWriterRequest(handle=handle)
-
-
-def get_checkpoint_request(name: str) -> Any:
-    return pb.GetCheckpointRequest(name=name)
-
-
-def list_checkpoints_request() -> Any:
-    return pb.ListCheckpointsRequest()
-
-
-def list_writers_request(checkpoint: str, include_closed: bool, limit: int) -> Any:
-    return pb.ListWritersRequest(checkpoint=checkpoint, include_closed=include_closed, limit=limit)
-
-
-def list_events_request(checkpoint: str, limit: int, before_id: int | None) -> Any:
-    return pb.ListEventsRequest(checkpoint=checkpoint, limit=limit, before_id=before_id or 0)
-
-
-def get_progress_request(checkpoint: str, since: float | None) -> Any:
-    return pb.GetProgressRequest(checkpoint=checkpoint, since=since or 0.0)
-
-
-def watch_request(checkpoint: str, interval_ms: int) -> Any:
-    return pb.WatchCheckpointRequest(checkpoint=checkpoint, interval_ms=interval_ms)
-
-
-def list_completed_request(checkpoint: str, after: str, limit: int) -> Any:
-    return pb.ListCompletedRequest(checkpoint=checkpoint, after=after, limit=limit)
-
-
-def import_completed_request(checkpoint: str, source_ids: Sequence[str], import_id: str) -> Any:
-    return pb.ImportCompletedRequest(checkpoint=checkpoint, source_ids=list(source_ids), import_id=import_id)
-
-
-def reset_request(name: str, force: bool) -> Any:
-    return pb.ResetCheckpointRequest(name=name, force=force)
-
-
-# --------------------------------------------------------------------------- protobuf responses
-
-
-def opened_from_pb(msg: Any) -> OpenedWriter:
-    return OpenedWriter(
-        handle=str(msg.handle),
-        writer_id=str(msg.writer_id),
-        lease_ttl_s=float(msg.lease_ttl_s),
-        completed_count=int(msg.completed_count),
-        settle_ms=int(msg.settle_ms),
-    )
-
-
-def lease_ttl_from_pb(msg: Any) -> float:
-    return float(msg.lease_ttl_s)
-
-
-def counts_from_pb(msg: Any) -> ApplyCounts:
-    return ApplyCounts(
-        applied=int(msg.applied),
-        skipped=int(msg.skipped),
-        rewritten=int(msg.rewritten),
-        anomalies=int(msg.anomalies),
-        completed=int(msg.completed),
-    )
-
-
-def apply_counts_from_pb(msg: Any) -> ApplyCounts:
-    return counts_from_pb(msg.counts)
-
-
-def completed_from_pb(msg: Any) -> list[bool]:
-    return [bool(b) for b in msg.completed]
-
-
-def flushed_from_pb(msg: Any) -> int:
-    return int(msg.completed)
-
-
-def close_result_from_pb(msg: Any) -> CloseResult:
-    return CloseResult(
-        counts=counts_from_pb(msg.counts),
-        incomplete_sources=tuple(str(s) for s in msg.incomplete_sources),
-        incomplete_count=int(msg.incomplete_count),
-    )
-
-
-def writer_status_from_pb(msg: Any) -> WriterStatus:
-    return WriterStatus(
-        writer_id=str(msg.writer_id),
-        host=str(msg.host),
-        pid=int(msg.pid),
-        labels={str(k): str(v) for k, v in msg.labels.items()},
-        state=str(msg.state),
-        pending_sources=int(msg.pending_sources),
-        counts=counts_from_pb(msg.counts),
-        opened_at=float(msg.opened_at),
-        last_seen_at=float(msg.last_seen_at),
-        closed_at=float(msg.closed_at),
-    )
-
-
-def checkpoint_from_pb(msg: Any) -> CheckpointStatus:
-    return CheckpointStatus(
-        name=str(msg.name),
-        completed_count=int(msg.completed_count),
-        live_writers=int(msg.live_writers),
-        pending_sources=int(msg.pending_sources),
-        settling_sources=int(msg.settling_sources),
-        anomalies=int(msg.anomalies),
-        unreadable_files=int(msg.unreadable_files),
-        created_at=float(msg.created_at),
-        last_activity_at=float(msg.last_activity_at),
-        writers=tuple(writer_status_from_pb(w) for w in msg.writers),
-        fingerprint={str(k): str(v) for k, v in msg.fingerprint.items()},
-    )
-
-
-def checkpoints_from_pb(msg: Any) -> list[CheckpointStatus]:
-    return [checkpoint_from_pb(c) for c in msg.checkpoints]
-
-
-def writers_from_pb(msg: Any) -> list[WriterStatus]:
-    return [writer_status_from_pb(w) for w in msg.writers]
-
-
-def event_data(text: str) -> dict[str, Any]:
-    """Decode an event's ``data_json``; what is not a JSON object is kept rather than lost."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"raw": text}
-    return value if isinstance(value, dict) else {"value": value}
-
-
-def event_from_pb(msg: Any) -> Event:
-    return Event(
-        id=int(msg.id),
-        checkpoint=str(msg.checkpoint),
-        kind=str(msg.kind),
-        message=str(msg.message),
-        at=float(msg.at),
-        writer_id=str(msg.writer_id),
-        data=event_data(str(msg.data_json)),
-    )
-
-
-def event_page_from_pb(msg: Any) -> EventPage:
-    # The wire says 0 for "no further page"; users get None, which cannot be mistaken for an id.
-    return EventPage(
-        events=tuple(event_from_pb(e) for e in msg.events), next_before_id=int(msg.next_before_id) or None
-    )
-
-
-def progress_from_pb(msg: Any) -> list[ProgressSample]:
-    return [ProgressSample(at=float(p.at), completed_count=int(p.completed_count)) for p in msg.samples]
-
-
-def completed_page_from_pb(msg: Any) -> CompletedPage:
-    return CompletedPage(source_ids=tuple(str(s) for s in msg.source_ids), next_after=str(msg.next_after))
-
-
-def import_result_from_pb(msg: Any) -> ImportResult:
-    return ImportResult(imported=int(msg.imported), completed_count=int(msg.completed_count))
-
-
-def reset_result_from_pb(msg: Any) -> ResetResult:
-    return ResetResult(
-        moved_to=str(msg.moved_to), files_moved=int(msg.files_moved), writers_closed=int(msg.writers_closed)
-    )
+def checkpoint_path(name: str) -> str:
+    # Checkpoint names are paths like "curation/run-42": keep "/" and quote the rest.
+    return f"/v1/checkpoints/{urllib.parse.quote(name, safe='/')}"
 
 
 # --------------------------------------------------------------------------- JSON requests
@@ -279,7 +100,7 @@ def reset_body(name: str, force: bool) -> dict[str, Any]:
     return {"name": name, "force": force}
 
 
-# Query strings of the GET routes (values are strings; the transport URL-encodes them).
+# Query strings of the GET routes (values are strings; _query URL-encodes them).
 
 
 def list_writers_query(checkpoint: str, include_closed: bool, limit: int) -> dict[str, str]:
@@ -304,8 +125,8 @@ def get_progress_query(checkpoint: str, since: float | None) -> dict[str, str]:
     return query
 
 
-def watch_query(checkpoint: str, interval_ms: int) -> dict[str, str]:
-    return {"checkpoint": checkpoint, "interval_ms": str(interval_ms)}
+def watch_path(call: calls.WatchCheckpoint) -> str:
+    return _query("/v1/watch", {"checkpoint": call.checkpoint, "interval_ms": str(call.interval_ms)})
 
 
 def list_completed_query(checkpoint: str, after: str, limit: int) -> dict[str, str]:
@@ -472,3 +293,78 @@ def reset_result_from_json(body: Any) -> ResetResult:
         files_moved=int(obj.get("files_moved", 0)),
         writers_closed=int(obj.get("writers_closed", 0)),
     )
+
+
+# --------------------------------------------------------------------------- the table
+
+ROUTES: dict[type[Call[Any]], Route[Any, Any]] = {}
+
+
+def _add(
+    call: type[C],
+    method: str,
+    path: Callable[[C], str],
+    read: Callable[[Any], T],
+    body: Callable[[C], dict[str, Any] | None] | None = None,
+) -> None:
+    ROUTES[call] = Route(method, path, body or (lambda c: None), read)
+
+
+_add(calls.OpenWriter, "POST", lambda c: "/v1/writers", opened_from_json, lambda c: open_writer_body(c.spec))
+_add(calls.KeepAlive, "POST", lambda c: writer_path(c.handle, "keepalive"), lease_ttl_from_json)
+_add(
+    calls.ApplyDeltas,
+    "POST",
+    lambda c: writer_path(c.handle, "deltas"),
+    apply_counts_from_json,
+    lambda c: apply_deltas_body(c.deltas, c.batch_seq),
+)
+_add(
+    calls.AreCompleted,
+    "POST",
+    lambda c: "/v1/are-completed",
+    completed_from_json,
+    lambda c: are_completed_body(c.checkpoint, c.source_ids),
+)
+_add(calls.Flush, "POST", lambda c: writer_path(c.handle, "flush"), flushed_from_json)
+_add(calls.CloseWriter, "POST", lambda c: writer_path(c.handle, "close"), close_result_from_json)
+_add(calls.GetCheckpoint, "GET", lambda c: checkpoint_path(c.name), checkpoint_from_json)
+_add(calls.ListCheckpoints, "GET", lambda c: "/v1/checkpoints", checkpoints_from_json)
+_add(
+    calls.ListWriters,
+    "GET",
+    lambda c: _query("/v1/writers", list_writers_query(c.checkpoint, c.include_closed, c.limit)),
+    writers_from_json,
+)
+_add(
+    calls.ListEvents,
+    "GET",
+    lambda c: _query("/v1/events", list_events_query(c.checkpoint, c.limit, c.before_id)),
+    event_page_from_json,
+)
+_add(
+    calls.GetProgress,
+    "GET",
+    lambda c: _query("/v1/progress", get_progress_query(c.checkpoint, c.since)),
+    progress_from_json,
+)
+_add(
+    calls.ListCompleted,
+    "GET",
+    lambda c: _query("/v1/completed", list_completed_query(c.checkpoint, c.after, c.limit)),
+    completed_page_from_json,
+)
+_add(
+    calls.ImportCompleted,
+    "POST",
+    lambda c: "/v1/import",
+    import_result_from_json,
+    lambda c: import_completed_body(c.checkpoint, c.source_ids, c.import_id),
+)
+_add(
+    calls.ResetCheckpoint,
+    "POST",
+    lambda c: "/v1/reset",
+    reset_result_from_json,
+    lambda c: reset_body(c.name, c.force),
+)

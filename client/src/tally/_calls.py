@@ -1,0 +1,322 @@
+"""Call descriptions: what each coordinator operation sends and how the SDK treats it. No I/O.
+
+httpx builds a request without I/O and sends it through one ``send`` per flavour; the SDK does the
+same. A call description is a frozen record of one operation and its arguments, typed by what its
+answer reads as (``Call[T]``), with the sentence that names it in errors and whether it may be
+retried. Each wire maps descriptions to its own requests and reads the answers
+(``_transport/grpc_convert.py``, ``_transport/http_convert.py``); each flavour sends them through
+one function (``_retry.send`` / ``_retry.async_send``).
+
+Operations made of several calls (chunked queries, batched imports, a reset whose lost answer must
+not be retried) are *plans*: generators that yield calls, receive their answers (or their errors,
+thrown in) and return the result. :func:`drive` and :func:`async_drive` run a plan; the plan itself
+is written once for both flavours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Delta,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
+from tally.errors import InvalidArgument, TallyError, Unavailable
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+# Queries are split so that one huge list stays well under the server's ids-per-query limit
+# (100 000 by default) and under gRPC's message size limit.
+ARE_COMPLETED_CHUNK = 10_000
+# Ids per ImportCompleted call: well under the server's ids-per-call limit and gRPC's message cap.
+IMPORT_CHUNK = 50_000
+
+
+class Call(Generic[T_co]):
+    """One call of a coordinator operation whose answer reads as ``T_co``."""
+
+    #: Whether an ``Unavailable`` answer may be retried within the caller's deadline.
+    retry: ClassVar[bool] = True
+
+    @property
+    def what(self) -> str:
+        """The operation in words, for error messages (``"list writers of 'cp'"``)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class OpenWriter(Call[OpenedWriter]):
+    spec: WriterSpec
+
+    @property
+    def what(self) -> str:
+        return f"open writer {self.spec.writer_id!r} on checkpoint {self.spec.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class KeepAlive(Call[float]):
+    """Answers the lease TTL in seconds."""
+
+    handle: str
+
+    @property
+    def what(self) -> str:
+        return "keep-alive"
+
+
+@dataclass(frozen=True)
+class ApplyDeltas(Call[ApplyCounts]):
+    """``batch_seq`` numbers the writer's batches; a resent batch carries its first number."""
+
+    handle: str
+    deltas: Sequence[Delta]
+    batch_seq: int
+
+    @property
+    def what(self) -> str:
+        return f"batch {self.batch_seq} ({len(self.deltas)} deltas)"
+
+
+@dataclass(frozen=True)
+class AreCompleted(Call[list[bool]]):
+    checkpoint: str
+    source_ids: Sequence[str]
+
+    @property
+    def what(self) -> str:
+        return f"are_completed({self.checkpoint!r}, {len(self.source_ids)} ids)"
+
+
+@dataclass(frozen=True)
+class Flush(Call[int]):
+    """Answers the writer's durable completions so far. ``writer_id`` only names it in errors."""
+
+    handle: str
+    writer_id: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"flush writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class CloseWriter(Call[CloseResult]):
+    """``writer_id`` only names the writer in errors."""
+
+    handle: str
+    writer_id: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"close writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class GetCheckpoint(Call[CheckpointStatus]):
+    name: str
+
+    @property
+    def what(self) -> str:
+        return f"get checkpoint {self.name!r}"
+
+
+@dataclass(frozen=True)
+class ListCheckpoints(Call[list[CheckpointStatus]]):
+    @property
+    def what(self) -> str:
+        return "list checkpoints"
+
+
+@dataclass(frozen=True)
+class ListWriters(Call[list[WriterStatus]]):
+    checkpoint: str
+    include_closed: bool
+    limit: int
+
+    @property
+    def what(self) -> str:
+        return f"list writers of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ListEvents(Call[EventPage]):
+    checkpoint: str
+    limit: int
+    before_id: int | None
+
+    @property
+    def what(self) -> str:
+        return f"list events of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class GetProgress(Call[list[ProgressSample]]):
+    checkpoint: str
+    since: float | None
+
+    @property
+    def what(self) -> str:
+        return f"get progress of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ListCompleted(Call[CompletedPage]):
+    """Completed ids strictly after ``after`` in byte order, at most ``limit`` of them."""
+
+    checkpoint: str
+    after: str
+    limit: int
+
+    @property
+    def what(self) -> str:
+        return f"list completed ids of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ImportCompleted(Call[ImportResult]):
+    checkpoint: str
+    source_ids: Sequence[str]
+    import_id: str
+
+    @property
+    def what(self) -> str:
+        return f"import {len(self.source_ids)} ids into {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ResetCheckpoint(Call[ResetResult]):
+    """Never retried: a reset whose answer was lost may have happened, and a second one would
+    move files written since."""
+
+    retry: ClassVar[bool] = False
+    name: str
+    force: bool
+
+    @property
+    def what(self) -> str:
+        return f"reset of {self.name!r}"
+
+
+@dataclass(frozen=True)
+class WatchCheckpoint:
+    """The one stream: status snapshots of a checkpoint, at most one per ``interval_ms``."""
+
+    checkpoint: str
+    interval_ms: int
+
+
+# --------------------------------------------------------------------------- plans
+
+#: Yields calls, is sent their answers (errors are thrown in), returns ``T``.
+Plan = Generator[Call[Any], Any, T]
+
+
+def single(call: Call[T]) -> Plan[T]:
+    """The plan of one call."""
+    answer: T = yield call
+    return answer
+
+
+def source_id_chunks(ids: Iterable[str]) -> list[list[str]]:
+    """Validate ``ids`` locally (strings only) and split them into query-sized chunks.
+
+    Raises:
+        InvalidArgument: ``ids`` is a single string or holds something that is not a string.
+    """
+    if isinstance(ids, str | bytes):
+        # A lone string would be iterated character by character: almost surely a mistake.
+        raise InvalidArgument(f"source ids must be a list of strings, not a single {type(ids).__name__}")
+    items = list(ids)
+    for i, sid in enumerate(items):
+        if not isinstance(sid, str):
+            raise InvalidArgument(f"source_ids[{i}] is {type(sid).__name__} {sid!r}; source ids are strings")
+    return [items[i : i + ARE_COMPLETED_CHUNK] for i in range(0, len(items), ARE_COMPLETED_CHUNK)]
+
+
+def are_completed(checkpoint: str, ids: Iterable[str]) -> Plan[list[bool]]:
+    """Chunked query; the ids are checked now, before any call (each chunk is one call)."""
+    return _are_completed(checkpoint, source_id_chunks(ids))
+
+
+def _are_completed(checkpoint: str, chunks: list[list[str]]) -> Plan[list[bool]]:
+    answer: list[bool] = []
+    for chunk in chunks:
+        answer += yield AreCompleted(checkpoint, chunk)
+    return answer
+
+
+def import_completed(checkpoint: str, source_ids: Iterable[str], import_id: object) -> Plan[ImportResult]:
+    """Import in calls of at most :data:`IMPORT_CHUNK` ids; arguments are checked now."""
+    if not isinstance(import_id, str) or not import_id:
+        raise InvalidArgument(f"import_id must be a non-empty string, got {import_id!r}")
+    # Duplicates removed so that the per-call "imported" counts add up exactly.
+    ids = list(dict.fromkeys(sid for chunk in source_id_chunks(source_ids) for sid in chunk))
+    batches = [ids[i : i + IMPORT_CHUNK] for i in range(0, len(ids), IMPORT_CHUNK)] or [[]]
+    return _import_completed(checkpoint, batches, import_id)
+
+
+def _import_completed(checkpoint: str, batches: list[list[str]], import_id: str) -> Plan[ImportResult]:
+    imported, result = 0, ImportResult(0, 0)
+    for batch in batches:
+        result = yield ImportCompleted(checkpoint, batch, import_id)
+        imported += result.imported
+    return ImportResult(imported=imported, completed_count=result.completed_count)
+
+
+def reset(name: str, force: bool) -> Plan[ResetResult]:
+    """A reset, with what a lost answer means spelled out (see :class:`ResetCheckpoint`)."""
+    try:
+        result: ResetResult = yield ResetCheckpoint(name, force)
+    except Unavailable as err:
+        raise Unavailable(
+            f"reset of {name!r} got no answer ({err.message}); it may or may not have happened: "
+            f"check the checkpoint's status before trying again",
+            err.code,
+            err.details,
+        ) from None
+    return result
+
+
+def drive(plan: Plan[T], send: Callable[[Call[Any]], Any]) -> T:
+    """Run ``plan``, sending each call it yields with ``send`` (blocking)."""
+    try:
+        call = next(plan)
+        while True:
+            try:
+                answer = send(call)
+            except TallyError as err:
+                call = plan.throw(err)
+            else:
+                call = plan.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+
+
+async def async_drive(plan: Plan[T], send: Callable[[Call[Any]], Awaitable[Any]]) -> T:
+    """asyncio twin of :func:`drive`."""
+    try:
+        call = next(plan)
+        while True:
+            try:
+                answer = await send(call)
+            except TallyError as err:
+                call = plan.throw(err)
+            else:
+                call = plan.send(answer)
+    except StopIteration as done:
+        result: T = done.value
+        return result

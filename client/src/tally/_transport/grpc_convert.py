@@ -1,0 +1,301 @@
+"""gRPC wire <-> public types: the only module that touches protobuf messages.
+
+:data:`ROUTES` maps each call description to the RPC that carries it, how to build its request
+and how to read its reply. Replies are read field by field from typed messages; proto3 fills a
+field a server does not send with its zero value, so a newer or older server still reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
+
+import grpc
+
+from tally import _calls as calls
+from tally._calls import Call
+from tally._types import (
+    ApplyCounts,
+    CheckpointStatus,
+    CloseResult,
+    CompletedPage,
+    Event,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ProgressSample,
+    ResetResult,
+    WriterSpec,
+    WriterStatus,
+)
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1.coordinator_pb2_grpc import CoordinatorStub
+
+C = TypeVar("C", bound=Call[Any])
+Req = TypeVar("Req")
+Reply = TypeVar("Reply")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Route(Generic[C, Req, Reply, T]):
+    """How one call description travels over gRPC.
+
+    ``rpc`` picks the stub's bound method. On a ``grpc.aio`` channel the same attribute of the
+    same stub class is the awaitable flavour (mypy-protobuf types it on ``CoordinatorAsyncStub``).
+    """
+
+    rpc: Callable[[CoordinatorStub], grpc.UnaryUnaryMultiCallable[Req, Reply]]
+    request: Callable[[C], Req]
+    read: Callable[[Reply], T]
+
+
+def route(call: Call[T]) -> Route[Call[T], Any, Any, T]:
+    """The route of ``call``'s operation."""
+    return cast("Route[Call[T], Any, Any, T]", ROUTES[type(call)])
+
+
+# --------------------------------------------------------------------------- requests
+
+_ON_MISMATCH_PB = {
+    "refuse": pb.ON_MISMATCH_REFUSE,
+    "reset": pb.ON_MISMATCH_RESET,
+    "ignore": pb.ON_MISMATCH_IGNORE,
+}
+
+
+def open_writer_request(spec: WriterSpec) -> pb.OpenWriterRequest:
+    return pb.OpenWriterRequest(
+        checkpoint=spec.checkpoint,
+        writer_id=spec.writer_id,
+        fingerprint=dict(spec.fingerprint),
+        labels=dict(spec.labels),
+        host=spec.host,
+        pid=spec.pid,
+        on_mismatch=_ON_MISMATCH_PB[spec.on_mismatch],
+    )
+
+
+def apply_deltas_request(call: calls.ApplyDeltas) -> pb.ApplyDeltasRequest:
+    return pb.ApplyDeltasRequest(
+        handle=call.handle,
+        deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in call.deltas],
+        batch_seq=call.batch_seq,
+    )
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def opened_from_pb(msg: pb.OpenWriterResponse) -> OpenedWriter:
+    return OpenedWriter(
+        handle=msg.handle,
+        writer_id=msg.writer_id,
+        lease_ttl_s=msg.lease_ttl_s,
+        completed_count=msg.completed_count,
+        settle_ms=msg.settle_ms,
+    )
+
+
+def counts_from_pb(msg: pb.ApplyCounts) -> ApplyCounts:
+    return ApplyCounts(
+        applied=msg.applied,
+        skipped=msg.skipped,
+        rewritten=msg.rewritten,
+        anomalies=msg.anomalies,
+        completed=msg.completed,
+    )
+
+
+def close_result_from_pb(msg: pb.CloseWriterResponse) -> CloseResult:
+    return CloseResult(
+        counts=counts_from_pb(msg.counts),
+        incomplete_sources=tuple(msg.incomplete_sources),
+        incomplete_count=msg.incomplete_count,
+    )
+
+
+def writer_status_from_pb(msg: pb.WriterStatus) -> WriterStatus:
+    return WriterStatus(
+        writer_id=msg.writer_id,
+        host=msg.host,
+        pid=msg.pid,
+        labels=dict(msg.labels),
+        state=msg.state,
+        pending_sources=msg.pending_sources,
+        counts=counts_from_pb(msg.counts),
+        opened_at=msg.opened_at,
+        last_seen_at=msg.last_seen_at,
+        closed_at=msg.closed_at,
+    )
+
+
+def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
+    return CheckpointStatus(
+        name=msg.name,
+        completed_count=msg.completed_count,
+        live_writers=msg.live_writers,
+        pending_sources=msg.pending_sources,
+        settling_sources=msg.settling_sources,
+        anomalies=msg.anomalies,
+        unreadable_files=msg.unreadable_files,
+        created_at=msg.created_at,
+        last_activity_at=msg.last_activity_at,
+        writers=tuple(writer_status_from_pb(w) for w in msg.writers),
+        fingerprint=dict(msg.fingerprint),
+    )
+
+
+def event_data(text: str) -> dict[str, Any]:
+    """Decode an event's ``data_json``; what is not a JSON object is kept rather than lost."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def event_from_pb(msg: pb.Event) -> Event:
+    return Event(
+        id=msg.id,
+        checkpoint=msg.checkpoint,
+        kind=msg.kind,
+        message=msg.message,
+        at=msg.at,
+        writer_id=msg.writer_id,
+        data=event_data(msg.data_json),
+    )
+
+
+def event_page_from_pb(msg: pb.ListEventsResponse) -> EventPage:
+    # The wire says 0 for "no further page"; users get None, which cannot be mistaken for an id.
+    return EventPage(
+        events=tuple(event_from_pb(e) for e in msg.events), next_before_id=msg.next_before_id or None
+    )
+
+
+def progress_from_pb(msg: pb.GetProgressResponse) -> list[ProgressSample]:
+    return [ProgressSample(at=p.at, completed_count=p.completed_count) for p in msg.samples]
+
+
+def completed_page_from_pb(msg: pb.ListCompletedResponse) -> CompletedPage:
+    return CompletedPage(source_ids=tuple(msg.source_ids), next_after=msg.next_after)
+
+
+def import_result_from_pb(msg: pb.ImportCompletedResponse) -> ImportResult:
+    return ImportResult(imported=msg.imported, completed_count=msg.completed_count)
+
+
+def reset_result_from_pb(msg: pb.ResetCheckpointResponse) -> ResetResult:
+    return ResetResult(moved_to=msg.moved_to, files_moved=msg.files_moved, writers_closed=msg.writers_closed)
+
+
+def watch_request(call: calls.WatchCheckpoint) -> pb.WatchCheckpointRequest:
+    return pb.WatchCheckpointRequest(checkpoint=call.checkpoint, interval_ms=call.interval_ms)
+
+
+# --------------------------------------------------------------------------- the table
+
+ROUTES: dict[type[Call[Any]], Route[Any, Any, Any, Any]] = {}
+
+
+def _add(
+    call: type[C],
+    rpc: Callable[[CoordinatorStub], grpc.UnaryUnaryMultiCallable[Req, Reply]],
+    request: Callable[[C], Req],
+    read: Callable[[Reply], T],
+) -> None:
+    # Typed per entry: mypy checks each builder against its call and each reader against its reply.
+    ROUTES[call] = Route(rpc, request, read)
+
+
+_add(
+    calls.OpenWriter,
+    lambda stub: stub.OpenWriter,
+    lambda c: open_writer_request(c.spec),
+    opened_from_pb,
+)
+_add(
+    calls.KeepAlive,
+    lambda stub: stub.KeepAlive,
+    lambda c: pb.KeepAliveRequest(handle=c.handle),
+    lambda r: r.lease_ttl_s,
+)
+_add(
+    calls.ApplyDeltas,
+    lambda stub: stub.ApplyDeltas,
+    apply_deltas_request,
+    lambda r: counts_from_pb(r.counts),
+)
+_add(
+    calls.AreCompleted,
+    lambda stub: stub.AreCompleted,
+    lambda c: pb.AreCompletedRequest(checkpoint=c.checkpoint, source_ids=list(c.source_ids)),
+    lambda r: list(r.completed),
+)
+_add(
+    calls.Flush,
+    lambda stub: stub.Flush,
+    lambda c: pb.FlushRequest(handle=c.handle),
+    lambda r: r.completed,
+)
+_add(
+    calls.CloseWriter,
+    lambda stub: stub.CloseWriter,
+    lambda c: pb.CloseWriterRequest(handle=c.handle),
+    close_result_from_pb,
+)
+_add(
+    calls.GetCheckpoint,
+    lambda stub: stub.GetCheckpoint,
+    lambda c: pb.GetCheckpointRequest(name=c.name),
+    checkpoint_from_pb,
+)
+_add(
+    calls.ListCheckpoints,
+    lambda stub: stub.ListCheckpoints,
+    lambda c: pb.ListCheckpointsRequest(),
+    lambda r: [checkpoint_from_pb(c) for c in r.checkpoints],
+)
+_add(
+    calls.ListWriters,
+    lambda stub: stub.ListWriters,
+    lambda c: pb.ListWritersRequest(checkpoint=c.checkpoint, include_closed=c.include_closed, limit=c.limit),
+    lambda r: [writer_status_from_pb(w) for w in r.writers],
+)
+_add(
+    calls.ListEvents,
+    lambda stub: stub.ListEvents,
+    lambda c: pb.ListEventsRequest(checkpoint=c.checkpoint, limit=c.limit, before_id=c.before_id or 0),
+    event_page_from_pb,
+)
+_add(
+    calls.GetProgress,
+    lambda stub: stub.GetProgress,
+    lambda c: pb.GetProgressRequest(checkpoint=c.checkpoint, since=c.since or 0.0),
+    progress_from_pb,
+)
+_add(
+    calls.ListCompleted,
+    lambda stub: stub.ListCompleted,
+    lambda c: pb.ListCompletedRequest(checkpoint=c.checkpoint, after=c.after, limit=c.limit),
+    completed_page_from_pb,
+)
+_add(
+    calls.ImportCompleted,
+    lambda stub: stub.ImportCompleted,
+    lambda c: pb.ImportCompletedRequest(
+        checkpoint=c.checkpoint, source_ids=list(c.source_ids), import_id=c.import_id
+    ),
+    import_result_from_pb,
+)
+_add(
+    calls.ResetCheckpoint,
+    lambda stub: stub.ResetCheckpoint,
+    lambda c: pb.ResetCheckpointRequest(name=c.name, force=c.force),
+    reset_result_from_pb,
+)

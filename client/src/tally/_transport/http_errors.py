@@ -1,0 +1,105 @@
+"""HTTP failures -> SDK errors: the one status table, the error body, and hints for TLS mismatches."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tally._transport.base import TlsFiles
+from tally.errors import Internal, StatusCode, TallyError, error_for_code
+
+T = TypeVar("T")
+
+# The one HTTP status -> SDK status table, used when the body carries no error code.
+_STATUS: dict[int, StatusCode] = {
+    400: StatusCode.INVALID_ARGUMENT,
+    401: StatusCode.UNAUTHENTICATED,
+    403: StatusCode.PERMISSION_DENIED,
+    404: StatusCode.NOT_FOUND,
+    405: StatusCode.UNIMPLEMENTED,
+    409: StatusCode.ALREADY_EXISTS,
+    412: StatusCode.FAILED_PRECONDITION,
+    422: StatusCode.INVALID_ARGUMENT,  # FastAPI's request-validation status
+    429: StatusCode.RESOURCE_EXHAUSTED,
+    499: StatusCode.CANCELLED,
+    500: StatusCode.INTERNAL,
+    501: StatusCode.UNIMPLEMENTED,
+    502: StatusCode.UNAVAILABLE,
+    503: StatusCode.UNAVAILABLE,
+    504: StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def error_from_response(status: int, body: bytes, url: str) -> TallyError:
+    """Translate an HTTP error response: by the body's ``error.code`` if present, else by status."""
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict):
+        try:
+            code = StatusCode(str(error.get("code")))
+        except ValueError:
+            code = _status_code(status)
+        message = str(error.get("message") or f"HTTP {status}")
+        details = error.get("details")
+        return error_for_code(code, message, details if isinstance(details, dict) else None)
+    code = _status_code(status)
+    # Not Tally's error shape: probably a proxy or a server that is not Tally; say so.
+    text = body[:200].decode("utf-8", "replace").strip()
+    message = f"HTTP {status} from {url}: {text or 'no body'} (is this address a Tally coordinator?)"
+    return error_for_code(code, message)
+
+
+def _status_code(status: int) -> StatusCode:
+    if status in _STATUS:
+        return _STATUS[status]
+    if 400 <= status < 500:
+        return StatusCode.INVALID_ARGUMENT
+    if status >= 500:
+        return StatusCode.INTERNAL
+    return StatusCode.UNKNOWN
+
+
+def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """Verify the server against ``ca_cert`` (else the system's roots); present the client pair if set.
+
+    Raises:
+        ValueError: A file is not a usable certificate or key.
+    """
+    try:
+        context = ssl.create_default_context(cafile=tls.ca_cert)
+        if tls.client_cert is not None:
+            context.load_cert_chain(tls.client_cert, tls.client_key)
+    except (OSError, ssl.SSLError) as err:
+        files = ", ".join(f"{k}={v!r}" for k, v in vars(tls).items() if v is not None)
+        raise ValueError(f"TLS files cannot be used ({files}): {err}") from None
+    return context
+
+
+def tls_hint(err: object, https: bool) -> str:
+    """What may cause a connection failure that looks like a TLS mismatch ("" if it does not)."""
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return (
+            " (the coordinator's certificate is not signed by a CA this client trusts: pass ca_cert or set "
+            "TALLY_CA_CERT)"
+        )
+    if not https and isinstance(err, (http.client.RemoteDisconnected, ConnectionResetError)):
+        return " (if the coordinator serves TLS, use an https:// address)"
+    if https and isinstance(err, (ssl.SSLError, ConnectionResetError)):
+        return (
+            " (if the coordinator requires client certificates, pass client_cert and client_key or set "
+            "TALLY_CLIENT_CERT and TALLY_CLIENT_KEY)"
+        )
+    return ""
+
+
+def parse(parse: Callable[[Any], T], body: Any, what: str) -> T:
+    try:
+        return parse(body)
+    except (KeyError, TypeError, ValueError) as err:
+        raise Internal(f"the Tally coordinator's answer to {what} is malformed: {err!r}") from None

@@ -1,0 +1,287 @@
+"""The asyncio writer: the core driven by a sender task and a heartbeat task on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Self, TypeVar
+
+from tally import _calls as calls
+from tally._config import ClientConfig
+from tally._retry import Deadline, async_send
+from tally._transport.base import AsyncTransport
+from tally._types import CloseResult, WriterSpec
+from tally._writer.base import WriterBase
+from tally._writer.core import Batch, Wait
+from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
+from tally.errors import NotFound, TallyError
+
+logger = logging.getLogger("tally._writer")
+
+T = TypeVar("T")
+
+
+class AsyncWriter(WriterBase):
+    """asyncio flavour of :class:`Writer`: the sender and heartbeat run as tasks on the event loop.
+
+    ``apply_deltas`` stays a plain call. On the event loop it cannot wait for room without
+    blocking the sender it waits for, so there the buffer may exceed ``max_buffered`` (a warning is
+    logged once) rather than drop deltas; ``await flush()`` is the back-pressure point. Called from
+    another thread it waits for room like the sync writer.
+    """
+
+    def __init__(self, transport: AsyncTransport, spec: WriterSpec, config: ClientConfig) -> None:
+        """Create an unopened writer (prefer :meth:`tally.AsyncClient.writer`)."""
+        super().__init__(spec, config)
+        self._transport = transport
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._waiters: list[asyncio.Future[None]] = []  # touched only on the loop thread
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lifecycle = asyncio.Lock()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except TallyError as close_err:
+            logger.error(
+                "tally writer %s: close after an error in the with-block failed: %s",
+                self.writer_id,
+                close_err,
+            )
+
+    # ------------------------------------------------------------------ waking the loop
+
+    def _may_block(self) -> bool:
+        return threading.get_ident() != self._loop_thread
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._wake_waiters()
+            return
+        try:
+            loop.call_soon_threadsafe(self._wake_waiters)
+        except RuntimeError:  # the loop is closed: nobody is left to wake
+            pass
+
+    def _wake_waiters(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _new_waiter(self) -> asyncio.Future[None]:
+        # Registered before the waiter checks its condition, so a wake-up that lands between the
+        # check and the await is not lost. (A shared asyncio.Event cleared by one task can swallow
+        # another task's wake-up.)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
+
+    async def _await_waiter(self, waiter: asyncio.Future[None], timeout: float | None) -> None:
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._drop_waiter(waiter)
+
+    def _drop_waiter(self, waiter: asyncio.Future[None]) -> None:
+        # A wake-up may already have taken it off the list.
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+
+    async def _wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            waiter = self._new_waiter()
+            with self._lock:
+                done = predicate()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if done or (remaining is not None and remaining <= 0):
+                self._drop_waiter(waiter)
+                return done
+            await self._await_waiter(waiter, remaining)
+
+    # ------------------------------------------------------------------ public I/O
+
+    async def open(self) -> None:
+        """Register the writer with the coordinator and start the background tasks.
+
+        See :meth:`Writer.open`.
+        """
+        async with self._lifecycle:
+            if not self._open_ready():
+                return
+            opened = await self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+            with self._lock:
+                self._core.open_done(opened)
+                self._notify_locked()
+            self._tasks = [
+                asyncio.create_task(self._send_loop(), name=f"tally-sender-{self.writer_id}"),
+                asyncio.create_task(self._heartbeat_loop(), name=f"tally-heartbeat-{self.writer_id}"),
+            ]
+            for task in self._tasks:
+                task.add_done_callback(self._task_done)
+
+    async def are_completed(self, ids: Iterable[str]) -> list[bool]:
+        """Which of ``ids`` the checkpoint has completed. See :meth:`Writer.are_completed`."""
+        plan = calls.are_completed(self.checkpoint, ids)
+        return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Barrier over everything applied so far. See :meth:`Writer.flush`."""
+        deadline = Deadline(self._timeout(timeout))
+        with self._lock:
+            handle = self._core.require_handle("flush")
+            target = self._core.begin_flush()
+            self._notify_locked()
+        if not await self._wait_until(lambda: self._core.barrier_reached(target), deadline.remaining()):
+            with self._lock:
+                raise self._core.barrier_timeout(target, deadline.timeout, "flush")
+        with self._lock:
+            self._core.raise_if_stopped()
+        await self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+
+    async def close(self, timeout: float | None = None) -> CloseResult:
+        """Deliver buffered deltas, close on the coordinator, stop the tasks. See :meth:`Writer.close`."""
+        async with self._lifecycle:
+            cached = self._cached_close()
+            if cached is not None:
+                return cached
+            try:
+                result = await self._close(Deadline(self._timeout(timeout)))
+            except TallyError as err:
+                self._core.close_outcome = err
+                raise
+            finally:
+                await self._stop_tasks()
+            self._core.close_outcome = result
+            return result
+
+    async def _close(self, deadline: Deadline) -> CloseResult:
+        with self._lock:
+            handle = self._core.begin_close()
+            if handle is None:
+                self._notify_locked()
+                return CloseResult()
+            target = self._core.begin_flush()
+            self._notify_locked()
+        close = calls.CloseWriter(handle, self.writer_id)
+        if not await self._wait_until(lambda: self._core.barrier_reached(target), deadline.remaining()):
+            with self._lock:
+                abandoned = self._core.close_abandoned(target, deadline.timeout)
+                self._notify_locked()
+            try:  # best effort: free the writer id now rather than when its lease runs out
+                await self._call(close, self._close_grace())
+            except TallyError as err:
+                log_close_anyway_failed(self.writer_id, err)
+            raise abandoned
+        with self._lock:
+            if self._core.lease_lost:
+                self._core.raise_if_stopped()
+            refused = self._core.stop_error
+        result = await self._call_as_writer(close, deadline, "closing")
+        if refused is not None:
+            raise fresh(refused)
+        return result
+
+    async def _call(self, call: calls.Call[T], deadline: Deadline) -> T:
+        return await async_send(self._transport, call, self._policy, deadline)
+
+    async def _call_as_writer(self, call: calls.Call[T], deadline: Deadline, during: str) -> T:
+        try:
+            return await self._call(call, deadline)
+        except NotFound as err:
+            with self._lock:
+                lost = self._core.lose_lease(err, during)
+                self._notify_locked()
+            raise fresh(lost) from None
+
+    # ------------------------------------------------------------------ background tasks
+
+    async def _stop_tasks(self) -> None:
+        with self._lock:
+            self._core.finish_close()
+            self._notify_locked()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._background_crashed(task.get_name(), exc)
+
+    async def _send_loop(self) -> None:
+        while True:
+            waiter = self._new_waiter()
+            with self._lock:
+                step = self._core.next_send()
+                if isinstance(step, Batch):
+                    self._took_batch_locked()
+            if step is None:
+                self._drop_waiter(waiter)
+                return
+            if isinstance(step, Wait):
+                await self._await_waiter(waiter, step.seconds)
+                continue
+            self._drop_waiter(waiter)
+            await self._send(step)
+
+    async def _send(self, batch: Batch) -> None:
+        handle = self.handle
+        assert handle is not None
+        call = calls.ApplyDeltas(handle, batch.deltas, batch.seq)
+        try:
+            counts = await self._transport.send(call, self._config.timeout)
+        except Exception as exc:
+            with self._lock:
+                self._core.batch_failed(batch, as_tally_error(exc))
+                self._notify_locked()
+        else:
+            with self._lock:
+                self._core.batch_ok(batch, counts)
+                self._notify_locked()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            waiter = self._new_waiter()
+            with self._lock:
+                wait = self._core.next_heartbeat()
+                handle, timeout = self._core.handle, self._core.lease.timeout()
+            if wait is None:
+                self._drop_waiter(waiter)
+                return
+            if wait > 0:
+                await self._await_waiter(waiter, wait)
+                continue
+            self._drop_waiter(waiter)
+            assert handle is not None
+            try:
+                ttl = await self._transport.send(calls.KeepAlive(handle), timeout)
+            except Exception as exc:
+                with self._lock:
+                    self._core.heartbeat_failed(as_tally_error(exc))
+                    self._notify_locked()
+            else:
+                with self._lock:
+                    self._core.heartbeat_ok(ttl)

@@ -1,0 +1,173 @@
+"""What both writer flavours share around the core: its lock, the producers' side and the accessors.
+
+One lock guards the core; its condition wakes the threaded sender and heartbeat, producers waiting
+for room and flush waiters. The asyncio flavour also resolves event-loop futures through
+``_wake()``. ``apply_deltas`` is the same function in both flavours: a producer may run on any
+thread, and off the event loop it waits for room like the threaded one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from tally._config import ClientConfig
+from tally._retry import Deadline
+from tally._types import CloseResult, Delta, WriterHealth, WriterSpec
+from tally._writer.core import Phase, WriterCore
+from tally._writer.support import CLOSE_GRACE_S, fresh, validated
+from tally.errors import InvalidArgument, TallyError
+
+logger = logging.getLogger("tally._writer")
+
+
+class WriterBase:
+    """The no-I/O half of :class:`tally.Writer` and :class:`tally.AsyncWriter`."""
+
+    def __init__(
+        self, spec: WriterSpec, config: ClientConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._spec = spec
+        self._config = config
+        self._core = WriterCore(spec.writer_id, spec.checkpoint, config, clock)
+        self._policy = self._core.policy
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._blocked = 0  # producers waiting for room
+
+    # ------------------------------------------------------------------ hooks for the flavours
+
+    def _may_block(self) -> bool:
+        """Whether ``apply_deltas`` may wait for room in the calling context."""
+        return True
+
+    def _wake(self) -> None:
+        """Wake asyncio waiters (the threading condition covers the threaded flavour)."""
+
+    def _notify_locked(self) -> None:
+        self._changed.notify_all()
+        self._wake()
+
+    # ------------------------------------------------------------------ public, no I/O
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint this writer writes to."""
+        return self._spec.checkpoint
+
+    @property
+    def writer_id(self) -> str:
+        """The writer id (as confirmed by the coordinator once open)."""
+        return self._core.writer_id
+
+    @property
+    def handle(self) -> str | None:
+        """The session handle from the coordinator, or None before ``open()``."""
+        return self._core.handle
+
+    @property
+    def completed_at_open(self) -> int | None:
+        """Sources the checkpoint had completed when this writer opened, or None before ``open()``."""
+        opened = self._core.opened
+        return opened.completed_count if opened else None
+
+    @property
+    def lease_ttl_s(self) -> float | None:
+        """The lease TTL granted by the coordinator, or None before ``open()``."""
+        return self._core.lease.ttl_s
+
+    def apply_deltas(self, deltas: Iterable[Delta]) -> None:
+        """Queue ``(task_id, source_id, delta)`` tuples for the coordinator. Never raises.
+
+        The deltas are appended to a bounded buffer and sent in order by the background sender,
+        in batches, retried while the coordinator is unreachable. When the buffer is full this
+        call waits for room: deltas are never dropped while the writer is healthy, because a lost
+        delta could make a source look complete too early. Problems surface through the log,
+        :meth:`health` and the next ``flush()`` / ``close()``.
+
+        Args:
+            deltas: ``(task_id, source_id, delta)`` tuples, in the order they happened.
+        """
+        try:
+            items = validated(deltas)
+        except InvalidArgument as err:
+            self._refuse(err)
+            return
+        except Exception as exc:  # e.g. an iterator that raised: still never raise
+            self._refuse(InvalidArgument(f"apply_deltas could not read its input: {exc!r}"))
+            return
+        if items:
+            self._enqueue(items)
+
+    def health(self) -> WriterHealth:
+        """A snapshot of the writer's client-side state (no I/O).
+
+        Returns:
+            Whether it is open, whether the lease was lost, the last error, buffered deltas and
+            the sender's counters.
+        """
+        with self._lock:
+            return self._core.health()
+
+    def __repr__(self) -> str:
+        core = self._core
+        return (
+            f"{type(self).__name__}(checkpoint={self.checkpoint!r}, writer_id={self.writer_id!r}, "
+            f"state={core.phase.value}{', lease lost' if core.lease_lost else ''})"
+        )
+
+    # ------------------------------------------------------------------ shared by both flavours
+
+    def _refuse(self, err: InvalidArgument) -> None:
+        with self._lock:
+            self._core.refuse_call(err)
+            self._notify_locked()
+
+    def _enqueue(self, items: list[Delta]) -> None:
+        may_block = self._may_block()
+        with self._lock:
+            i = 0
+            while True:
+                i, wake = self._core.accept(items, i, may_block)
+                if wake:
+                    self._notify_locked()
+                if i >= len(items):
+                    return
+                self._blocked += 1
+                try:
+                    self._changed.wait()
+                finally:
+                    self._blocked -= 1
+
+    def _took_batch_locked(self) -> None:
+        # Taking a batch made room in the buffer: producers waiting for it may go on.
+        if self._blocked:
+            self._notify_locked()
+
+    def _background_crashed(self, name: str, exc: BaseException) -> None:
+        # Only a bug gets here; stop visibly so flush()/close() raise instead of waiting forever.
+        with self._lock:
+            self._core.crashed(name, exc)
+            self._notify_locked()
+
+    def _open_ready(self) -> bool:
+        with self._lock:
+            return self._core.begin_open()
+
+    def _cached_close(self) -> CloseResult | None:
+        outcome = self._core.close_outcome
+        if isinstance(outcome, TallyError):
+            raise fresh(outcome)
+        assert outcome is None or isinstance(outcome, CloseResult)
+        return outcome
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self._config.timeout if timeout is None else timeout
+
+    def _close_grace(self) -> Deadline:
+        return Deadline(min(self._config.timeout, CLOSE_GRACE_S))
+
+    def _is_open_locked(self) -> bool:
+        return self._core.phase is Phase.OPEN and not self._core.lease_lost

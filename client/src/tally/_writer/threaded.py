@@ -1,0 +1,262 @@
+"""The blocking writer: the core driven by a sender thread and a heartbeat thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Self, TypeVar
+
+from tally import _calls as calls
+from tally._config import ClientConfig
+from tally._retry import Deadline, send
+from tally._transport.base import Transport
+from tally._types import CloseResult, WriterSpec
+from tally._writer.base import WriterBase
+from tally._writer.core import Batch, Wait
+from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
+from tally.errors import NotFound, TallyError
+
+logger = logging.getLogger("tally._writer")
+
+T = TypeVar("T")
+
+
+class Writer(WriterBase):
+    """A writer of one checkpoint, driven by a background sender thread and a heartbeat thread.
+
+    Create it with :meth:`tally.Client.writer` and use it as a context manager::
+
+        with client.writer("curation/run-42") as w:
+            w.apply_deltas([(task_id, source_id, +1)])
+            w.flush()
+    """
+
+    def __init__(self, transport: Transport, spec: WriterSpec, config: ClientConfig) -> None:
+        """Create an unopened writer (prefer :meth:`tally.Client.writer`)."""
+        super().__init__(spec, config)
+        self._transport = transport
+        self._threads: list[threading.Thread] = []
+        self._lifecycle = threading.Lock()  # serializes open() and close()
+
+    def __enter__(self) -> Self:
+        self.open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The body failed: still deliver what it reported (that progress is real), but never let a
+        # close error hide the body's exception.
+        try:
+            self.close()
+        except TallyError as close_err:
+            logger.error(
+                "tally writer %s: close after an error in the with-block failed: %s",
+                self.writer_id,
+                close_err,
+            )
+
+    def open(self) -> None:
+        """Register the writer with the coordinator and start the background threads.
+
+        Idempotent while open. Connection failures are retried within the client's timeout.
+
+        Raises:
+            AlreadyExists: A writer with this id is live on the checkpoint.
+            FailedPrecondition: Fingerprint mismatch, or the writer was closed.
+            Unavailable: The coordinator could not be reached within the timeout.
+        """
+        with self._lifecycle:
+            if not self._open_ready():
+                return
+            opened = self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
+            with self._lock:
+                self._core.open_done(opened)
+                self._notify_locked()
+            for name, loop in (("sender", self._send_loop), ("heartbeat", self._heartbeat_loop)):
+                thread = threading.Thread(
+                    target=self._guarded,
+                    args=(name, loop),
+                    name=f"tally-{name}-{self.writer_id}",
+                    daemon=True,
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def are_completed(self, ids: Iterable[str]) -> list[bool]:
+        """Which of ``ids`` the checkpoint has completed (live, across all writers).
+
+        Args:
+            ids: Source ids.
+
+        Returns:
+            One bool per id, in order.
+
+        Raises:
+            Unavailable: No answer within the client's timeout.
+        """
+        plan = calls.are_completed(self.checkpoint, ids)
+        return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every delta given before this call is applied and its completions are durable.
+
+        Args:
+            timeout: Seconds to wait; defaults to the client's timeout.
+
+        Raises:
+            LeaseLost: The coordinator dropped this writer.
+            InvalidArgument: A batch (or an ``apply_deltas`` call) was refused; the writer stopped.
+            Unavailable: Not done within the timeout; the sender keeps retrying in the background.
+        """
+        deadline = Deadline(self._timeout(timeout))
+        with self._lock:
+            handle = self._core.require_handle("flush")
+            target = self._core.begin_flush()
+            self._notify_locked()
+            if not self._changed.wait_for(lambda: self._core.barrier_reached(target), deadline.remaining()):
+                raise self._core.barrier_timeout(target, deadline.timeout, "flush")
+            self._core.raise_if_stopped()
+        self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+
+    def close(self, timeout: float | None = None) -> CloseResult:
+        """Deliver buffered deltas, close the writer on the coordinator and stop the threads.
+
+        Idempotent: later calls return the first call's result (or raise its error).
+
+        Args:
+            timeout: Seconds for delivering the buffer and closing; defaults to the client's timeout.
+
+        Returns:
+            The writer's totals and the sources it left incomplete.
+
+        Raises:
+            LeaseLost: The coordinator dropped this writer before it closed.
+            InvalidArgument: A batch was refused earlier (the writer is closed nevertheless).
+            Unavailable: The buffer could not be delivered in time. It was discarded (its sources
+                replay on the next run), and the writer is still closed on the coordinator if it
+                answers within a few more seconds, so that its id is free at once.
+        """
+        with self._lifecycle:
+            cached = self._cached_close()
+            if cached is not None:
+                return cached
+            try:
+                result = self._close(Deadline(self._timeout(timeout)))
+            except TallyError as err:
+                self._core.close_outcome = err
+                raise
+            finally:
+                self._stop_threads()
+            self._core.close_outcome = result
+            return result
+
+    def _close(self, deadline: Deadline) -> CloseResult:
+        with self._lock:
+            handle = self._core.begin_close()
+            if handle is None:
+                self._notify_locked()
+                return CloseResult()
+            target = self._core.begin_flush()
+            self._notify_locked()
+            abandoned = None
+            if not self._changed.wait_for(lambda: self._core.barrier_reached(target), deadline.remaining()):
+                abandoned = self._core.close_abandoned(target, deadline.timeout)
+                self._notify_locked()
+            elif self._core.lease_lost:
+                self._core.raise_if_stopped()
+            refused = self._core.stop_error
+        close = calls.CloseWriter(handle, self.writer_id)
+        if abandoned is not None:
+            try:  # best effort: free the writer id now rather than when its lease runs out
+                self._call(close, self._close_grace())
+            except TallyError as err:
+                log_close_anyway_failed(self.writer_id, err)
+            raise abandoned
+        result = self._call_as_writer(close, deadline, "closing")
+        if refused is not None:
+            raise fresh(refused)
+        return result
+
+    def _call(self, call: calls.Call[T], deadline: Deadline) -> T:
+        return send(self._transport, call, self._policy, deadline)
+
+    def _call_as_writer(self, call: calls.Call[T], deadline: Deadline, during: str) -> T:
+        # NOT_FOUND on a writer's own call means the coordinator no longer knows it.
+        try:
+            return self._call(call, deadline)
+        except NotFound as err:
+            with self._lock:
+                lost = self._core.lose_lease(err, during)
+                self._notify_locked()
+            raise fresh(lost) from None
+
+    def _guarded(self, name: str, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except BaseException as exc:
+            self._background_crashed(name, exc)
+
+    def _stop_threads(self) -> None:
+        with self._lock:
+            self._core.finish_close()
+            self._notify_locked()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(self._config.timeout)
+                if thread.is_alive():
+                    logger.warning("tally writer %s: %s did not stop in time", self.writer_id, thread.name)
+        self._threads.clear()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                step = self._core.next_send()
+                if step is None:
+                    return
+                if isinstance(step, Wait):
+                    self._changed.wait(step.seconds)
+                    continue
+                self._took_batch_locked()
+            self._send(step)
+
+    def _send(self, batch: Batch) -> None:
+        handle = self.handle
+        assert handle is not None
+        call = calls.ApplyDeltas(handle, batch.deltas, batch.seq)
+        try:
+            counts = self._transport.send(call, self._config.timeout)
+        except Exception as exc:
+            with self._lock:
+                self._core.batch_failed(batch, as_tally_error(exc))
+                self._notify_locked()
+        else:
+            with self._lock:
+                self._core.batch_ok(batch, counts)
+                self._notify_locked()
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            with self._lock:
+                wait = self._core.next_heartbeat()
+                if wait is None:
+                    return
+                if wait > 0:
+                    self._changed.wait(wait)
+                    continue
+                handle, timeout = self._core.handle, self._core.lease.timeout()
+            assert handle is not None
+            try:
+                ttl = self._transport.send(calls.KeepAlive(handle), timeout)
+            except Exception as exc:
+                with self._lock:
+                    self._core.heartbeat_failed(as_tally_error(exc))
+                    self._notify_locked()
+            else:
+                with self._lock:
+                    self._core.heartbeat_ok(ttl)
