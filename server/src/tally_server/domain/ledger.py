@@ -48,6 +48,22 @@ class BatchResult:
     anomalies: list[Anomaly] = field(default_factory=list)
     # Sources to complete now (settle window 0); the caller persists them, then calls completed().
     complete_now: list[str] = field(default_factory=list)
+    # Sources the completed-before-open view said were completed (each made an anomaly): the one
+    # input of the rules from outside the batch stream, which a journal records to replay exactly.
+    hits: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LedgerState:
+    """A copy of everything a ledger holds (a journal snapshot). Settle deadlines are not kept:
+    a window starts over when the state is restored."""
+
+    pending: dict[str, int]
+    applied: dict[str, int]
+    own_completed: set[str]
+    uncompleted: set[str]
+    settling: list[str]
+    totals: ApplyCounts
 
 
 class WriterLedger:
@@ -126,7 +142,10 @@ class WriterLedger:
     def _anomaly(self, result: BatchResult, task_id: str, sid: str, old: int | None, new: int) -> None:
         result.counts.anomalies += 1
         result.anomalies.append(Anomaly(task_id, sid, old, new))
-        self.own_completed.discard(sid)
+        if sid in self.own_completed:
+            self.own_completed.discard(sid)
+        else:
+            result.hits.append(sid)  # completed before this writer opened
         self.uncompleted.add(sid)
 
     def due(self, now: float) -> list[str]:
@@ -156,6 +175,35 @@ class WriterLedger:
                 out.append(sid)
         self.totals.completed += len(out)
         return out
+
+    def complete_settled(self, sources: Iterable[str]) -> list[str]:
+        """Complete these sources now, settling or not (a journal replays when they completed)."""
+        sources = list(sources)
+        for sid in sources:
+            self.settling.pop(sid, None)
+        return self.mark_completing(sources)
+
+    def state(self) -> LedgerState:
+        """A copy of the ledger's state, for a journal snapshot."""
+        t = self.totals
+        return LedgerState(
+            pending=dict(self.pending),
+            applied=dict(self.applied),
+            own_completed=set(self.own_completed),
+            uncompleted=set(self.uncompleted),
+            settling=list(self.settling),
+            totals=ApplyCounts(t.applied, t.skipped, t.rewritten, t.anomalies, t.completed),
+        )
+
+    def restore(self, state: LedgerState, now: float) -> None:
+        """Take over ``state``; its settling sources start a full window from ``now``."""
+        self.pending = dict(state.pending)
+        self.applied = dict(state.applied)
+        self.own_completed = set(state.own_completed)
+        self.uncompleted = set(state.uncompleted)
+        self.settling = dict.fromkeys(state.settling, now + self.settle_s)
+        t = state.totals
+        self.totals = ApplyCounts(t.applied, t.skipped, t.rewritten, t.anomalies, t.completed)
 
     def revert_completing(self, sources: Iterable[str], now: float) -> None:
         """Persisting failed: the sources are not completed; settle them again so they are retried.

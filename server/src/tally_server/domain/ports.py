@@ -3,9 +3,11 @@ run by the service off the event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from tally_server.domain.journal import Entry, JournaledWriter, Opened
 
 
 @dataclass(frozen=True)
@@ -202,8 +204,9 @@ class Registry(Protocol):
 
     def list_writers(self, checkpoint: str) -> list[WriterRecord]: ...
 
-    def mark_open_writers(self, state: str, at: float) -> list[WriterRecord]:
-        """Set every writer still ``open`` to ``state`` (after a restart); returns them."""
+    def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
+        """Set every writer still ``open`` but not in ``keep`` (handles) to ``state`` (after a
+        restart); returns them."""
         ...
 
     def add_event(self, event: EventRecord) -> None: ...
@@ -219,5 +222,52 @@ class Registry(Protocol):
     def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]: ...
 
     def delete_samples(self, checkpoint: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class OpenJournal:
+    """Start a writer's journal: who it is."""
+
+    opened: Opened
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """Append ``entry`` as the writer's ``index``-th (a snapshot also drops the entries before it)."""
+
+    handle: str
+    index: int
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class ForgetWriter:
+    """The writer closed or expired: drop its journal."""
+
+    handle: str
+
+
+JournalOp = OpenJournal | JournalEntry | ForgetWriter
+
+
+class Journal(Protocol):
+    """Writers' journals (DESIGN §2.1): what a restart needs to bring every live writer back.
+
+    A journal that cannot be written raises :class:`CompletionWriteError` (transient).
+    """
+
+    def commit(self, ops: Sequence[JournalOp]) -> None:
+        """Apply ``ops`` in order, durably, all or nothing."""
+        ...
+
+    def load(self) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order."""
+        ...
+
+    def size_bytes(self) -> int:
+        """Bytes the journal takes on disk."""
+        ...
 
     def close(self) -> None: ...

@@ -1,42 +1,56 @@
-"""Group commit of completion ops to the completion store."""
+"""Group commit of writers' journal entries and completions: one synced transaction per file per group."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tally_server.domain.ports import CompletionOp, CompletionStore, CompletionWriteError, QuarantinedFile
+from tally_server.domain.ports import (
+    CompletionOp,
+    CompletionStore,
+    CompletionWriteError,
+    DeleteCompleted,
+    Journal,
+    JournalOp,
+    PutCompleted,
+    QuarantinedFile,
+)
 from tally_server.errors import Unavailable
 from tally_server.logs import FailureLog
 from tally_server.service.stats import ServiceStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Op = CompletionOp | JournalOp
 
 
 class GroupCommitter:
     """Group commit: everything submitted while a commit runs goes into the next one.
 
-    One synced transaction per touched file per group, never one per delta. Submitters are
-    resumed in submission order, which is what keeps live-set effects in commit order. Other
-    file operations (a reset's move to the trash) go through :meth:`run` on the same thread, so
-    they never interleave with a commit.
+    A group commits the journal first (one synced transaction for every writer's entries), then
+    the completion files (one synced transaction per file touched), never one per delta. If the
+    journal cannot be written, nothing of the group is: a completion is never durable before the
+    journal entry that records it. Submitters are resumed in submission order, which is what keeps
+    live-set effects in commit order. Other file operations (a reset's move to the trash) go through
+    :meth:`run` on the same thread, so they never interleave with a commit.
     """
 
     def __init__(
         self,
         store: CompletionStore,
+        journal: Journal,
         stats: ServiceStats,
         on_quarantined: Callable[[QuarantinedFile], None] = lambda q: None,
     ) -> None:
         self._store = store
+        self._journal = journal
         self._stats = stats
         self._on_quarantined = on_quarantined
-        self._queue: list[tuple[CompletionOp, asyncio.Future[None]]] = []
+        self._queue: list[tuple[Op, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
@@ -57,20 +71,23 @@ class GroupCommitter:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
 
-    async def submit(self, op: CompletionOp) -> None:
+    def enqueue(self, op: Op) -> asyncio.Future[None]:
+        """Queue ``op`` for the next group; the future resolves once it is durable (or failed)."""
         if self._closing and self._task is None:
             raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append((op, future))
         self._wake.set()
-        await future
+        return future
+
+    async def submit(self, op: Op) -> None:
+        await self.enqueue(op)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run a blocking file operation on the commit thread, between two commits."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -79,34 +96,51 @@ class GroupCommitter:
                     return
                 continue
             group, self._queue = self._queue, []
-            started = time.perf_counter()
-            try:
-                report = await loop.run_in_executor(
-                    self._executor, self._store.commit, [op for op, _ in group]
-                )
-            except Exception as exc:
-                self._stats.commit_failures += 1
-                self._failures.failed(exc)
-                if isinstance(exc, CompletionWriteError):
-                    message = f"could not persist completions: {exc}"  # says what to do
-                else:
-                    message = f"could not persist completions ({exc}); retry"
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(Unavailable(message, cause=str(exc)[:500]))
-            else:
-                self._failures.succeeded()
-                for quarantined in report.quarantined:
-                    self._on_quarantined(quarantined)
-                elapsed = time.perf_counter() - started
-                sources = sum(len(op.sources) for op, _ in group)
-                for observe in self._stats.commit_observers:
-                    observe(elapsed, len(group), sources)
-                for _, future in group:
-                    if not future.done():
-                        future.set_result(None)
+            await self._commit(group)
             if self._queue:
                 self._wake.set()
+
+    async def _commit(self, group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:
+        loop = asyncio.get_running_loop()
+        journal = [(op, f) for op, f in group if not isinstance(op, PutCompleted | DeleteCompleted)]
+        completions = [(op, f) for op, f in group if isinstance(op, PutCompleted | DeleteCompleted)]
+        started = time.perf_counter()
+        try:
+            if journal:
+                ops = [op for op, _ in journal]
+                await loop.run_in_executor(self._executor, self._journal.commit, ops)
+        except Exception as exc:
+            self._fail(group, exc, "could not write the writers' journal")
+            return
+        _resolve(journal)
+        if not completions:
+            self._failures.succeeded()
+            return
+        try:
+            ops = [op for op, _ in completions]
+            report = await loop.run_in_executor(self._executor, self._store.commit, ops)
+        except Exception as exc:
+            self._fail(completions, exc, "could not persist completions")
+            return
+        self._failures.succeeded()
+        for quarantined in report.quarantined:
+            self._on_quarantined(quarantined)
+        elapsed = time.perf_counter() - started
+        sources = sum(len(op.sources) for op, _ in completions)
+        for observe in self._stats.commit_observers:
+            observe(elapsed, len(completions), sources)
+        _resolve(completions)
+
+    def _fail(self, group: Sequence[tuple[Op, asyncio.Future[None]]], exc: Exception, what: str) -> None:
+        self._stats.commit_failures += 1
+        self._failures.failed(exc)
+        if isinstance(exc, CompletionWriteError):
+            message = f"{what}: {exc}"  # says what to do
+        else:
+            message = f"{what} ({exc}); retry"
+        for _, future in group:
+            if not future.done():
+                future.set_exception(Unavailable(message, cause=str(exc)[:500]))
 
     async def close(self) -> None:
         self._closing = True
@@ -115,3 +149,9 @@ class GroupCommitter:
             await self._task
             self._task = None
         self._executor.shutdown(wait=True)
+
+
+def _resolve(group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:
+    for _, future in group:
+        if not future.done():
+            future.set_result(None)

@@ -7,6 +7,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tally_server.domain.checkpoint import WriterSession
+from tally_server.domain.journal import Entry
+from tally_server.domain.ledger import ApplyCounts
 
 
 @dataclass(eq=False)
@@ -14,7 +16,7 @@ class Session(WriterSession):
     """An open writer: its domain state plus the async companions that guard it.
 
     ``lock`` serialises the writer's batches, flushes and close; ``changed`` wakes flushes and
-    closes waiting for commits. ``failed_commits`` counts completion commits that failed (their
+    closes waiting for commits; ``journal_lock`` serialises writing its journal entries. ``failed_commits`` counts completion commits that failed (their
     sources are re-settled and retried): a flush that saw one fail while it waited must not
     report durability.
     """
@@ -23,6 +25,17 @@ class Session(WriterSession):
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     commits_in_flight: int = 0
     failed_commits: int = 0
+    # The client's token for this session: an open retried with it attaches to this session.
+    session_token: str = ""
+    # The journal (DESIGN §2.1): entries not yet durable, in order; the index of the last one
+    # written; one writer of the journal at a time, so entries never land out of order.
+    journal_queue: list[Entry] = field(default_factory=list)
+    journal_index: int = 0
+    journal_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    deltas_since_snapshot: int = 0
+    # The last client batch_seq applied, and what that batch answered (a resent batch gets it again).
+    applied_seq: int = 0
+    last_counts: ApplyCounts = field(default_factory=ApplyCounts)
 
     async def notify(self) -> None:
         async with self.changed:

@@ -52,10 +52,12 @@ DEFAULT_MAX_OPEN_FILES = 256
 TEMP_TAG = "coordinator"
 
 
-def _write_error(path: Path, error: BaseException, data_dir: Path) -> CompletionWriteError:
+def write_error(
+    path: Path, error: BaseException, data_dir: Path, what: str = "completion file"
+) -> CompletionWriteError:
     """The error for a write the disk or the system refused, saying plainly when the disk is full."""
     disk_full = nemo_format.is_disk_full(error, path.parent)
-    message = f"cannot write completion file {path}: {describe_error(error)}"
+    message = f"cannot write {what} {path}: {describe_error(error)}"
     if disk_full:
         message = (
             f"the disk holding {data_dir} is full; free space or grow the volume — Tally retries by "
@@ -182,7 +184,7 @@ class LmdbCompletionStore:
                 try:
                     _make_dirs(folder)
                 except OSError as exc:
-                    raise _write_error(folder, exc, self._data_dir) from exc
+                    raise write_error(folder, exc, self._data_dir) from exc
             for path, (writer_id, changes) in sorted(own.items()):
                 # The checkpoint-wide deletes hit this file too, unless a later put re-adds the id.
                 merged = dict.fromkeys(removed, False)
@@ -210,13 +212,13 @@ class LmdbCompletionStore:
                 except DAMAGE_ERRORS as exc:
                     self._handles.forget(path)
                     if quarantined is not None:  # the fresh file failed too: not the file's fault
-                        raise _write_error(path, exc, self._data_dir) from exc
+                        raise write_error(path, exc, self._data_dir) from exc
                     quarantined = self._quarantine(checkpoint, writer_id, path, exc)
                 except (lmdb.Error, OSError) as exc:
                     # A failed write can leave LMDB's handle unusable (MDB_PANIC after a failed
                     # meta write): the next commit reopens the file instead.
                     self._handles.forget(path)
-                    raise _write_error(path, exc, self._data_dir) from exc
+                    raise write_error(path, exc, self._data_dir) from exc
 
     def _quarantine(
         self, checkpoint: str, writer_id: str, path: Path, error: BaseException
@@ -235,7 +237,7 @@ class LmdbCompletionStore:
             fsync_dir(path.parent)
             fsync_dir(destination)
         except OSError as exc:
-            raise _write_error(path, exc, self._data_dir) from exc
+            raise write_error(path, exc, self._data_dir) from exc
         text = describe_error(error, path)
         logger.warning(
             "checkpoint %r: completion file %s of writer %r cannot be written (%s); moved it to %s and "
@@ -267,7 +269,7 @@ class LmdbCompletionStore:
             except (lmdb.Error, OSError) as exc:
                 # A readable file that still holds the ids would resurrect them on the next load.
                 self._handles.forget(path)
-                raise _write_error(path, exc, self._data_dir) from exc
+                raise write_error(path, exc, self._data_dir) from exc
 
     def _writable(self, path: Path, *, create: bool) -> OpenFile | None:
         """The cached write handle of ``path``, opening it (with NeMo Curator's flags) if needed.

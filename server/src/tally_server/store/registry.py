@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -212,20 +212,22 @@ class SqlRegistry:
         return [_writer(row) for row in rows]
 
     @_transient_as_unavailable
-    def mark_open_writers(self, state: str, at: float) -> list[WriterRecord]:
-        """Set every writer still ``open`` to ``state`` with ``closed_at = at``; returns them.
+    def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
+        """Set every writer still ``open`` but not in ``keep`` (handles) to ``state`` with
+        ``closed_at = at``; returns them.
 
-        Called after a restart: those writers' pending state did not survive the old process.
+        Called after a restart: writers the journal brought back stay open; the others' pending
+        state did not survive the old process.
         """
         w = writers_table.c
+        condition = w.state == WriterState.OPEN
+        if keep:
+            condition = sa.and_(condition, w.handle.not_in(list(keep)))
         with self._engine.begin() as conn:
             # One statement, so a writer opened concurrently is either updated and returned or
             # left alone, never updated silently.
             rows = conn.execute(
-                sa.update(writers_table)
-                .where(w.state == WriterState.OPEN)
-                .values(state=state, closed_at=at)
-                .returning(*writers_table.c)
+                sa.update(writers_table).where(condition).values(state=state, closed_at=at).returning(*writers_table.c)
             ).all()
         return sorted((_writer(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
 

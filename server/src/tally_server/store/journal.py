@@ -1,0 +1,247 @@
+"""Writers' journals in one LMDB file of the coordinator's own: ``<data_dir>/journal.mdb``.
+
+Not NeMo Curator's format and not in a checkpoint's folder (nothing NeMo reads): two databases,
+``writers`` (handle → who the writer is, JSON) and ``entries`` (handle + index → one entry, a
+compact binary record). One synced write transaction per commit, so a group of entries of many
+writers costs one ``fsync``. A torn write cannot leave half a record behind: LMDB's copy-on-write
+B-tree publishes a transaction whole or not at all, and its meta page is synced (metasync).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from tally_server.domain.journal import (
+    Applied,
+    Completing,
+    Entry,
+    JournaledWriter,
+    Opened,
+    Reverted,
+    Snapshot,
+)
+from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.store.lmdb_files import write_error
+
+JOURNAL_FILENAME = "journal.mdb"
+_MAP_SIZE = 1 << 30
+_MAX_MAP_GROWTHS = 10
+_WRITERS = b"writers"
+_ENTRIES = b"entries"
+_INDEX = struct.Struct(">Q")
+_COUNTS = struct.Struct("<5q")
+_SEQ = struct.Struct("<Q")
+
+
+class LmdbJournal:
+    """The coordinator's writer journals (one LMDB environment, owned by this process only).
+
+    Args:
+        data_dir: the server's data directory.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self._data_dir = Path(data_dir)
+        self.path = self._data_dir / JOURNAL_FILENAME
+        self._env = lmdb.open(
+            str(self.path),
+            subdir=False,
+            max_dbs=2,
+            map_size=_MAP_SIZE,
+            lock=False,  # one process (the data-dir lock keeps a second coordinator off)
+            sync=True,
+            metasync=True,
+            readahead=False,
+        )
+        self._writers = self._env.open_db(_WRITERS)
+        self._entries = self._env.open_db(_ENTRIES)
+
+    def commit(self, ops: Sequence[JournalOp]) -> None:
+        """Apply ``ops`` in order in one synced transaction; durable when this returns."""
+        if not ops:
+            return
+        try:
+            for _ in range(_MAX_MAP_GROWTHS + 1):
+                try:
+                    with self._env.begin(write=True) as txn:
+                        for op in ops:
+                            self._apply(txn, op)
+                    return
+                except lmdb.MapFullError:
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            raise lmdb.MapFullError(f"journal map still full after {_MAX_MAP_GROWTHS} doublings")
+        except (lmdb.Error, OSError) as exc:
+            raise write_error(self.path, exc, self._data_dir, "the writers' journal") from exc
+
+    def _apply(self, txn: Any, op: JournalOp) -> None:
+        if isinstance(op, OpenJournal):
+            txn.put(op.opened.handle.encode(), _encode_opened(op.opened), db=self._writers)
+        elif isinstance(op, JournalEntry):
+            key = _key(op.handle, op.index)
+            if isinstance(op.entry, Snapshot):
+                # A snapshot replaces everything before it.
+                self._delete_entries(txn, op.handle, before=op.index)
+            txn.put(key, encode_entry(op.entry), db=self._entries)
+        elif isinstance(op, ForgetWriter):
+            txn.delete(op.handle.encode(), db=self._writers)
+            self._delete_entries(txn, op.handle, before=None)
+        else:  # pragma: no cover - guarded by the type checker
+            raise TypeError(f"unknown journal op {op!r}")
+
+    def _delete_entries(self, txn: Any, handle: str, *, before: int | None) -> None:
+        prefix = handle.encode() + b":"
+        with txn.cursor(db=self._entries) as cursor:
+            if not cursor.set_range(prefix):
+                return
+            while cursor.key().startswith(prefix):
+                if before is not None and _INDEX.unpack(cursor.key()[len(prefix) :])[0] >= before:
+                    return
+                if not cursor.delete():
+                    return
+
+    def load(self) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+        found: list[JournaledWriter] = []
+        with self._env.begin() as txn:
+            for handle, raw in txn.cursor(db=self._writers):
+                writer = JournaledWriter(_decode_opened(raw))
+                prefix = handle + b":"
+                with txn.cursor(db=self._entries) as cursor:
+                    if cursor.set_range(prefix):
+                        for key, value in cursor:
+                            if not key.startswith(prefix):
+                                break
+                            writer.entries.append(decode_entry(value))
+                            writer.last_index = _INDEX.unpack(key[len(prefix) :])[0]
+                found.append(writer)
+        return found
+
+    def size_bytes(self) -> int:
+        """Bytes in use by the journal (pages of the current tree)."""
+        info, stat = self._env.info(), self._env.stat()
+        return int((info["last_pgno"] + 1) * stat["psize"])
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def _key(handle: str, index: int) -> bytes:
+    return handle.encode() + b":" + _INDEX.pack(index)
+
+
+def _encode_opened(opened: Opened) -> bytes:
+    return json.dumps(opened.__dict__, sort_keys=True).encode()
+
+
+def _decode_opened(raw: bytes) -> Opened:
+    return Opened(**json.loads(raw))
+
+
+# --- entries: one kind byte, then compact fields ------------------------------------------------
+
+
+def encode_entry(entry: Entry) -> bytes:
+    out = bytearray()
+    if isinstance(entry, Applied):
+        out += b"A" + _SEQ.pack(entry.seq)
+        tasks, sources, deltas = zip(*entry.deltas, strict=True) if entry.deltas else ((), (), ())
+        _pack_strs(out, tasks)
+        _pack_strs(out, sources)
+        _pack_ints(out, deltas)
+        _pack_strs(out, entry.hits)
+    elif isinstance(entry, Completing):
+        out += b"C"
+        _pack_strs(out, entry.sources)
+    elif isinstance(entry, Reverted):
+        out += b"R"
+        _pack_strs(out, entry.sources)
+    else:
+        state = entry.state
+        out += b"S" + _SEQ.pack(entry.seq) + _pack_counts(entry.counts) + _pack_counts(state.totals)
+        _pack_strs(out, list(state.pending))
+        _pack_ints(out, list(state.pending.values()))
+        _pack_strs(out, list(state.applied))
+        _pack_ints(out, list(state.applied.values()))
+        _pack_strs(out, sorted(state.own_completed))
+        _pack_strs(out, sorted(state.uncompleted))
+        _pack_strs(out, state.settling)
+    return bytes(out)
+
+
+def decode_entry(raw: bytes) -> Entry:
+    kind, view = raw[:1], memoryview(raw)
+    if kind == b"A":
+        (seq,) = _SEQ.unpack_from(view, 1)
+        reader = _Reader(view, 1 + _SEQ.size)
+        tasks, sources, deltas, hits = reader.strs(), reader.strs(), reader.ints(), reader.strs()
+        return Applied(seq, list(zip(tasks, sources, deltas, strict=True)), hits)
+    if kind == b"C":
+        return Completing(_Reader(view, 1).strs())
+    if kind == b"R":
+        return Reverted(_Reader(view, 1).strs())
+    if kind == b"S":
+        (seq,) = _SEQ.unpack_from(view, 1)
+        counts = ApplyCounts(*_COUNTS.unpack_from(view, 1 + _SEQ.size))
+        totals = ApplyCounts(*_COUNTS.unpack_from(view, 1 + _SEQ.size + _COUNTS.size))
+        reader = _Reader(view, 1 + _SEQ.size + 2 * _COUNTS.size)
+        pending = dict(zip(reader.strs(), reader.ints(), strict=True))
+        applied = dict(zip(reader.strs(), reader.ints(), strict=True))
+        own, uncompleted, settling = set(reader.strs()), set(reader.strs()), reader.strs()
+        return Snapshot(LedgerState(pending, applied, own, uncompleted, settling, totals), seq, counts)
+    raise ValueError(f"unknown journal entry kind {bytes(kind)!r}")
+
+
+def _pack_counts(counts: ApplyCounts) -> bytes:
+    return _COUNTS.pack(counts.applied, counts.skipped, counts.rewritten, counts.anomalies, counts.completed)
+
+
+def _pack_strs(out: bytearray, values: Iterable[str]) -> None:
+    encoded = [v.encode() for v in values]
+    lengths = array("I", map(len, encoded))
+    out += struct.pack("<I", len(lengths)) + lengths.tobytes() + b"".join(encoded)
+
+
+def _pack_ints(out: bytearray, values: Sequence[int]) -> None:
+    numbers = array("q", values)
+    out += struct.pack("<I", len(numbers)) + numbers.tobytes()
+
+
+class _Reader:
+    def __init__(self, view: memoryview, offset: int) -> None:
+        self._view, self._at = view, offset
+
+    def _count(self) -> int:
+        (n,) = struct.unpack_from("<I", self._view, self._at)
+        self._at += 4
+        return int(n)
+
+    def strs(self) -> list[str]:
+        n = self._count()
+        lengths = array("I")
+        lengths.frombytes(self._view[self._at : self._at + 4 * n])
+        self._at += 4 * n
+        blob = bytes(self._view[self._at : self._at + sum(lengths)])
+        self._at += len(blob)
+        return list(_split(blob, lengths))
+
+    def ints(self) -> list[int]:
+        n = self._count()
+        numbers = array("q")
+        numbers.frombytes(self._view[self._at : self._at + 8 * n])
+        self._at += 8 * n
+        return numbers.tolist()
+
+
+def _split(blob: bytes, lengths: Iterable[int]) -> Iterator[str]:
+    at = 0
+    for length in lengths:
+        yield blob[at : at + length].decode()
+        at += length
