@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import TypeAdapter
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -20,13 +20,23 @@ from tally_server.auth import Authorizer, load_tokens
 from tally_server.domain.validation import MAX_EVENT_ID, describe
 from tally_server.errors import ErrorCode, TallyServerError
 from tally_server.http_api import bodies
+from tally_server.http_api import replies as r
 from tally_server.http_api import schemas as s
 from tally_server.http_api.auth import AuthMiddleware
 from tally_server.http_api.dashboard import build_router as build_dashboard_router
 from tally_server.http_api.errors import HTTP_STATUS, error_response
 from tally_server.http_api.middleware import RequestMiddleware
 from tally_server.metrics import CONTENT_TYPE, Metrics
-from tally_server.service import CheckpointView, CoordinatorService
+from tally_server.service import (
+    CheckpointView,
+    ClosedWriter,
+    CompletedPage,
+    CoordinatorService,
+    EventPage,
+    ImportResult,
+    OpenedWriter,
+    ResetResult,
+)
 from tally_server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,8 +68,7 @@ class _AnyPath(Convertor[str]):
 register_url_convertor("tally_any_path", _AnyPath())
 
 
-def _status(view: CheckpointView) -> s.CheckpointStatus:
-    return s.CheckpointStatus.model_validate(dataclasses.asdict(view))
+_CHECKPOINT_JSON = TypeAdapter(CheckpointView)
 
 
 class _BodyTooLarge(Exception):
@@ -197,12 +206,12 @@ def create_app(
             return error_response(503, ErrorCode.UNAVAILABLE, "not ready: " + "; ".join(problems))
         return {"status": "ready"}
 
-    @app.post("/v1/writers", response_model=s.OpenWriterReply, responses=_ERRORS, tags=["writers"])
-    async def open_writer(body: s.OpenWriterBody) -> s.OpenWriterReply:
+    @app.post("/v1/writers", response_model=OpenedWriter, responses=_ERRORS, tags=["writers"])
+    async def open_writer(body: s.OpenWriterBody) -> OpenedWriter:
         """Register a writer of a checkpoint (refuses a writer_id that is live)."""
         caller = auth.current()
         caller.require("OpenWriter", body.checkpoint)
-        opened = await service.open_writer(
+        return await service.open_writer(
             body.checkpoint,
             writer_id=body.writer_id,
             fingerprint=body.fingerprint,
@@ -212,81 +221,70 @@ def create_app(
             on_mismatch=body.on_mismatch,
             allow_reset=caller.may_reset(body.checkpoint),
         )
-        return s.OpenWriterReply.model_validate(dataclasses.asdict(opened))
 
     @app.post(
-        "/v1/writers/{handle}/keepalive", response_model=s.KeepAliveReply, responses=_ERRORS, tags=["writers"]
+        "/v1/writers/{handle}/keepalive", response_model=r.KeepAliveReply, responses=_ERRORS, tags=["writers"]
     )
-    async def keep_alive(handle: str) -> s.KeepAliveReply:
+    async def keep_alive(handle: str) -> r.KeepAliveReply:
         """Renew the writer's lease; 404 means its pending state is gone."""
-        return s.KeepAliveReply(lease_ttl_s=await service.keep_alive(handle))
+        return r.KeepAliveReply(lease_ttl_s=await service.keep_alive(handle))
 
     @app.post(
         "/v1/writers/{handle}/deltas",
-        response_model=s.ApplyDeltasReply,
+        response_model=r.ApplyDeltasReply,
         responses=_ERRORS,
         tags=["writers"],
         openapi_extra=bodies.request_body(s.ApplyDeltasBody),
     )
-    async def apply_deltas(handle: str, request: Request) -> s.ApplyDeltasReply:
+    async def apply_deltas(handle: str, request: Request) -> r.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
         batch = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
-        counts = await service.apply_deltas(handle, batch)
-        return s.ApplyDeltasReply(counts=s.Counts.model_validate(dataclasses.asdict(counts)))
+        return r.ApplyDeltasReply(counts=await service.apply_deltas(handle, batch))
 
-    @app.post("/v1/writers/{handle}/flush", response_model=s.FlushReply, responses=_ERRORS, tags=["writers"])
-    async def flush(handle: str) -> s.FlushReply:
+    @app.post("/v1/writers/{handle}/flush", response_model=r.FlushReply, responses=_ERRORS, tags=["writers"])
+    async def flush(handle: str) -> r.FlushReply:
         """Barrier: returns when every completion from deltas applied so far is durable."""
-        return s.FlushReply(completed=await service.flush(handle))
+        return r.FlushReply(completed=await service.flush(handle))
 
-    @app.post(
-        "/v1/writers/{handle}/close", response_model=s.CloseWriterReply, responses=_ERRORS, tags=["writers"]
-    )
-    async def close_writer(handle: str) -> s.CloseWriterReply:
+    @app.post("/v1/writers/{handle}/close", response_model=ClosedWriter, responses=_ERRORS, tags=["writers"])
+    async def close_writer(handle: str) -> ClosedWriter:
         """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
-        closed = await service.close_writer(handle)
-        return s.CloseWriterReply.model_validate(dataclasses.asdict(closed))
+        return await service.close_writer(handle)
 
     @app.post(
         "/v1/are-completed",
-        response_model=s.AreCompletedReply,
+        response_model=r.AreCompletedReply,
         responses=_ERRORS,
         tags=["checkpoints"],
         openapi_extra=bodies.request_body(s.AreCompletedBody),
     )
-    async def are_completed(request: Request) -> s.AreCompletedReply:
+    async def are_completed(request: Request) -> r.AreCompletedReply:
         """Parallel booleans from the live completed set of the checkpoint (no writer needed)."""
         body, ids = await bodies.parse(
             request, lambda raw: bodies.source_ids(s.AreCompletedBody, raw, limits)
         )
         auth.current().require("AreCompleted", body.checkpoint)
-        return s.AreCompletedReply(completed=await service.are_completed(body.checkpoint, ids))
+        return r.AreCompletedReply(completed=await service.are_completed(body.checkpoint, ids))
 
-    @app.get("/v1/writers", response_model=s.ListWritersReply, responses=_ERRORS, tags=["status"])
+    @app.get("/v1/writers", response_model=r.ListWritersReply, responses=_ERRORS, tags=["status"])
     async def list_writers(
         checkpoint: str, include_closed: bool = False, limit: int = 100
-    ) -> s.ListWritersReply:
+    ) -> r.ListWritersReply:
         """Writers of a checkpoint: live ones, then (include_closed) past ones, newest first."""
         writers = await service.list_writers(checkpoint, include_closed=include_closed, limit=limit)
-        return s.ListWritersReply(
-            writers=[s.WriterStatus.model_validate(dataclasses.asdict(w)) for w in writers]
-        )
+        return r.ListWritersReply(writers=writers)
 
-    @app.get("/v1/events", response_model=s.ListEventsReply, responses=_ERRORS, tags=["status"])
+    @app.get("/v1/events", response_model=EventPage, responses=_ERRORS, tags=["status"])
     async def list_events(
         checkpoint: str, limit: int = 50, before_id: int = Query(0, ge=0, le=MAX_EVENT_ID)
-    ) -> s.ListEventsReply:
+    ) -> EventPage:
         """Events of a checkpoint, newest first; page with next_before_id."""
-        page = await service.list_events(checkpoint, limit=limit, before_id=before_id)
-        return s.ListEventsReply.model_validate(dataclasses.asdict(page))
+        return await service.list_events(checkpoint, limit=limit, before_id=before_id)
 
-    @app.get("/v1/progress", response_model=s.ProgressReply, responses=_ERRORS, tags=["status"])
-    async def progress(checkpoint: str, since: float = Query(0.0, allow_inf_nan=False)) -> s.ProgressReply:
+    @app.get("/v1/progress", response_model=r.ProgressReply, responses=_ERRORS, tags=["status"])
+    async def progress(checkpoint: str, since: float = Query(0.0, allow_inf_nan=False)) -> r.ProgressReply:
         """Completed count over time (persisted samples, then the live count now)."""
-        samples = await service.progress(checkpoint, since=since)
-        return s.ProgressReply(
-            samples=[s.ProgressSample.model_validate(dataclasses.asdict(x)) for x in samples]
-        )
+        return r.ProgressReply(samples=await service.progress(checkpoint, since=since))
 
     @app.get("/v1/watch", responses=_ERRORS, tags=["status"], response_class=StreamingResponse)
     async def watch(checkpoint: str, interval_ms: int = Query(1000, ge=0, lt=2**31)) -> StreamingResponse:
@@ -295,59 +293,56 @@ def create_app(
         first = await anext(stream)  # refusals (unknown checkpoint) become a normal error reply
 
         async def events() -> AsyncIterator[str]:
-            yield f"data: {_status(first).model_dump_json()}\n\n"
+            yield f"data: {_CHECKPOINT_JSON.dump_json(first).decode()}\n\n"
             async for view in stream:
-                yield f"data: {_status(view).model_dump_json()}\n\n"
+                yield f"data: {_CHECKPOINT_JSON.dump_json(view).decode()}\n\n"
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    @app.get("/v1/completed", response_model=s.ListCompletedReply, responses=_ERRORS, tags=["admin"])
-    async def list_completed(checkpoint: str, after: str = "", limit: int = 10_000) -> s.ListCompletedReply:
+    @app.get("/v1/completed", response_model=CompletedPage, responses=_ERRORS, tags=["admin"])
+    async def list_completed(checkpoint: str, after: str = "", limit: int = 10_000) -> CompletedPage:
         """Completed source ids in byte order, paged with next_after (for export)."""
-        page = await service.list_completed(checkpoint, after=after, limit=limit)
-        return s.ListCompletedReply.model_validate(dataclasses.asdict(page))
+        return await service.list_completed(checkpoint, after=after, limit=limit)
 
     @app.post(
         "/v1/import",
-        response_model=s.ImportReply,
+        response_model=ImportResult,
         responses=_ERRORS,
         tags=["admin"],
         openapi_extra=bodies.request_body(s.ImportBody),
     )
-    async def import_completed(request: Request) -> s.ImportReply:
+    async def import_completed(request: Request) -> ImportResult:
         """Adopt completed source ids (e.g. from a folder NeMo Curator wrote) into <import_id>.mdb."""
         body, ids = await bodies.parse(request, lambda raw: bodies.source_ids(s.ImportBody, raw, limits))
         auth.current().require("ImportCompleted", body.checkpoint)
-        result = await service.import_completed(body.checkpoint, ids, import_id=body.import_id)
-        return s.ImportReply.model_validate(dataclasses.asdict(result))
+        return await service.import_completed(body.checkpoint, ids, import_id=body.import_id)
 
-    @app.post("/v1/reset", response_model=s.ResetReply, responses=_ERRORS, tags=["admin"])
-    async def reset(body: s.ResetBody) -> s.ResetReply:
+    @app.post("/v1/reset", response_model=ResetResult, responses=_ERRORS, tags=["admin"])
+    async def reset(body: s.ResetBody) -> ResetResult:
         """Move a checkpoint's files to the trash folder and start it over (refused while writers are
         live unless force)."""
         auth.current().require("ResetCheckpoint", body.name)
-        result = await service.reset_checkpoint(body.name, force=body.force)
-        return s.ResetReply.model_validate(dataclasses.asdict(result))
+        return await service.reset_checkpoint(body.name, force=body.force)
 
     @app.get(
-        "/v1/checkpoints", response_model=s.ListCheckpointsReply, responses=_ERRORS, tags=["checkpoints"]
+        "/v1/checkpoints", response_model=r.ListCheckpointsReply, responses=_ERRORS, tags=["checkpoints"]
     )
-    async def list_checkpoints() -> s.ListCheckpointsReply:
+    async def list_checkpoints() -> r.ListCheckpointsReply:
         """Every checkpoint with its progress (for a scoped token: the checkpoints it may read)."""
         views = [v for v in await service.list_checkpoints() if auth.current().may_read(v.name)]
-        return s.ListCheckpointsReply(checkpoints=[_status(v) for v in views])
+        return r.ListCheckpointsReply(checkpoints=views)
 
     @app.get(
         "/v1/checkpoints/{name:tally_any_path}",
-        response_model=s.CheckpointStatus,
+        response_model=CheckpointView,
         responses=_ERRORS,
         tags=["checkpoints"],
     )
-    async def get_checkpoint(name: str) -> s.CheckpointStatus:
+    async def get_checkpoint(name: str) -> CheckpointView:
         """One checkpoint: completed count, live writers, pending sources, anomalies."""
-        return _status(await service.get_checkpoint(name))
+        return await service.get_checkpoint(name)
 
     app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
 
