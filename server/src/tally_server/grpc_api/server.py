@@ -14,7 +14,7 @@ from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.auth import Authorizer
 from tally_server.grpc_api.auth import AuthInterceptor
 from tally_server.grpc_api.interceptors import ErrorInterceptor
-from tally_server.grpc_api.metrics import RequestInterceptor
+from tally_server.grpc_api.request_context import RequestInterceptor
 from tally_server.grpc_api.servicer import CoordinatorServicer
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
