@@ -1,5 +1,8 @@
 """Error mapping at the gRPC edge: domain errors → status codes, undecodable requests → INVALID_ARGUMENT.
 
+The one place where a refusal becomes a status: the handlers and the interceptors inside this one
+(authentication) raise :class:`~tally_server.errors.TallyServerError` and this interceptor answers it.
+
 Messages and details are capped (``bounded_message``/``bounded_details``): they travel in trailers,
 and a peer refuses trailers over its metadata limit, replacing the real status by RESOURCE_EXHAUSTED.
 """
@@ -42,9 +45,11 @@ class _Undecodable:
         self.error = error
 
 
-def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None  # the handler takes the raw bytes (e.g. a refusal that never decodes them)
+
     def deserialize(data: bytes) -> Any:
-        assert deserializer is not None
         try:
             return deserializer(data)
         except DecodeError as exc:
