@@ -17,7 +17,9 @@ import pytest
 from fastapi import FastAPI
 
 from tally_server.app import build_service
+from tally_server.auth import Authorizer, load_tokens
 from tally_server.http_api.app import create_app
+from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.settings import Settings
 
@@ -54,7 +56,8 @@ def serve(tmp_path: Path) -> Serve:
         service = build_service(settings)
         await service.start()
         try:
-            app = create_app(service, settings)
+            authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+            app = create_app(service, settings, Metrics(service), authorizer)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://tally.test") as http:
                 yield InProcess(service, app, http, data_dir)
