@@ -98,6 +98,17 @@ async def test_nothing_of_a_body_is_read_for_a_caller_without_the_role(guarded: 
     assert reply.status_code == 400 and "JSON" in error(reply)["message"]
 
 
+async def test_a_caller_without_the_role_is_refused_as_such_whatever_its_body_size(serve: Serve) -> None:
+    async with serve(tokens=TOKENS, max_message_bytes=100) as s:
+        big = {"checkpoint": "x", "source_ids": ["s" * 50] * 10}
+        assert (await s.http.post("/v1/are-completed", json=big)).status_code == 401
+        assert (
+            await s.http.post("/v1/reset", json={"name": "x" * 200}, headers=bearer("r"))
+        ).status_code == 403
+        reply = await s.http.post("/v1/are-completed", json=big, headers=bearer("r"))
+        assert reply.status_code == 413 and "max_message_bytes" in error(reply)["message"]
+
+
 async def test_scoped_tokens_reach_only_their_prefix_by_name(guarded: InProcess) -> None:
     http = guarded.http
     mine, theirs = "team-a/run", "team-b/run"

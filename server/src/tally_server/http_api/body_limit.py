@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,8 +18,10 @@ class _BodyTooLarge(Exception):
 class BodyLimit:
     """Refuses a request body over the limit without holding more of it than the limit.
 
-    A declared Content-Length over the limit is refused before anything is read. A body without one
-    (``Transfer-Encoding: chunked``) is counted as it arrives and refused as soon as it passes the
+    The limit applies when the app reads the body, that is after the route's role check: a caller
+    without the right token is refused as such (401/403), whatever the size of its body. A declared
+    Content-Length over the limit is refused at the first read, before a byte is read. A body without
+    one (``Transfer-Encoding: chunked``) is counted as it arrives and refused as soon as it passes the
     limit; the server discards the rest as it comes in.
     """
 
@@ -36,23 +40,27 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.limit:
-            await self._refusal(str(int(declared)))(scope, receive, send)
-            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        announced = int(declared) if declared.isdigit() else 0
         received = 0
         started = refused = False
 
+        async def refuse(size: str) -> NoReturn:
+            nonlocal refused
+            if not started and not refused:
+                refused = True
+                await self._refusal(size)(scope, receive, send)
+            raise _BodyTooLarge
+
         async def counted_receive() -> Message:
-            nonlocal received, refused
+            nonlocal received
+            if announced > self.limit:
+                await refuse(str(announced))
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    if not started and not refused:
-                        refused = True
-                        await self._refusal(f"more than {self.limit}")(scope, receive, send)
-                    raise _BodyTooLarge
+                    await refuse(f"more than {self.limit}")
             return message
 
         async def guarded_send(message: Message) -> None:
