@@ -35,17 +35,18 @@ def build_server(
     service: CoordinatorService,
     listen: str,
     max_message_bytes: int,
-    metrics: Metrics | None = None,
-    authorizer: Authorizer | None = None,
+    metrics: Metrics,
+    authorizer: Authorizer,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Return the (not yet started) server, the bound port and its health servicer.
 
-    With ``metrics``, unary call latencies go to its ``tally_grpc_request_duration_seconds``. With
-    ``credentials`` (:func:`server_credentials`) the port serves TLS only.
+    ``metrics`` and ``authorizer`` are the coordinator's own, shared with the HTTP app: unary call
+    latencies go to its ``tally_grpc_request_duration_seconds``. With ``credentials``
+    (:func:`server_credentials`) the port serves TLS only.
     """
-    auth = AuthInterceptor(authorizer or Authorizer({}), service.checkpoint_of)
-    request_interceptor = RequestInterceptor(metrics.grpc_request_duration if metrics else None)
+    auth = AuthInterceptor(authorizer, service.checkpoint_of)
+    request_interceptor = RequestInterceptor(metrics.grpc_request_duration)
     server = grpc.aio.server(
         # Request ids and timing outermost, so they see the status code the error interceptor sets
         # (refused calls are timed and carry a request id too). Auth inside the error interceptor,
