@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tally_server.domain.validation import bounded_details, bounded_message, describe
-from tally_server.errors import ErrorCode, TallyServerError
+from tally_server.errors import STORAGE_ERRORS, ErrorCode, TallyServerError, storage_unavailable
 from tally_server.http_api import schemas as s
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def error_response(
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Answer refusals, invalid requests, unknown routes and bugs with the error body."""
+    """Answer refusals, bad requests, unknown routes, storage errors (503) and bugs with the error body."""
 
     @app.exception_handler(TallyServerError)
     async def _domainerror_response(request: Request, exc: TallyServerError) -> JSONResponse:
@@ -75,6 +75,17 @@ def install_handlers(app: FastAPI) -> None:
         path = request.url.path
         shown = path if len(path) <= 80 else describe(path)
         return error_response(exc.status_code, code, f"{exc.detail}: {request.method} {shown}")
+
+    async def _storage_refusal(request: Request, exc: Exception) -> JSONResponse:
+        # Nothing mapped it on the way, so it is logged with its traceback; the caller may retry.
+        log.error(
+            "storage error in %s %s, answered UNAVAILABLE", request.method, request.url.path, exc_info=exc
+        )
+        refusal = storage_unavailable(exc)
+        return error_response(HTTP_STATUS[refusal.code], refusal.code, refusal.message, refusal.details)
+
+    for storage_error in STORAGE_ERRORS:
+        app.add_exception_handler(storage_error, _storage_refusal)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
