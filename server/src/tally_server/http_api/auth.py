@@ -85,7 +85,7 @@ class Guard:
             operation, self._authorizer, self._checkpoint_of, checkpoint_in_body=checkpoint_in_body
         )
 
-    def metrics(self, request: Request) -> None:
+    async def metrics(self, request: Request) -> None:
         """``GET /metrics``: open, or with ``metrics_auth`` an unscoped grant (it names every checkpoint)."""
         if self._metrics_auth:
             principal = self._authorizer.check(METRICS, request.headers.get("authorization"))
