@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tally_server.auth import (
@@ -181,37 +179,3 @@ def test_every_rpc_says_where_its_checkpoint_is() -> None:
             assert not fields & {"checkpoint", "name", "handle"}
         else:
             assert CHECKPOINT_FIELD.get(method.name) in fields, method.name
-
-
-def test_every_http_route_says_where_its_checkpoint_is(tmp_path: Path) -> None:
-    from fastapi.routing import APIRoute
-
-    from tally_server.http_api.app import create_app
-    from tally_server.http_api.auth import BODY_CHECKED, OPERATIONS
-    from tally_server.service import CoordinatorService
-    from tally_server.settings import Settings
-    from tally_server.store.lmdb_files import LmdbCompletionStore
-    from tally_server.store.registry import SqlRegistry, default_sqlite_url
-
-    settings = Settings(data_dir=tmp_path)
-    completions, registry = LmdbCompletionStore(tmp_path), SqlRegistry(default_sqlite_url(tmp_path))
-    service = CoordinatorService(
-        completions=completions, registry=registry, limits=settings.limits, settle_ms=0, lease_ttl_s=30
-    )
-    try:
-        app = create_app(service, settings)
-    finally:
-        completions.close()
-        registry.close()
-    routes = {r.name: r for r in app.routes if isinstance(r, APIRoute) and r.path.startswith("/v1/")}
-    assert set(routes) == set(OPERATIONS)
-    for name, route in routes.items():
-        operation = OPERATIONS[name]
-        params = {p.name for p in route.dependant.path_params + route.dependant.query_params}
-        if operation in BODY_CHECKED:
-            # A body model, or a raw body parsed off the event loop and published in the schema.
-            assert route.dependant.body_params or "requestBody" in (route.openapi_extra or {}), name
-        elif operation in HANDLE_OPERATIONS:
-            assert "handle" in params, name
-        elif operation != "ListCheckpoints":
-            assert CHECKPOINT_FIELD[operation] in params, name

@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from tally_server.domain.ports import CompletionWriteError
+
 
 class ErrorCode(StrEnum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -59,3 +61,20 @@ class Unauthenticated(TallyServerError):
 
 class PermissionDenied(TallyServerError):
     code = ErrorCode.PERMISSION_DENIED
+
+
+#: Errors of the disk or the system under the stores that reached a transport unmapped. They clear
+#: once the cause does (space freed, a volume remounted, a path made free), so a client should
+#: retry them: :func:`storage_unavailable` answers them as UNAVAILABLE, never as INTERNAL (which the
+#: SDK does not retry). ``TimeoutError`` is an OSError too, and waiting longer is the answer to it.
+STORAGE_ERRORS: tuple[type[Exception], ...] = (OSError, CompletionWriteError)
+
+
+def storage_unavailable(exc: Exception) -> Unavailable:
+    """The UNAVAILABLE refusal for one of :data:`STORAGE_ERRORS`, saying what the system said."""
+    cause = str(exc) or type(exc).__name__
+    return Unavailable(
+        f"the coordinator's storage refused the operation ({cause}); retry, and if it persists check "
+        "the disk and the permissions of the data directory",
+        cause=cause,
+    )

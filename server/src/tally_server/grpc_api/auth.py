@@ -1,13 +1,14 @@
 """gRPC authentication: the bearer token in the ``authorization`` metadata, checked per RPC.
 
-The role is checked from the metadata alone; the checkpoint a request names (or its writer
-handle's checkpoint) is checked against the token's scopes once the request is decoded, and the
-caller is bound (:func:`tally_server.auth.bind`) for the handler.
+The role is checked from the metadata alone, before the request is decoded; the checkpoint a
+request names (or its writer handle's checkpoint) is checked against the token's scopes once it is
+decoded, and the caller is bound (:func:`tally_server.auth.bind`) for the handler. Refusals are
+raised as :class:`~tally_server.errors.TallyServerError`: the error interceptor around this one
+turns them into status codes, like every other refusal.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,28 +18,25 @@ from google.protobuf.message import Message
 from tally_server import auth
 from tally_server.auth import Authorizer, Principal
 from tally_server.errors import TallyServerError
-from tally_server.grpc_api.interceptors import DETAILS_KEY, STATUS
 
 _PREFIX = "/tally.v1.Coordinator/"
 # Request fields that name a checkpoint or a writer handle (see auth.CHECKPOINT_FIELD).
 _FIELDS = ("checkpoint", "name", "handle")
 
 
-async def _abort(context: Any, exc: TallyServerError) -> None:
-    if exc.details:
-        context.set_trailing_metadata(((DETAILS_KEY, json.dumps(exc.details, default=str)),))
-    await context.abort(STATUS[exc.code], exc.message)
+def _refusal(handler: Any, exc: TallyServerError) -> Any:
+    """A handler of the same kind as ``handler`` that refuses with ``exc``, never decoding the request."""
 
+    async def unary(request: bytes, context: Any) -> Any:
+        raise exc
 
-def _refuse(exc: TallyServerError) -> Any:
-    async def unary(request: Any, context: Any) -> Any:
-        await _abort(context, exc)
-
-    async def stream(request: Any, context: Any) -> Any:
-        await _abort(context, exc)
+    async def stream(request: bytes, context: Any) -> AsyncIterator[Any]:
+        raise exc
         yield  # pragma: no cover - makes this an async generator
 
-    return unary, stream
+    if handler is not None and handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(stream, response_serializer=handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def _fields(request: Message) -> dict[str, str]:
@@ -46,7 +44,10 @@ def _fields(request: Message) -> dict[str, str]:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Checks tally.v1 calls only; health checking and reflection stay open for probes and tools."""
+    """Checks tally.v1 calls only; health checking and reflection stay open for probes and tools.
+
+    Put it inside the error interceptor, which maps its refusals to status codes.
+    """
 
     def __init__(self, authorizer: Authorizer, checkpoint_of: Callable[[str], str | None]) -> None:
         """``checkpoint_of``: a writer handle's checkpoint (None if unknown), for scoped tokens."""
@@ -69,21 +70,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         try:
             principal = self._authorizer.check(operation, header)
         except TallyServerError as exc:
-            unary, stream = _refuse(exc)
-            if handler is not None and handler.unary_stream is not None:
-                return grpc.unary_stream_rpc_method_handler(
-                    stream,
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-            return grpc.unary_unary_rpc_method_handler(unary)
+            return _refusal(handler, exc)
         if handler is None:
             return None
         return self._scoped(handler, operation, principal)
 
     def _scoped(self, handler: Any, operation: str, principal: Principal) -> Any:
         def check(request: Any) -> None:
-            # An undecodable request is not a message: the error interceptor inside refuses it.
+            # An undecodable request is not a message: the error interceptor outside refuses it.
             if isinstance(request, Message):
                 principal.require_request(operation, _fields(request), self._checkpoint_of)
 
@@ -91,10 +85,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             inner_unary = handler.unary_unary
 
             async def unary(request: Any, context: Any) -> Any:
-                try:
-                    check(request)
-                except TallyServerError as exc:
-                    await _abort(context, exc)
+                check(request)
                 with auth.bind(principal):
                     return await inner_unary(request, context)
 
@@ -109,10 +100,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             # Not bound: no stream handler reads the caller, and a context variable set inside an
             # async generator cannot be reset safely when grpc closes it from elsewhere.
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                try:
-                    check(request)
-                except TallyServerError as exc:
-                    await _abort(context, exc)
+                check(request)
                 async for item in inner_stream(request, context):
                     yield item
 

@@ -13,8 +13,8 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.auth import Authorizer
 from tally_server.grpc_api.auth import AuthInterceptor
-from tally_server.grpc_api.interceptors import ErrorInterceptor
-from tally_server.grpc_api.metrics import RequestInterceptor
+from tally_server.grpc_api.errors import ErrorInterceptor
+from tally_server.grpc_api.request_context import RequestInterceptor
 from tally_server.grpc_api.servicer import CoordinatorServicer
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
@@ -35,21 +35,23 @@ def build_server(
     service: CoordinatorService,
     listen: str,
     max_message_bytes: int,
-    metrics: Metrics | None = None,
-    authorizer: Authorizer | None = None,
+    metrics: Metrics,
+    authorizer: Authorizer,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Return the (not yet started) server, the bound port and its health servicer.
 
-    With ``metrics``, unary call latencies go to its ``tally_grpc_request_duration_seconds``. With
-    ``credentials`` (:func:`server_credentials`) the port serves TLS only.
+    ``metrics`` and ``authorizer`` are the coordinator's own, shared with the HTTP app: unary call
+    latencies go to its ``tally_grpc_request_duration_seconds``. With ``credentials``
+    (:func:`server_credentials`) the port serves TLS only.
     """
-    auth = AuthInterceptor(authorizer or Authorizer({}), service.checkpoint_of)
-    request_interceptor = RequestInterceptor(metrics.grpc_request_duration if metrics else None)
+    auth = AuthInterceptor(authorizer, service.checkpoint_of)
+    request_interceptor = RequestInterceptor(metrics.grpc_request_duration)
     server = grpc.aio.server(
-        # Request ids and timing outermost, so they see the status code the error interceptor sets.
-        # Auth after them, so refused calls are timed and carry a request id too.
-        interceptors=[request_interceptor, auth, ErrorInterceptor()],
+        # Request ids and timing outermost, so they see the status code the error interceptor sets
+        # (refused calls are timed and carry a request id too). Auth inside the error interceptor,
+        # which answers its refusals like any other.
+        interceptors=[request_interceptor, ErrorInterceptor(), auth],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

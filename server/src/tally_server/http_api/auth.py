@@ -1,100 +1,121 @@
-"""HTTP authentication: ``Authorization: Bearer <token>`` checked for the operation a route serves.
+"""HTTP authentication: each route declares the operation it serves as a FastAPI dependency.
 
-The role is checked from the header; the checkpoint named in the path or query (or a writer
-handle's checkpoint) is checked against the token's scopes here, and the caller is bound
-(:func:`tally_server.auth.bind`) for the handler. Routes that name their checkpoint in the JSON
-body (:data:`BODY_CHECKED`) check it in the handler, with ``auth.current().require``.
+``Depends(guard.requires("ApplyDeltas"))`` checks ``Authorization: Bearer <token>`` for that
+operation's role (:data:`tally_server.auth.REQUIRED`), checks the checkpoint the path or query names
+(or a writer handle's checkpoint) against the token's scopes, binds the caller for the call
+(:func:`tally_server.auth.bind`) and hands it to the handler. A route whose checkpoint is in the JSON
+body declares ``checkpoint_in_body=True`` and checks it once the body is read, with
+``caller.require(operation, name)``: FastAPI would parse a declared body before any dependency, so
+those routes read their bodies themselves (``bodies.py``) and nothing of the body is parsed for a
+caller without the role.
+
+:func:`create_app` refuses to build an app with a ``/v1`` route that declares no operation, and a
+test walks the routes too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
-from starlette.datastructures import QueryParams
-from starlette.routing import Match
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute
 
 from tally_server import auth
-from tally_server.auth import METRICS, Authorizer
-from tally_server.errors import TallyServerError
-from tally_server.http_api.errors import HTTP_STATUS, error_response
+from tally_server.auth import METRICS, Authorizer, Principal
 
-# Route function name (see http_api/app.py) → tally.v1 operation, for the role table in auth.py.
-OPERATIONS: dict[str, str] = {
-    "open_writer": "OpenWriter",
-    "keep_alive": "KeepAlive",
-    "apply_deltas": "ApplyDeltas",
-    "flush": "Flush",
-    "close_writer": "CloseWriter",
-    "are_completed": "AreCompleted",
-    "list_checkpoints": "ListCheckpoints",
-    "get_checkpoint": "GetCheckpoint",
-    "list_writers": "ListWriters",
-    "list_events": "ListEvents",
-    "progress": "GetProgress",
-    "watch": "WatchCheckpoint",
-    "list_completed": "ListCompleted",
-    "import_completed": "ImportCompleted",
-    "reset": "ResetCheckpoint",
-}
-
-#: Operations whose checkpoint is in the JSON body: their handlers check it against the caller.
-BODY_CHECKED = frozenset({"OpenWriter", "AreCompleted", "ImportCompleted", "ResetCheckpoint"})
+__all__ = ["Guard", "Requires", "api_routes", "check_declared", "declared_operation"]
 
 
-class AuthMiddleware:
-    """Checks /v1 routes (and /metrics with ``metrics_auth``); health, OpenAPI and the dashboard's
-    static files stay open."""
+class Requires:
+    """The dependency that lets a caller through to one operation (see the module docstring)."""
 
     def __init__(
         self,
-        app: ASGIApp,
+        operation: str,
         authorizer: Authorizer,
         checkpoint_of: Callable[[str], str | None],
-        metrics_auth: bool = False,
+        *,
+        checkpoint_in_body: bool = False,
     ) -> None:
-        self.app = app
-        self.authorizer = authorizer
-        self.checkpoint_of = checkpoint_of
-        self.metrics_auth = metrics_auth
+        self.operation = operation
+        self.checkpoint_in_body = checkpoint_in_body
+        self._authorizer = authorizer
+        self._checkpoint_of = checkpoint_of
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        fields: dict[str, str] = {}
-        operation = None
-        if path.startswith("/v1/"):
-            operation, fields = self._operation(scope)
-        elif path == "/metrics" and self.metrics_auth:
-            operation = METRICS
-        if operation is None:
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1") or None
-        try:
-            principal = self.authorizer.check(operation, header)
-            if operation == METRICS:
-                principal.require(METRICS, None)  # the exposition names every checkpoint
-            elif operation not in BODY_CHECKED:
-                principal.require_request(operation, fields, self.checkpoint_of)
-        except TallyServerError as exc:
-            response = error_response(HTTP_STATUS[exc.code], exc.code, exc.message, exc.details)
-            await response(scope, receive, send)
-            return
+    def check(self, request: Request) -> Principal:
+        """The caller, allowed ``operation`` on the checkpoint the path or query names.
+
+        Raises:
+            Unauthenticated: no bearer token, or one this coordinator does not know (401).
+            PermissionDenied: the token's role is too low, or the checkpoint outside its scopes (403).
+        """
+        principal = self._authorizer.check(self.operation, request.headers.get("authorization"))
+        if not self.checkpoint_in_body:
+            # As FastAPI reads them (the last of repeated query parameters wins), so the checkpoint
+            # checked here is the one the handler gets.
+            fields = dict(request.query_params.items())
+            fields.update({k: str(v) for k, v in request.path_params.items()})
+            principal.require_request(self.operation, fields, self._checkpoint_of)
+        return principal
+
+    async def __call__(self, request: Request) -> AsyncIterator[Principal]:
+        principal = self.check(request)
         with auth.bind(principal):
-            await self.app(scope, receive, send)
+            yield principal
 
-    def _operation(self, scope: Scope) -> tuple[str | None, dict[str, str]]:
-        """The operation the route serves and the request's path and query parameters."""
-        app = scope.get("app")
-        for route in getattr(getattr(app, "router", None), "routes", ()):
-            match, child = route.matches(scope)
-            if match is Match.FULL:
-                # Parsed as FastAPI parses them (the last of repeated query parameters wins), so
-                # the checkpoint checked here is the one the handler gets.
-                fields = dict(QueryParams(scope.get("query_string", b"")).items())
-                fields.update({k: str(v) for k, v in child.get("path_params", {}).items()})
-                return OPERATIONS.get(getattr(route, "name", ""), "admin-only"), fields
-        return None, {}
+    def __repr__(self) -> str:
+        return f"Requires({self.operation!r}{', checkpoint_in_body=True' if self.checkpoint_in_body else ''})"
+
+
+class Guard:
+    """Makes the :class:`Requires` dependencies of one app's routes, all checked by one authorizer."""
+
+    def __init__(
+        self, authorizer: Authorizer, checkpoint_of: Callable[[str], str | None], *, metrics_auth: bool
+    ) -> None:
+        """``checkpoint_of``: a writer handle's checkpoint (None if unknown), for scoped tokens."""
+        self._authorizer = authorizer
+        self._checkpoint_of = checkpoint_of
+        self._metrics_auth = metrics_auth
+
+    def requires(self, operation: str, *, checkpoint_in_body: bool = False) -> Requires:
+        """The dependency of a route that serves ``operation`` (a tally.v1 RPC name)."""
+        return Requires(
+            operation, self._authorizer, self._checkpoint_of, checkpoint_in_body=checkpoint_in_body
+        )
+
+    async def metrics(self, request: Request) -> None:
+        """``GET /metrics``: open, or with ``metrics_auth`` an unscoped grant (it names every checkpoint)."""
+        if self._metrics_auth:
+            principal = self._authorizer.check(METRICS, request.headers.get("authorization"))
+            principal.require(METRICS, None)
+
+
+def declared_operation(route: APIRoute) -> Requires | None:
+    """The :class:`Requires` a route declares (None if it declares none)."""
+    found = [d.call for d in route.dependant.dependencies if isinstance(d.call, Requires)]
+    if len(found) > 1:
+        raise ValueError(f"route {route.path} declares {len(found)} operations: {found}")
+    return found[0] if found else None
+
+
+def api_routes(routes: Iterable[BaseRoute]) -> Iterator[APIRoute]:
+    """The FastAPI routes among ``routes`` (``app.routes``), those of included routers too."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        # Recent FastAPI keeps an included router as one entry of app.routes.
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from api_routes(included.routes)
+
+
+def check_declared(app: FastAPI) -> None:
+    """Refuse an app with a ``/v1`` route that declares no operation (it would be open to anyone)."""
+    for route in api_routes(app.routes):
+        if route.path.startswith("/v1/") and declared_operation(route) is None:
+            raise RuntimeError(
+                f"route {sorted(route.methods or ())} {route.path} declares no operation: add "
+                'Depends(guard.requires("<tally.v1 RPC>")) to it'
+            )

@@ -1,4 +1,7 @@
-"""Request bodies that can be big (deltas, source ids): parsed without stalling the event loop.
+"""Request bodies, read by the handler: after the route's role check, and big ones off the event loop.
+
+Every body route reads its body itself, so a caller without the right token is refused before a
+byte of the body is parsed (FastAPI parses a declared body before any dependency runs).
 
 FastAPI parses a body on the event loop, in one piece, and builds every item before the service can
 count them: 80 MB of small deltas took 48 s and 1.7 GB while every writer's heartbeat waited. These
@@ -12,7 +15,8 @@ routes read the raw bytes instead and :func:`parse` them
 
 The body models in ``schemas.py`` stay the contract: they are published in ``/openapi.json`` for these
 routes (:func:`document`) and give every refusal its wording; deltas that plainly match the model are
-taken without building a model object for each (a third of the time of 100k deltas).
+taken without building a model object for each (a third of the time of 100k deltas). Small bodies
+(:func:`model`) are one ``json.loads`` and the model.
 """
 
 from __future__ import annotations
@@ -131,10 +135,10 @@ def load(raw: bytes, *, items: str, limit: int, mark: bytes, marks_per_item: int
     return body
 
 
-def _json(raw: bytes, *, items: str, limit: int, mark: bytes, marks_per_item: int) -> Any:
-    """:func:`load`, with JSON that is not valid as the same 400 FastAPI gives its own routes."""
+def _json(raw: bytes, load_json: Callable[[bytes], Any]) -> Any:
+    """``load_json(raw)``, with JSON that is not valid as the same 400 FastAPI gives its own routes."""
     try:
-        return load(raw, items=items, limit=limit, mark=mark, marks_per_item=marks_per_item)
+        return load_json(raw)
     except json.JSONDecodeError as exc:
         problem = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": f"JSON decode error: {exc.msg}"}
     except UnicodeDecodeError as exc:
@@ -160,7 +164,10 @@ def _model(model: type[M], data: Any, *where: str | int) -> M:
 def deltas(raw: bytes, limits: Limits) -> CheckedDeltas:
     """An ApplyDeltas body as a validated batch of ``(task_id, source_id, delta)``."""
     try:
-        body = _json(raw, items="deltas", limit=limits.max_deltas_per_call, mark=b"{", marks_per_item=1)
+        body = _json(
+            raw,
+            lambda b: load(b, items="deltas", limit=limits.max_deltas_per_call, mark=b"{", marks_per_item=1),
+        )
     except TooMany:
         raise validation.too_many_deltas(limits) from None
     items = body.get("deltas") if isinstance(body, dict) else None
@@ -183,11 +190,21 @@ def deltas(raw: bytes, limits: Limits) -> CheckedDeltas:
 def source_ids(model: type[WithIds], raw: bytes, limits: Limits) -> tuple[WithIds, CheckedIds]:
     """A body with a ``source_ids`` list (AreCompleted, import): the body and its validated ids."""
     try:
-        data = _json(raw, items="source_ids", limit=limits.max_ids_per_query, mark=b'"', marks_per_item=2)
+        data = _json(
+            raw,
+            lambda b: load(
+                b, items="source_ids", limit=limits.max_ids_per_query, mark=b'"', marks_per_item=2
+            ),
+        )
     except TooMany:
         raise validation.too_many_ids(limits) from None
     body = _model(model, data)
     return body, validation.source_ids(body.source_ids, limits)
+
+
+def model(schema: type[M], raw: bytes) -> M:
+    """A body without a list that can be big (OpenWriter, reset) as ``schema``, or a 400 naming the field."""
+    return _model(schema, _json(raw, json.loads))
 
 
 def document(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:

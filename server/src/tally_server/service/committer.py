@@ -107,8 +107,8 @@ class GroupCommitter:
         started = time.perf_counter()
         try:
             if journal:
-                ops = [op for op, _ in journal]
-                await loop.run_in_executor(self._executor, self._journal.commit, ops)
+                entries = [op for op, _ in journal if not isinstance(op, PutCompleted | DeleteCompleted)]
+                await loop.run_in_executor(self._executor, self._journal.commit, entries)
         except Exception as exc:
             self._fail(group, exc, "could not write the writers' journal")
             return
@@ -117,8 +117,8 @@ class GroupCommitter:
             self._failures.succeeded()
             return
         try:
-            ops = [op for op, _ in completions]
-            report = await loop.run_in_executor(self._executor, self._store.commit, ops)
+            changes = [op for op, _ in completions if isinstance(op, PutCompleted | DeleteCompleted)]
+            report = await loop.run_in_executor(self._executor, self._store.commit, changes)
         except Exception as exc:
             self._fail(completions, exc, "could not persist completions")
             return

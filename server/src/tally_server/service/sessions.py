@@ -16,7 +16,8 @@ class Session(WriterSession):
     """An open writer: its domain state plus the async companions that guard it.
 
     ``lock`` serialises the writer's batches, flushes and close; ``changed`` wakes flushes and
-    closes waiting for commits; ``journal_lock`` serialises writing its journal entries. ``failed_commits`` counts completion commits that failed (their
+    closes waiting for commits; ``journal_lock`` serialises writing its journal entries.
+    ``failed_commits`` counts completion commits that failed (their
     sources are re-settled and retried): a flush that saw one fail while it waited must not
     report durability.
     """

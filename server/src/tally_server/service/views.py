@@ -1,8 +1,14 @@
-"""What the service answers: plain result records that both transports translate."""
+"""What the service answers: plain result records that both transports translate.
+
+They are also the HTTP API's reply schemas (FastAPI takes dataclasses as ``response_model``): a
+docstring here is the record's description in ``/openapi.json``, and a field's
+``metadata={"description": ...}`` its field's. gRPC builds its messages from them in
+``grpc_api/convert.py``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tally_server.domain.ledger import ApplyCounts
@@ -10,6 +16,8 @@ from tally_server.domain.ledger import ApplyCounts
 
 @dataclass(frozen=True)
 class OpenedWriter:
+    """A writer just opened: its handle for every later call, its lease and the checkpoint's progress."""
+
     handle: str
     writer_id: str
     lease_ttl_s: float
@@ -19,6 +27,8 @@ class OpenedWriter:
 
 @dataclass(frozen=True)
 class ClosedWriter:
+    """A writer's totals at close, and the sources it left incomplete (they replay next run)."""
+
     counts: ApplyCounts
     incomplete_sources: list[str]
     incomplete_count: int
@@ -26,6 +36,8 @@ class ClosedWriter:
 
 @dataclass(frozen=True)
 class WriterView:
+    """One writer of a checkpoint: who it is, its state and what it did."""
+
     writer_id: str
     host: str
     pid: int
@@ -35,11 +47,13 @@ class WriterView:
     counts: ApplyCounts
     opened_at: float
     last_seen_at: float
-    closed_at: float = 0.0
+    closed_at: float = field(default=0.0, metadata={"description": "0 while the writer is open."})
 
 
 @dataclass(frozen=True)
 class EventView:
+    """Something that happened to a checkpoint (a writer opened, an anomaly, a reset, ...)."""
+
     id: int
     checkpoint: str
     kind: str
@@ -51,30 +65,44 @@ class EventView:
 
 @dataclass(frozen=True)
 class EventPage:
+    """Events, newest first."""
+
     events: list[EventView]
-    next_before_id: int  # 0: no older events
+    next_before_id: int = field(
+        metadata={"description": "Pass as before_id for the next page; 0 when there is none."}
+    )
 
 
 @dataclass(frozen=True)
 class ProgressSample:
+    """A checkpoint's completed count at one time."""
+
     at: float
     completed_count: int
 
 
 @dataclass(frozen=True)
 class CompletedPage:
+    """Completed source ids in byte order."""
+
     source_ids: list[str]
-    next_after: str  # "": last page
+    next_after: str = field(
+        metadata={"description": "Pass as after for the next page; empty on the last page."}
+    )
 
 
 @dataclass(frozen=True)
 class ImportResult:
+    """How many of the offered source ids were new, and the checkpoint's completed count after."""
+
     imported: int
     completed_count: int
 
 
 @dataclass(frozen=True)
 class ResetResult:
+    """Where a reset moved the checkpoint's files, and how many live writers it closed."""
+
     moved_to: str
     files_moved: int
     writers_closed: int
@@ -82,6 +110,8 @@ class ResetResult:
 
 @dataclass(frozen=True)
 class CheckpointView:
+    """A checkpoint's progress: completed and pending sources, live writers, anomalies."""
+
     name: str
     completed_count: int
     live_writers: int

@@ -227,7 +227,10 @@ class SqlRegistry:
             # One statement, so a writer opened concurrently is either updated and returned or
             # left alone, never updated silently.
             rows = conn.execute(
-                sa.update(writers_table).where(condition).values(state=state, closed_at=at).returning(*writers_table.c)
+                sa.update(writers_table)
+                .where(condition)
+                .values(state=state, closed_at=at)
+                .returning(*writers_table.c)
             ).all()
         return sorted((_writer(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
 

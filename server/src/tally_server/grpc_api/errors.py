@@ -1,5 +1,8 @@
 """Error mapping at the gRPC edge: domain errors → status codes, undecodable requests → INVALID_ARGUMENT.
 
+The one place where a refusal becomes a status: the handlers and the interceptors inside this one
+(authentication) raise :class:`~tally_server.errors.TallyServerError` and this interceptor answers it.
+
 Messages and details are capped (``bounded_message``/``bounded_details``): they travel in trailers,
 and a peer refuses trailers over its metadata limit, replacing the real status by RESOURCE_EXHAUSTED.
 """
@@ -16,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tally_server.domain.validation import bounded_details, bounded_message
-from tally_server.errors import ErrorCode, TallyServerError
+from tally_server.errors import STORAGE_ERRORS, ErrorCode, TallyServerError, storage_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +45,11 @@ class _Undecodable:
         self.error = error
 
 
-def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None  # the handler takes the raw bytes (e.g. a refusal that never decodes them)
+
     def deserialize(data: bytes) -> Any:
-        assert deserializer is not None
         try:
             return deserializer(data)
         except DecodeError as exc:
@@ -61,6 +66,19 @@ async def _abort(context: Any, exc: TallyServerError) -> None:
     await context.abort(STATUS[exc.code], bounded_message(exc.message))
 
 
+async def _failed(context: Any, method: str, exc: Exception) -> None:
+    """Answer what a handler raised: a refusal with its code, a storage error as UNAVAILABLE (the
+    caller may retry), anything else as INTERNAL; the last two are logged with their traceback."""
+    if isinstance(exc, TallyServerError):
+        await _abort(context, exc)
+    elif isinstance(exc, STORAGE_ERRORS):
+        log.error("storage error in %s, answered UNAVAILABLE", method, exc_info=exc)
+        await _abort(context, storage_unavailable(exc))
+    else:
+        log.error("unhandled error in %s", method, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+
+
 async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) -> None:
     await context.abort(
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,7 +88,8 @@ async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) 
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps ``TallyServerError`` to its status code; anything else is logged and becomes INTERNAL.
+    """Maps ``TallyServerError`` to its status code and a storage error to UNAVAILABLE; anything else
+    is logged and becomes INTERNAL.
 
     Covers unary calls and server streams (WatchCheckpoint) alike: a request that cannot be decoded
     is INVALID_ARGUMENT, and a refusal in the middle of a stream ends it with the refusal's code.
@@ -107,25 +126,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 await _refuse_undecodable(context, method, request)
             try:
                 return await inner(request, context)
-            except TallyServerError as exc:
-                await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                log.exception("unhandled error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+            except Exception as exc:
+                await _failed(context, method, exc)
 
         return unary
 
     @staticmethod
     def _stream(inner: Callable[..., Any], method: str) -> Callable[..., Any]:
-        async def failed(context: Any, exc: Exception) -> None:
-            if isinstance(exc, TallyServerError):
-                await _abort(context, exc)
-            else:
-                log.error("unhandled error in %s", method, exc_info=exc)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
-
         if inspect.isasyncgenfunction(inner):
 
             async def generate(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -137,7 +146,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
-                    await failed(context, exc)
+                    await _failed(context, method, exc)
 
             return generate
 
@@ -150,6 +159,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await failed(context, exc)
+                await _failed(context, method, exc)
 
         return write

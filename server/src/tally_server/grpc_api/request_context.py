@@ -39,7 +39,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     Put it first in the interceptor list so it wraps the error interceptor and sees the final code.
     """
 
-    def __init__(self, latency: Histogram | None = None) -> None:
+    def __init__(self, latency: Histogram) -> None:
         self._latency = latency
 
     async def intercept_service(
@@ -77,8 +77,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     code = context.code() or grpc.StatusCode.CANCELLED
                     raise
                 finally:
-                    if latency is not None:
-                        latency.labels(method, code.name).observe(time.perf_counter() - started)
+                    latency.labels(method, code.name).observe(time.perf_counter() - started)
                     logs.request_id.reset(token)
 
             if handler.unary_unary is not None:

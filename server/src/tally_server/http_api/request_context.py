@@ -44,7 +44,7 @@ def route_template(scope: Scope) -> str:
 class RequestMiddleware:
     """Sets the request id and observes ``tally_http_request_duration_seconds{method, route, status}``."""
 
-    def __init__(self, app: ASGIApp, latency: Histogram | None = None) -> None:
+    def __init__(self, app: ASGIApp, latency: Histogram) -> None:
         self.app = app
         self.latency = latency
 
@@ -83,7 +83,7 @@ class RequestMiddleware:
             failed = True
             raise
         finally:
-            if self.latency is not None and not event_stream:
+            if not event_stream:
                 method = scope["method"] if scope["method"] in _METHODS else "other"
                 self.latency.labels(method, route_template(scope), str(status)).observe(
                     time.perf_counter() - started

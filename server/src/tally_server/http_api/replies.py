@@ -1,0 +1,61 @@
+"""The HTTP replies that wrap a bare answer of the service (a number, a list) in a JSON object.
+
+Every record inside them is a service view (``service/views.py``), declared once; these only name
+the envelope, field for field as in the tally.v1 response messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tally_server.domain.ledger import ApplyCounts
+from tally_server.service import CheckpointView, ProgressSample, WriterView
+
+
+@dataclass(frozen=True)
+class KeepAliveReply:
+    """The renewed lease."""
+
+    lease_ttl_s: float
+
+
+@dataclass(frozen=True)
+class ApplyDeltasReply:
+    """What the counting rules did with the batch."""
+
+    counts: ApplyCounts
+
+
+@dataclass(frozen=True)
+class AreCompletedReply:
+    """One boolean per source id asked about, in the same order."""
+
+    completed: list[bool]
+
+
+@dataclass(frozen=True)
+class FlushReply:
+    """Sources this writer has completed so far, all durable."""
+
+    completed: int
+
+
+@dataclass(frozen=True)
+class ListCheckpointsReply:
+    """Checkpoints with their progress."""
+
+    checkpoints: list[CheckpointView]
+
+
+@dataclass(frozen=True)
+class ListWritersReply:
+    """Writers of one checkpoint."""
+
+    writers: list[WriterView]
+
+
+@dataclass(frozen=True)
+class ProgressReply:
+    """A checkpoint's completed count over time, oldest first."""
+
+    samples: list[ProgressSample]

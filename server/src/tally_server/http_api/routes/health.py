@@ -1,0 +1,43 @@
+"""Probes and the Prometheus scrape: open to all (``/metrics`` guarded with ``metrics_auth``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from starlette.responses import Response
+
+from tally_server.errors import ErrorCode
+from tally_server.http_api import schemas as s
+from tally_server.http_api.auth import Guard
+from tally_server.http_api.errors import error_response
+from tally_server.metrics import CONTENT_TYPE, Metrics
+from tally_server.service import CoordinatorService
+
+TAGS: list[str | Enum] = ["health"]
+
+
+def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard, metrics: Metrics) -> None:
+
+    @app.get(
+        "/healthz",
+        tags=TAGS,
+    )
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process serves requests."""
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=TAGS, response_class=Response, dependencies=[Depends(guard.metrics)])
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition (async on purpose: reads service state on the event loop)."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/readyz", tags=TAGS, responses={503: {"model": s.ErrorReply}})
+    async def readyz() -> Any:
+        """Readiness: the coordinator accepts work, can persist completions and its background loops
+        work (503 naming what is wrong otherwise)."""
+        problems = service.problems()
+        if problems:
+            return error_response(503, ErrorCode.UNAVAILABLE, "not ready: " + "; ".join(problems))
+        return {"status": "ready"}

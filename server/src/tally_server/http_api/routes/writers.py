@@ -1,0 +1,93 @@
+"""``/v1/writers``: open a writer, then renew its lease, apply deltas, flush and close it by handle."""
+
+# No "from __future__ import annotations": the Annotated dependencies name the local guard, which
+# FastAPI could not resolve from a string.
+from enum import Enum
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+
+from tally_server.auth import Principal
+from tally_server.http_api import bodies
+from tally_server.http_api import replies as r
+from tally_server.http_api import schemas as s
+from tally_server.http_api.auth import Guard
+from tally_server.http_api.errors import ERROR_REPLIES
+from tally_server.service import ClosedWriter, CoordinatorService, OpenedWriter
+
+TAGS: list[str | Enum] = ["writers"]
+
+
+def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
+    limits = service.limits
+
+    @app.post(
+        "/v1/writers",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=OpenedWriter,
+        openapi_extra=bodies.request_body(s.OpenWriterBody),
+    )
+    async def open_writer(
+        request: Request,
+        caller: Annotated[Principal, Depends(guard.requires("OpenWriter", checkpoint_in_body=True))],
+    ) -> OpenedWriter:
+        """Register a writer of a checkpoint (refuses a writer_id that is live)."""
+        body = await bodies.parse(request, lambda raw: bodies.model(s.OpenWriterBody, raw))
+        caller.require("OpenWriter", body.checkpoint)
+        return await service.open_writer(
+            body.checkpoint,
+            writer_id=body.writer_id,
+            fingerprint=body.fingerprint,
+            labels=body.labels,
+            host=body.host,
+            pid=body.pid,
+            on_mismatch=body.on_mismatch,
+            allow_reset=caller.may_reset(body.checkpoint),
+        )
+
+    @app.post(
+        "/v1/writers/{handle}/keepalive",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=r.KeepAliveReply,
+        dependencies=[Depends(guard.requires("KeepAlive"))],
+    )
+    async def keep_alive(handle: str) -> r.KeepAliveReply:
+        """Renew the writer's lease; 404 means its pending state is gone."""
+        return r.KeepAliveReply(lease_ttl_s=await service.keep_alive(handle))
+
+    @app.post(
+        "/v1/writers/{handle}/deltas",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=r.ApplyDeltasReply,
+        dependencies=[Depends(guard.requires("ApplyDeltas"))],
+        openapi_extra=bodies.request_body(s.ApplyDeltasBody),
+    )
+    async def apply_deltas(handle: str, request: Request) -> r.ApplyDeltasReply:
+        """Apply (task_id, source_id, delta) in order under the counting rules."""
+        batch = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
+        return r.ApplyDeltasReply(counts=await service.apply_deltas(handle, batch))
+
+    @app.post(
+        "/v1/writers/{handle}/flush",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=r.FlushReply,
+        dependencies=[Depends(guard.requires("Flush"))],
+    )
+    async def flush(handle: str) -> r.FlushReply:
+        """Barrier: returns when every completion from deltas applied so far is durable."""
+        return r.FlushReply(completed=await service.flush(handle))
+
+    @app.post(
+        "/v1/writers/{handle}/close",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=ClosedWriter,
+        dependencies=[Depends(guard.requires("CloseWriter"))],
+    )
+    async def close_writer(handle: str) -> ClosedWriter:
+        """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
+        return await service.close_writer(handle)
