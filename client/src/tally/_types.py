@@ -5,6 +5,7 @@ All public types are frozen dataclasses built by ``_convert``; users never see w
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -240,6 +241,9 @@ class WriterSpec:
     host: str
     pid: int
     on_mismatch: OnMismatch = "refuse"
+    # Picked once per writer: an open retried after its answer was lost (a coordinator restart)
+    # attaches to the session it created instead of being refused as a live writer id.
+    session_token: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 @dataclass(frozen=True)

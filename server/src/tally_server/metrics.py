@@ -110,6 +110,21 @@ class ServiceCollector(Collector):
             "was stalled or saturated (it could not have heard heartbeats).",
             value=self._service.stall_clock.paused_s,
         )
+        yield CounterMetricFamily(
+            "tally_batches_resent",
+            "Batches a client sent again (it did not hear the answer); recognised and not applied twice.",
+            value=stats.batches_resent,
+        )
+        yield CounterMetricFamily(
+            "tally_writers_restored",
+            "Writers brought back from the journal when the coordinator started.",
+            value=stats.writers_restored,
+        )
+        yield GaugeMetricFamily(
+            "tally_journal_bytes",
+            "Disk space the writers' journal takes.",
+            value=self._service.journal_bytes(),
+        )
         yield GaugeMetricFamily(
             "tally_ready",
             "1 while the coordinator is ready (accepting work, persisting completions, loops healthy).",

@@ -16,6 +16,7 @@ from tally_server.domain.ports import CommitReport, CompletionOp
 from tally_server.domain.validation import Limits
 from tally_server.errors import NotFound
 from tally_server.service import CoordinatorService
+from tally_server.store.journal import LmdbJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 from tests.integration.workload import nemo_read, tree
@@ -66,6 +67,7 @@ def run(tmp_path: Path, scenario: Callable[[Harness], Awaitable[None]], *, settl
         store = CountingStore(tmp_path)
         service = CoordinatorService(
             completions=store,
+            journal=LmdbJournal(tmp_path),
             registry=SqlRegistry(default_sqlite_url(tmp_path)),
             limits=Limits(),
             settle_ms=settle_ms,

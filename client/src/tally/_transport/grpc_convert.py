@@ -75,6 +75,7 @@ def open_writer_request(spec: WriterSpec) -> pb.OpenWriterRequest:
         host=spec.host,
         pid=spec.pid,
         on_mismatch=_ON_MISMATCH_PB[spec.on_mismatch],
+        session_token=spec.session_token,
     )
 
 

@@ -78,6 +78,8 @@ def open_writer_body(spec: WriterSpec) -> dict[str, Any]:
         body["labels"] = dict(spec.labels)
     if spec.on_mismatch != "refuse":
         body["on_mismatch"] = spec.on_mismatch
+    if spec.session_token:
+        body["session_token"] = spec.session_token
     return body
 
 

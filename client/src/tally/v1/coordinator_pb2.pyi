@@ -18,7 +18,7 @@ ON_MISMATCH_RESET: OnMismatch
 ON_MISMATCH_IGNORE: OnMismatch
 
 class OpenWriterRequest(_message.Message):
-    __slots__ = ("checkpoint", "writer_id", "fingerprint", "labels", "host", "pid", "on_mismatch")
+    __slots__ = ("checkpoint", "writer_id", "fingerprint", "labels", "host", "pid", "on_mismatch", "session_token")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class OpenWriterRequest(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     ON_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     writer_id: str
     fingerprint: _containers.ScalarMap[str, str]
@@ -47,7 +48,8 @@ class OpenWriterRequest(_message.Message):
     host: str
     pid: int
     on_mismatch: OnMismatch
-    def __init__(self, checkpoint: _Optional[str] = ..., writer_id: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., on_mismatch: _Optional[_Union[OnMismatch, str]] = ...) -> None: ...
+    session_token: str
+    def __init__(self, checkpoint: _Optional[str] = ..., writer_id: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., on_mismatch: _Optional[_Union[OnMismatch, str]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class OpenWriterResponse(_message.Message):
     __slots__ = ("handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms")

@@ -26,6 +26,7 @@ class BatchEffects:
     anomalies: list[Anomaly] = field(default_factory=list)
     uncomplete: list[str] = field(default_factory=list)  # commit the delete in every file
     complete: list[str] = field(default_factory=list)  # commit to the writer's file, then made_durable
+    hits: list[str] = field(default_factory=list)  # see BatchResult.hits (journaled with the batch)
 
 
 def apply_batch(
@@ -36,9 +37,8 @@ def apply_batch(
     uncomplete = list(dict.fromkeys(a.source_id for a in result.anomalies))
     for sid in uncomplete:
         completed.discard(sid)
-    return BatchEffects(
-        result.counts, result.anomalies, uncomplete, ledger.mark_completing(result.complete_now)
-    )
+    complete = ledger.mark_completing(result.complete_now)
+    return BatchEffects(result.counts, result.anomalies, uncomplete, complete, result.hits)
 
 
 def settle_due(ledger: WriterLedger, now: float) -> list[str]:

@@ -19,6 +19,7 @@ class EventKind(StrEnum):
     CHECKPOINT_CREATED = "checkpoint_created"
     CHECKPOINT_RESET = "checkpoint_reset"
     WRITER_OPENED = "writer_opened"
+    WRITER_RESTORED = "writer_restored"
     WRITER_CLOSED = "writer_closed"
     WRITER_EXPIRED = "writer_expired"
     WRITER_LOST = "writer_lost"

@@ -55,6 +55,13 @@ class Completing:
 
 
 @dataclass(frozen=True)
+class Persisted:
+    """Completions whose commit to the completion files is durable (confirms a Completing)."""
+
+    sources: Sequence[str]
+
+
+@dataclass(frozen=True)
 class Reverted:
     """Completions whose commit failed: the sources settle again."""
 
@@ -68,9 +75,10 @@ class Snapshot:
     state: LedgerState
     seq: int  # the last client batch_seq applied
     counts: ApplyCounts  # what that batch answered
+    unconfirmed: Sequence[str] = ()  # completing, their commit not yet known durable
 
 
-Entry = Applied | Completing | Reverted | Snapshot
+Entry = Applied | Completing | Persisted | Reverted | Snapshot
 
 
 @dataclass
@@ -100,11 +108,18 @@ class _View:
 
 @dataclass
 class Replayed:
-    """A ledger rebuilt from its journal, and where its client left off."""
+    """A ledger rebuilt from its journal, and where its client left off.
+
+    ``unconfirmed``: sources the writer completed whose commit the journal does not confirm. A
+    Completing entry is journaled before its commit (so that replay sees the completion where the
+    writer did), so the commit may not have happened: those the completion files lack must be
+    committed again before the writer is answered.
+    """
 
     ledger: WriterLedger
     last_seq: int
     last_counts: ApplyCounts
+    unconfirmed: set[str]
 
 
 def replay(entries: Sequence[Entry], cutoff: Callable[[str], bool], settle_s: float, now: float) -> Replayed:
@@ -119,18 +134,23 @@ def replay(entries: Sequence[Entry], cutoff: Callable[[str], bool], settle_s: fl
     view = _View(cutoff)
     ledger = WriterLedger(view, settle_s)
     last_seq, last_counts = 0, ApplyCounts()
+    unconfirmed: set[str] = set()
     for entry in entries:
         if isinstance(entry, Applied):
             view.hits = frozenset(entry.hits)
             last_counts = ledger.apply(entry.deltas, now).counts
             last_seq = entry.seq or last_seq
         elif isinstance(entry, Completing):
-            ledger.complete_settled(entry.sources)
+            unconfirmed.update(ledger.complete_settled(entry.sources))
+        elif isinstance(entry, Persisted):
+            unconfirmed.difference_update(entry.sources)
         elif isinstance(entry, Reverted):
             ledger.revert_completing(entry.sources, now)
+            unconfirmed.difference_update(entry.sources)
         else:
             ledger.restore(entry.state, now)
             last_seq, last_counts = entry.seq, entry.counts
+            unconfirmed = set(entry.unconfirmed)
     view.hits = None
     view.pending = ledger.pending
     # Sources at zero whose completion is not recorded settle again, a full window from now (a
@@ -139,4 +159,4 @@ def replay(entries: Sequence[Entry], cutoff: Callable[[str], bool], settle_s: fl
     for sid, count in ledger.pending.items():
         if count == 0:
             ledger.settling[sid] = now + settle_s
-    return Replayed(ledger, last_seq, last_counts)
+    return Replayed(ledger, last_seq, last_counts, unconfirmed & ledger.own_completed)

@@ -200,6 +200,30 @@ def pid(value: int) -> int:
     return value
 
 
+MAX_BATCH_SEQ = 2**64 - 1  # uint64 on the wire
+MAX_SESSION_TOKEN = 128
+
+
+def batch_seq(value: int) -> int:
+    """Return ``value`` if it can number a client's batch (0: not numbered), else raise."""
+    if not 0 <= value <= MAX_BATCH_SEQ:
+        raise InvalidArgument(
+            f"batch_seq {describe(value)} is out of range; number batches 1, 2, 3, … (at most "
+            f"{MAX_BATCH_SEQ}), or send 0 if they are not numbered",
+        )
+    return value
+
+
+def session_token(value: str) -> str:
+    """Return ``value`` if it can be a client's session token (empty: none), else raise."""
+    if len(value) > MAX_SESSION_TOKEN or not value.isascii() or not value.isprintable():
+        raise InvalidArgument(
+            f"session_token {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
+            "ASCII characters (e.g. a random hex string), or none",
+        )
+    return value
+
+
 def before_id(value: int) -> int:
     """Return ``value`` if it can be an event id to page before (0: from the newest), else raise."""
     if not 0 <= value <= MAX_EVENT_ID:

@@ -45,6 +45,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             pid=request.pid,
             on_mismatch=convert.on_mismatch(request.on_mismatch),
             allow_reset=auth.current().may_reset(request.checkpoint),
+            session_token=request.session_token,
         )
         return convert.opened_writer(opened)
 
@@ -59,7 +60,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.deltas,
             lambda: validation.deltas([(d.task_id, d.source_id, d.delta) for d in request.deltas], limits),
         )
-        counts = await self._service.apply_deltas(request.handle, batch)
+        counts = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
         return pb.ApplyDeltasResponse(counts=convert.counts(counts))
 
     async def AreCompleted(

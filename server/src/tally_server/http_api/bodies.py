@@ -161,8 +161,8 @@ def _model(model: type[M], data: Any, *where: str | int) -> M:
         raise RequestValidationError(problems) from None
 
 
-def deltas(raw: bytes, limits: Limits) -> CheckedDeltas:
-    """An ApplyDeltas body as a validated batch of ``(task_id, source_id, delta)``."""
+def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
+    """An ApplyDeltas body as a validated batch of ``(task_id, source_id, delta)`` and its batch_seq."""
     try:
         body = _json(
             raw,
@@ -172,8 +172,9 @@ def deltas(raw: bytes, limits: Limits) -> CheckedDeltas:
         raise validation.too_many_deltas(limits) from None
     items = body.get("deltas") if isinstance(body, dict) else None
     if not isinstance(items, list):
-        return validation.deltas(_model(s.ApplyDeltasBody, body).batch(), limits)
-    _model(s.ApplyDeltasBody, {**body, "deltas": []})  # everything but the deltas
+        whole = _model(s.ApplyDeltasBody, body)
+        return validation.deltas(whole.batch(), limits), whole.batch_seq
+    head = _model(s.ApplyDeltasBody, {**body, "deltas": []})  # everything but the deltas
     batch: list[tuple[str, str, int]] = []
     for i, item in enumerate(items):
         if type(item) is dict:
@@ -184,7 +185,7 @@ def deltas(raw: bytes, limits: Limits) -> CheckedDeltas:
         # Not plainly valid: the model decides, and words the refusal.
         checked = _model(s.DeltaBody, item, "deltas", i)
         batch.append((checked.task_id, checked.source_id, checked.delta))
-    return validation.deltas(batch, limits)
+    return validation.deltas(batch, limits), head.batch_seq
 
 
 def source_ids(model: type[WithIds], raw: bytes, limits: Limits) -> tuple[WithIds, CheckedIds]:

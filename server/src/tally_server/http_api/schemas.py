@@ -27,6 +27,12 @@ class OpenWriterBody(RequestBody):
     on_mismatch: Literal["refuse", "reset", "ignore"] = Field(
         default="refuse", description="When the fingerprint differs from the checkpoint's recorded one."
     )
+    session_token: str = Field(
+        default="",
+        max_length=128,
+        description="A random token the client picks for this session: an open retried with the token "
+        "of a live session of the same writer_id attaches to it instead of being refused.",
+    )
 
 
 class DeltaBody(RequestBody):

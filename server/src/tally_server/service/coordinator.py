@@ -22,7 +22,7 @@ from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import ApplyCounts, Delta
-from tally_server.domain.ports import CompletionStore, Registry
+from tally_server.domain.ports import CompletionStore, Journal, Registry
 from tally_server.domain.validation import Limits
 from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
@@ -61,6 +61,7 @@ class CoordinatorService:
     Args:
         completions: the completion files.
         registry: checkpoints, writers, events and samples in SQL.
+        journal: the writers' journals, which bring live writers back after a restart.
         limits: refusal limits.
         settle_ms: the settle window (0: complete at once, as NeMo Curator does).
         lease_ttl_s: how long a writer that sends nothing stays open.
@@ -78,6 +79,7 @@ class CoordinatorService:
         *,
         completions: CompletionStore,
         registry: Registry,
+        journal: Journal,
         limits: Limits,
         settle_ms: int,
         lease_ttl_s: float,
@@ -95,7 +97,10 @@ class CoordinatorService:
         self.stall_clock = StallClock(clock, loop_idle)
         self.stats = ServiceStats()
         self._sleep = sleep
-        committer = GroupCommitter(completions, self.stats, lambda q: self._checkpoints.quarantined(q))
+        self._journal = journal
+        committer = GroupCommitter(
+            completions, journal, self.stats, lambda q: self._checkpoints.quarantined(q)
+        )
         self._core = core = Core(
             limits=limits,
             settle_ms=settle_ms,
@@ -119,21 +124,30 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Restore the known checkpoints (without loading their id sets) and start the loops."""
+        """Restore the known checkpoints (without loading their id sets) and every writer the
+        journal holds, then start the loops."""
         core = self._core
         core.committer.start()
-        lost = await core.registry_write(core.registry.mark_open_writers, WriterState.LOST, core.wall())
+        records = await core.registry_read(core.registry.list_checkpoints)
+        counts = await core.registry_read(core.registry.latest_counts)
+        self._checkpoints.restore(records, counts)
+        journaled = await core.committer.run(self._journal.load)
+        restored = await self._writers.restore(journaled)
+        self.stats.writers_restored += len(restored)
+        if restored:
+            log.info(
+                "restored %d writers from the journal; each has a whole lease to come back", len(restored)
+            )
+        keep = [session.handle for session in restored]
+        lost = await core.registry_write(core.registry.mark_open_writers, WriterState.LOST, core.wall(), keep)
         for record in lost:
             core.event(
                 record.checkpoint,
                 EventKind.WRITER_LOST,
-                f"writer {record.writer_id} was open when the coordinator stopped; its pending "
-                "state is gone and its unfinished sources will replay",
+                f"writer {record.writer_id} was open when the coordinator stopped and is not in the "
+                "journal; its pending state is gone and its unfinished sources will replay",
                 record.writer_id,
             )
-        records = await core.registry_read(core.registry.list_checkpoints)
-        counts = await core.registry_read(core.registry.latest_counts)
-        self._checkpoints.restore(records, counts)
         settle_interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
         lease_interval = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
         self._loops = [
@@ -161,19 +175,17 @@ class CoordinatorService:
         self._core.accepting = False
 
     async def shutdown(self) -> None:
-        """Close every writer (finalizing settling sources), drain commits, close the stores."""
+        """Stop: finish the commits in flight and close the stores. Writers stay open: their
+        journals bring them back when the coordinator starts again (a stop for an upgrade is not a
+        goodbye); settling sources settle again then."""
         core = self._core
         core.accepting = False
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for session in core.sessions:
-            try:
-                await self._writers.close(session, WriterState.CLOSED, "coordinator shutdown")
-            except Exception:
-                log.exception("closing writer %s during shutdown failed", session.writer_id)
         if self._writers.finalizers:
             await asyncio.gather(*self._writers.finalizers, return_exceptions=True)
+        await self._writers.settle_journals()
         self._checkpoints.sample_progress()
         try:
             await core.bookkeeping.flush()
@@ -181,6 +193,7 @@ class CoordinatorService:
             log.exception("writing %d registry rows during shutdown failed", core.bookkeeping.queued)
         await core.committer.close()
         core.completions.close()
+        self._journal.close()
         core.registry.close()
         self._checkpoints.close()
         for executor in (core.registry_writes, core.registry_reads):
@@ -208,6 +221,10 @@ class CoordinatorService:
     def loop_errors(self) -> dict[str, int]:
         """Failed steps per background loop since start."""
         return {x.name: x.errors for x in self._loops}
+
+    def journal_bytes(self) -> int:
+        """Bytes the writers' journal takes on disk."""
+        return self._journal.size_bytes()
 
     @property
     def registry_events_dropped(self) -> int:
@@ -253,11 +270,13 @@ class CoordinatorService:
         pid: int = 0,
         on_mismatch: str = "refuse",
         allow_reset: bool = True,
+        session_token: str = "",
     ) -> OpenedWriter:
         """Register a writer; all or nothing: a refused or failed open leaves no trace.
 
         ``allow_reset=False`` (a caller without the admin role) refuses an ``on_mismatch="reset"``
-        that would have to reset the checkpoint.
+        that would have to reset the checkpoint. An open retried with the ``session_token`` of a
+        live session attaches to it.
         """
         return await self._writers.open(
             checkpoint,
@@ -268,15 +287,17 @@ class CoordinatorService:
             pid=pid,
             on_mismatch=on_mismatch,
             allow_reset=allow_reset,
+            session_token=session_token,
         )
 
     async def keep_alive(self, handle: str) -> float:
         """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
         return await self._writers.keep_alive(handle)
 
-    async def apply_deltas(self, handle: str, batch: Sequence[Delta]) -> ApplyCounts:
-        """Apply ``(task_id, source_id, delta)`` in order under the counting rules."""
-        return await self._writers.apply(handle, batch)
+    async def apply_deltas(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
+        """Apply ``(task_id, source_id, delta)`` in order under the counting rules; a batch resent
+        with the ``batch_seq`` of the last one applied is recognised and answered again."""
+        return await self._writers.apply(handle, batch, batch_seq)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""

@@ -34,6 +34,8 @@ class Session(WriterSession):
     journal_index: int = 0
     journal_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     deltas_since_snapshot: int = 0
+    # Sources completed whose commit is not yet confirmed durable in the journal.
+    unconfirmed: set[str] = field(default_factory=set)
     # The last client batch_seq applied, and what that batch answered (a resent batch gets it again).
     applied_seq: int = 0
     last_counts: ApplyCounts = field(default_factory=ApplyCounts)

@@ -24,6 +24,8 @@ class ServiceStats:
     writers_expired: int = 0
     commit_failures: int = 0
     files_quarantined: int = 0
+    batches_resent: int = 0
+    writers_restored: int = 0
     commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
 
     def count(self, counts: ApplyCounts) -> None:

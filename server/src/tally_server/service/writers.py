@@ -12,9 +12,12 @@ Ordering guarantees that matter:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
 from tally_server.domain import fingerprint, validation
 from tally_server.domain.admission import admit_writer
@@ -30,17 +33,41 @@ from tally_server.domain.effects import (
 )
 from tally_server.domain.events import EventKind
 from tally_server.domain.fingerprint import OnMismatch
+from tally_server.domain.journal import (
+    Applied,
+    Completing,
+    JournaledWriter,
+    Opened,
+    Persisted,
+    Reverted,
+    Snapshot,
+    replay,
+)
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
-from tally_server.domain.ports import CheckpointRecord, DeleteCompleted, PutCompleted, WriterRecord
+from tally_server.domain.ports import (
+    CheckpointRecord,
+    CompletionOp,
+    DeleteCompleted,
+    ForgetWriter,
+    JournalEntry,
+    OpenJournal,
+    PutCompleted,
+    WriterRecord,
+)
 from tally_server.errors import InvalidArgument, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.sessions import Session
 from tally_server.service.views import ClosedWriter, OpenedWriter
 
+log = logging.getLogger(__name__)
+
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
+# A writer's journal entries give way to a snapshot of its ledger after this many deltas (or twice
+# the ledger's size, if that is more): its journal stays within a few times the ledger's size.
+SNAPSHOT_MIN_DELTAS = 100_000
 
 
 class Writers:
@@ -122,8 +149,13 @@ class Writers:
         pid: int,
         on_mismatch: str,
         allow_reset: bool,
+        session_token: str = "",
     ) -> OpenedWriter:
-        """Register a writer; all or nothing: a refused or failed open leaves no trace."""
+        """Register a writer; all or nothing: a refused or failed open leaves no trace.
+
+        An open retried with the ``session_token`` of a live session (its answer was lost, e.g. in a
+        coordinator restart) attaches to that session instead of being refused.
+        """
         core = self._core
         core.check_accepting()
         try:
@@ -139,6 +171,11 @@ class Writers:
         validation.labels(fingerprint_, core.limits)
         validation.host(host, core.limits)
         validation.pid(pid)
+        validation.session_token(session_token)
+        live = core.sessions.live(checkpoint).get(writer_id)
+        if live is not None and session_token and live.session_token == session_token:
+            self._renew(live)
+            return self._opened(live)
         if checkpoint in self._checkpoints.resetting:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")
         cp = await self._checkpoints.find(checkpoint, create=True)
@@ -165,13 +202,17 @@ class Writers:
             last_seen_at=now,
             lease_deadline=core.clock() + core.lease_ttl_s,
             ledger=WriterLedger(completed.as_of_now(), core.settle_ms / 1000),
+            session_token=session_token,
         )
-        # The writer id is taken from here on; undone below if the registry refuses the writer.
+        # The writer id is taken from here on; undone below if the journal or registry refuses it.
         core.sessions.add(session)
         records_fingerprint = bool(fingerprint_) and not cp.fingerprint
         if records_fingerprint:
             cp.fingerprint = dict(fingerprint_)
+        journaled = False
         try:
+            await core.committer.submit(OpenJournal(self._who(session)))
+            journaled = True
             await core.registry_write(
                 lambda: core.registry.write_batch(
                     checkpoints=[CheckpointRecord(cp.name, cp.created_at, now, dict(cp.fingerprint))],
@@ -182,6 +223,8 @@ class Writers:
             core.sessions.remove(session)
             if records_fingerprint and cp.fingerprint == fingerprint_:
                 cp.fingerprint = {}
+            if journaled:
+                await self._forget(session)
             raise
         core.stats.writers_opened += 1
         cp.last_activity_at = now
@@ -192,7 +235,28 @@ class Writers:
             writer_id,
             labels=labels,
         )
-        return OpenedWriter(session.handle, writer_id, core.lease_ttl_s, len(completed), core.settle_ms)
+        return self._opened(session)
+
+    def _opened(self, session: Session) -> OpenedWriter:
+        cp = self._checkpoints[session.checkpoint]
+        core = self._core
+        return OpenedWriter(
+            session.handle, session.writer_id, core.lease_ttl_s, cp.completed_count, core.settle_ms
+        )
+
+    @staticmethod
+    def _who(session: Session) -> Opened:
+        return Opened(
+            handle=session.handle,
+            checkpoint=session.checkpoint,
+            writer_id=session.writer_id,
+            host=session.host,
+            pid=session.pid,
+            labels=dict(session.labels),
+            fingerprint=dict(session.fingerprint),
+            opened_at=session.opened_at,
+            session_token=session.session_token,
+        )
 
     async def _guard_fingerprint(
         self,
@@ -226,38 +290,152 @@ class Writers:
         self._renew(self.session(handle))
         return self._core.lease_ttl_s
 
-    async def apply(self, handle: str, batch: Sequence[Delta]) -> ApplyCounts:
+    async def apply(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
+        """Apply a batch under the rules; answered once it is in the journal (and, at settle 0,
+        once what it completed is in the completion files).
+
+        A batch sent again with the ``batch_seq`` of the last one applied (the client did not hear
+        the answer) is recognised and not applied twice; it gets the same answer.
+        """
         core = self._core
         core.check_accepting()
         # Transports check big batches off the event loop already; then this returns at once.
         batch = validation.deltas(batch, core.limits)
+        validation.batch_seq(batch_seq)
         session = self.session(handle)
         async with session.lock:
             session = self.session(handle)  # may have closed while we waited
             self._renew(session)
+            if batch_seq and batch_seq <= session.applied_seq:
+                core.stats.batches_resent += 1
+                await self._commit(session)  # applied already; make sure it is durable
+                last = session.last_counts if batch_seq == session.applied_seq else ApplyCounts()
+                return replace(last)
             cp = self._checkpoints[session.checkpoint]
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())
             core.stats.count(effects.counts)
             cp.last_activity_at = session.last_seen_at
-            if effects.anomalies:
-                await self._uncomplete(cp, session, effects)
+            session.journal_queue.append(Applied(batch_seq, batch, effects.hits))
             if effects.complete:
-                try:
-                    await self._persist(cp, session, effects.complete)
-                except Exception:
-                    commit_failed(session.ledger, effects.complete, core.clock())
-                    raise
+                self._completing(session, effects.complete)
+            session.applied_seq = batch_seq or session.applied_seq
+            session.last_counts = effects.counts
+            self._maybe_snapshot(session, len(batch))
+            changes: list[CompletionOp] = []
+            if effects.anomalies:
+                self._record_anomalies(cp, session, effects)
+                changes.append(DeleteCompleted(cp.name, effects.uncomplete))
+            if effects.complete:
+                changes.append(PutCompleted(cp.name, session.writer_id, effects.complete))
+                session.commits_in_flight += 1
+            try:
+                results = await self._commit(session, changes)
+            except Exception:
+                self._changes_failed(session, effects)
+                raise
+            finally:
+                if effects.complete:
+                    session.commits_in_flight -= 1
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                self._changes_failed(session, effects, results)
+                await session.notify()
+                raise failed
+            if effects.uncomplete:
+                uncomplete_durable(cp.ids(), effects.uncomplete)
+            if effects.complete:
+                made_durable(cp.ids(), effects.complete)
+                self._persisted(session, effects.complete)
+                core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
             await session.notify()
-            return effects.counts
+            return replace(effects.counts)
+
+    def _changes_failed(
+        self, session: Session, effects: BatchEffects, results: Sequence[BaseException | None] | None = None
+    ) -> None:
+        """Some of a batch's commits failed: retry un-completes, let completions settle again."""
+        uncomplete_failed = bool(effects.uncomplete) and (results is None or results[0] is not None)
+        complete_failed = bool(effects.complete) and (results is None or results[-1] is not None)
+        if uncomplete_failed:
+            # A completion left in a file would come back at the next start: retried until durable.
+            self.undeleted.setdefault(session.checkpoint, set()).update(effects.uncomplete)
+        if complete_failed:
+            self._revert(session, effects.complete)
+        if uncomplete_failed or complete_failed:
+            session.failed_commits += 1
+
+    async def _commit(
+        self, session: Session, changes: Sequence[CompletionOp] = ()
+    ) -> list[BaseException | None]:
+        """Make the session's queued journal entries durable, and ``changes`` after them in the
+        same group; returns, per change, its error or None.
+
+        Raises:
+            Unavailable: the journal could not be written; the entries stay queued, in order, for
+                the next try, and none of ``changes`` was committed.
+        """
+        committer = self._core.committer
+        async with session.journal_lock:
+            entries, session.journal_queue = session.journal_queue, []
+            first = session.journal_index + 1
+            written = [
+                committer.enqueue(JournalEntry(session.handle, first + i, e)) for i, e in enumerate(entries)
+            ]
+            committed = [committer.enqueue(change) for change in changes]
+            journal = await asyncio.gather(*written, return_exceptions=True)
+            results = await asyncio.gather(*committed, return_exceptions=True)
+            failed = next((r for r in journal if isinstance(r, BaseException)), None)
+            if failed is not None:
+                session.journal_queue[:0] = entries
+                raise failed
+            session.journal_index += len(entries)
+            return [r if isinstance(r, BaseException) else None for r in results]
+
+    def _revert(self, session: Session, sources: list[str]) -> None:
+        """Completions whose commit failed are not completed: they settle again (and the journal
+        says so)."""
+        commit_failed(session.ledger, sources, self._core.clock())
+        session.unconfirmed.difference_update(sources)
+        session.journal_queue.append(Reverted(sources))
+
+    @staticmethod
+    def _completing(session: Session, sources: list[str]) -> None:
+        """The ledger completed ``sources``: journaled before their commit, so replay sees them
+        complete exactly where the writer did (unconfirmed until the commit is durable)."""
+        session.unconfirmed.update(sources)
+        session.journal_queue.append(Completing(sources))
+
+    @staticmethod
+    def _persisted(session: Session, sources: list[str]) -> None:
+        """Their commit is durable (journaled with the session's next entries)."""
+        session.unconfirmed.difference_update(sources)
+        session.journal_queue.append(Persisted(sources))
+
+    def _maybe_snapshot(self, session: Session, deltas: int) -> None:
+        """Now and then the journal's entries give way to a snapshot of the ledger, so a writer's
+        journal never holds much more than its ledger, however long it runs."""
+        session.deltas_since_snapshot += deltas
+        ledger = session.ledger
+        if session.deltas_since_snapshot < max(
+            SNAPSHOT_MIN_DELTAS, 2 * (len(ledger.applied) + len(ledger.pending))
+        ):
+            return
+        session.deltas_since_snapshot = 0
+        session.journal_queue.append(
+            Snapshot(
+                ledger.state(), session.applied_seq, replace(session.last_counts), sorted(session.unconfirmed)
+            )
+        )
 
     async def _persist(
         self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False
     ) -> None:
-        """Commit ``sources`` as completed, then make them visible.
+        """Commit ``sources`` as completed (their Completing entry is queued), then make them visible.
 
         ``counted``: the caller already raised ``commits_in_flight`` synchronously, when it marked
         the sources completing; a flush or close arriving before this coroutine runs must wait.
+        On failure the sources settle again.
         """
         if not counted:
             session.commits_in_flight += 1
@@ -265,18 +443,22 @@ class Writers:
             undeleted = self.undeleted.get(cp.name)
             if undeleted:
                 undeleted.difference_update(sources)  # completed again: the newer state wins
-            await self._core.committer.submit(PutCompleted(cp.name, session.writer_id, sources))
+            (result,) = await self._commit(session, [PutCompleted(cp.name, session.writer_id, sources)])
+            if result is not None:
+                raise result
             made_durable(cp.ids(), sources)
+            self._persisted(session, sources)
             self._core.stats.completions += len(sources)
         except Exception:
             session.failed_commits += 1
+            self._revert(session, sources)
             raise
         finally:
             session.commits_in_flight -= 1
             await session.notify()
 
-    async def _uncomplete(self, cp: Checkpoint, session: Session, effects: BatchEffects) -> None:
-        """Commit the un-complete of the batch's anomalies (already gone from the live set)."""
+    def _record_anomalies(self, cp: Checkpoint, session: Session, effects: BatchEffects) -> None:
+        """Count and report the batch's anomalies (their sources already left the live set)."""
         cp.anomalies += len(effects.anomalies)
         for a in effects.anomalies:
             change = "a new task" if a.old_delta is None else f"delta {a.old_delta} -> {a.new_delta}"
@@ -291,14 +473,6 @@ class Writers:
                 old_delta=a.old_delta,
                 new_delta=a.new_delta,
             )
-        try:
-            await self._core.committer.submit(DeleteCompleted(cp.name, effects.uncomplete))
-        except Exception:
-            # A completion left in a file would come back at the next start: retried until durable.
-            self.undeleted.setdefault(cp.name, set()).update(effects.uncomplete)
-            session.failed_commits += 1
-            raise
-        uncomplete_durable(cp.ids(), effects.uncomplete)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion resulting from deltas applied so far is durable.
@@ -323,6 +497,8 @@ class Writers:
 
         async with session.changed:
             await session.changed.wait_for(settled)
+        if session.state == WriterState.OPEN:
+            await self._commit(session)  # every entry so far durable (e.g. after a journal failure)
         if session.state == WriterState.EXPIRED:
             raise NotFound(
                 f"writer {session.writer_id!r} expired while flushing; its pending state is gone: "
@@ -350,6 +526,7 @@ class Writers:
             if state == WriterState.CLOSED:
                 completing = settle_all(session.ledger)
                 if completing:
+                    self._completing(session, completing)
                     await self._persist(cp, session, completing)
             async with session.changed:
                 await session.changed.wait_for(lambda: session.commits_in_flight == 0)
@@ -370,12 +547,87 @@ class Writers:
                 incomplete=len(incomplete),
             )
             await session.notify()
+        await self._forget(session)
         totals = session.ledger.totals
         return ClosedWriter(
             ApplyCounts(totals.applied, totals.skipped, totals.rewritten, totals.anomalies, totals.completed),
             incomplete[:MAX_INCOMPLETE_LISTED],
             len(incomplete),
         )
+
+    async def _forget(self, session: Session) -> None:
+        """Drop the journal of a session that ended (best effort: a journal left behind brings the
+        writer back at the next start, where its lease then runs out)."""
+        try:
+            await self._core.committer.submit(ForgetWriter(session.handle))
+        except Exception as exc:
+            log.warning("could not drop the journal of writer %s: %s", session.writer_id, exc)
+
+    async def restore(self, journaled: Sequence[JournaledWriter]) -> list[Session]:
+        """Bring back every writer the journal holds, under its handle, exactly where it was."""
+        core = self._core
+        restored = []
+        for writer in journaled:
+            who = writer.opened
+            cp = await self._checkpoints.find(who.checkpoint, create=True)
+            assert cp is not None
+            completed = await self._checkpoints.completed(cp)
+            rebuilt = replay(writer.entries, completed.as_of_now(), core.settle_ms / 1000, core.clock())
+            session = Session(
+                handle=who.handle,
+                writer_id=who.writer_id,
+                checkpoint=who.checkpoint,
+                host=who.host,
+                pid=who.pid,
+                labels=dict(who.labels),
+                fingerprint=dict(who.fingerprint),
+                opened_at=who.opened_at,
+                last_seen_at=core.wall(),
+                # The lease starts over: the writer gets a whole lease to come back.
+                lease_deadline=core.clock() + core.lease_ttl_s,
+                ledger=rebuilt.ledger,
+                session_token=who.session_token,
+                journal_index=writer.last_index,
+                applied_seq=rebuilt.last_seq,
+                last_counts=rebuilt.last_counts,
+            )
+            session.unconfirmed = set(rebuilt.unconfirmed)
+            core.sessions.add(session)
+            restored.append(session)
+            # Completions journaled but perhaps never committed: those the files lack are committed
+            # now, before anyone hears from this writer (a flush may have acknowledged them).
+            redo = sorted(sid for sid in rebuilt.unconfirmed if sid not in completed)
+            if redo:
+                await core.committer.submit(PutCompleted(cp.name, session.writer_id, redo))
+                made_durable(completed, redo)
+            if rebuilt.unconfirmed:
+                self._persisted(session, sorted(rebuilt.unconfirmed))
+            # Un-completes of its anomalies may not have reached the files before the stop.
+            ledger = rebuilt.ledger
+            stale = sorted((ledger.uncompleted - ledger.own_completed) & set(completed.sources()))
+            if stale:
+                for sid in stale:
+                    completed.discard(sid)
+                self.undeleted.setdefault(cp.name, set()).update(stale)
+            core.event(
+                cp.name,
+                EventKind.WRITER_RESTORED,
+                f"writer {who.writer_id} restored from the journal after a restart ({ledger.in_flight} "
+                f"sources in flight, {len(ledger.settling)} settling); it carries on where it was",
+                who.writer_id,
+                pending=ledger.in_flight,
+            )
+        return restored
+
+    async def settle_journals(self) -> None:
+        """On a graceful stop: make every queued journal entry durable (best effort)."""
+        for session in self._core.sessions:
+            try:
+                await self._commit(session)
+            except Exception as exc:
+                log.warning(
+                    "could not write the journal of writer %s on shutdown: %s", session.writer_id, exc
+                )
 
     # ------------------------------------------------------------------ background steps
 
@@ -388,6 +640,7 @@ class Writers:
                 continue
             completing = settle_due(session.ledger, now)
             if completing:
+                self._completing(session, completing)
                 session.commits_in_flight += 1
                 task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
                 self.finalizers.add(task)
@@ -405,11 +658,10 @@ class Writers:
 
     async def _finalize(self, session: Session, sources: list[str]) -> None:
         cp = self._checkpoints[session.checkpoint]
-        try:
+        with contextlib.suppress(Exception):
+            # On failure the sources settle again and this loop retries them; the committer logged
+            # the cause (once per cause).
             await self._persist(cp, session, sources, counted=True)
-        except Exception:
-            # The committer logged the cause (once per cause); the settle loop retries.
-            commit_failed(session.ledger, sources, self._core.clock())
 
     async def lease_step(self) -> None:
         """Close the writers whose lease ran out (each on its own: one failure stops no other)."""

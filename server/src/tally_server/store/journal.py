@@ -24,6 +24,7 @@ from tally_server.domain.journal import (
     Entry,
     JournaledWriter,
     Opened,
+    Persisted,
     Reverted,
     Snapshot,
 )
@@ -160,6 +161,9 @@ def encode_entry(entry: Entry) -> bytes:
     elif isinstance(entry, Completing):
         out += b"C"
         _pack_strs(out, entry.sources)
+    elif isinstance(entry, Persisted):
+        out += b"P"
+        _pack_strs(out, entry.sources)
     elif isinstance(entry, Reverted):
         out += b"R"
         _pack_strs(out, entry.sources)
@@ -173,6 +177,7 @@ def encode_entry(entry: Entry) -> bytes:
         _pack_strs(out, sorted(state.own_completed))
         _pack_strs(out, sorted(state.uncompleted))
         _pack_strs(out, state.settling)
+        _pack_strs(out, entry.unconfirmed)
     return bytes(out)
 
 
@@ -185,6 +190,8 @@ def decode_entry(raw: bytes) -> Entry:
         return Applied(seq, list(zip(tasks, sources, deltas, strict=True)), hits)
     if kind == b"C":
         return Completing(_Reader(view, 1).strs())
+    if kind == b"P":
+        return Persisted(_Reader(view, 1).strs())
     if kind == b"R":
         return Reverted(_Reader(view, 1).strs())
     if kind == b"S":
@@ -195,7 +202,8 @@ def decode_entry(raw: bytes) -> Entry:
         pending = dict(zip(reader.strs(), reader.ints(), strict=True))
         applied = dict(zip(reader.strs(), reader.ints(), strict=True))
         own, uncompleted, settling = set(reader.strs()), set(reader.strs()), reader.strs()
-        return Snapshot(LedgerState(pending, applied, own, uncompleted, settling, totals), seq, counts)
+        state = LedgerState(pending, applied, own, uncompleted, settling, totals)
+        return Snapshot(state, seq, counts, reader.strs())
     raise ValueError(f"unknown journal entry kind {bytes(kind)!r}")
 
 

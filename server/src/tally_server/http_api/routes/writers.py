@@ -43,6 +43,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
             host=body.host,
             pid=body.pid,
             on_mismatch=body.on_mismatch,
+            session_token=body.session_token,
             allow_reset=caller.may_reset(body.checkpoint),
         )
 
@@ -67,8 +68,8 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     )
     async def apply_deltas(handle: str, request: Request) -> r.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
-        batch = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
-        return r.ApplyDeltasReply(counts=await service.apply_deltas(handle, batch))
+        batch, batch_seq = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
+        return r.ApplyDeltasReply(counts=await service.apply_deltas(handle, batch, batch_seq))
 
     @app.post(
         "/v1/writers/{handle}/flush",
