@@ -77,7 +77,7 @@ def test_a_batch_over_the_limit_is_refused_without_reading_it_whole() -> None:
 def test_deltas_are_strict_and_refusals_name_the_field() -> None:
     good = {"task_id": "t", "source_id": "s", "delta": -2}
     raw = json.dumps({"deltas": [good, good], "batch_seq": 3}).encode()
-    assert bodies.deltas(raw, Limits()) == (("t", "s", -2), ("t", "s", -2))
+    assert bodies.deltas(raw, Limits()) == ((("t", "s", -2), ("t", "s", -2)), 3)
     for bad, where in [
         ({"task_id": "t", "source_id": "s", "delta": True}, ("body", "deltas", 1, "delta")),
         ({"task_id": "t", "source_id": "s", "delta": "1"}, ("body", "deltas", 1, "delta")),

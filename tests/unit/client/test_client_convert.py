@@ -55,13 +55,20 @@ def test_malformed_json_raises(parse: object, body: object) -> None:
 
 
 def test_open_body_omits_empty_optionals() -> None:
-    spec = WriterSpec("cp", "w", {}, {}, "h", 1)
+    spec = WriterSpec("cp", "w", {}, {}, "h", 1, session_token="")
     assert http_convert.open_writer_body(spec) == {
         "checkpoint": "cp",
         "writer_id": "w",
         "host": "h",
         "pid": 1,
     }
+
+
+def test_every_writer_presents_its_own_session_token() -> None:
+    first, second = WriterSpec("cp", "w", {}, {}, "h", 1), WriterSpec("cp", "w", {}, {}, "h", 1)
+    assert len(first.session_token) == 32 and first.session_token != second.session_token
+    assert http_convert.open_writer_body(first)["session_token"] == first.session_token
+    assert grpc_convert.open_writer_request(first).session_token == first.session_token
 
 
 def test_new_messages_read_zero_values_as_nothing() -> None:

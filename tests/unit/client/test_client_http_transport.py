@@ -228,6 +228,7 @@ def test_requests_follow_the_json_contract(http_server: tuple[str, Recorder]) ->
         "labels": {"team": "x"},
         "host": "host1",
         "pid": 42,
+        "session_token": SPEC.session_token,
     }
     assert recorder.requests[2][3] == {
         "deltas": [

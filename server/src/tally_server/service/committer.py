@@ -55,13 +55,16 @@ class GroupCommitter:
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
         self._task: asyncio.Task[None] | None = None
-        # Retries come every few milliseconds while storage fails: log each cause once.
+        # Retries come every few milliseconds while storage fails: log each cause once, for the
+        # journal and the completion files apart (one may fail while the other works).
+        self._journal_failures = FailureLog(log, "writing the writers' journal")
         self._failures = FailureLog(log, "committing completions")
 
     @property
     def failing(self) -> str | None:
-        """The cause while the latest commit (or storage probe) failed, else None."""
-        return self._failures.failing
+        """The cause while the latest journal write or completion commit (or storage probe)
+        failed, else None."""
+        return self._journal_failures.failing or self._failures.failing
 
     async def probe(self) -> None:
         """Check that the store can write again (after failures), between two commits."""
@@ -110,17 +113,18 @@ class GroupCommitter:
                 entries = [op for op, _ in journal if not isinstance(op, PutCompleted | DeleteCompleted)]
                 await loop.run_in_executor(self._executor, self._journal.commit, entries)
         except Exception as exc:
-            self._fail(group, exc, "could not write the writers' journal")
+            self._fail(group, exc, self._journal_failures, "could not write the writers' journal")
             return
+        if journal:
+            self._journal_failures.succeeded()
         _resolve(journal)
         if not completions:
-            self._failures.succeeded()
             return
         try:
             changes = [op for op, _ in completions if isinstance(op, PutCompleted | DeleteCompleted)]
             report = await loop.run_in_executor(self._executor, self._store.commit, changes)
         except Exception as exc:
-            self._fail(completions, exc, "could not persist completions")
+            self._fail(completions, exc, self._failures, "could not persist completions")
             return
         self._failures.succeeded()
         for quarantined in report.quarantined:
@@ -131,9 +135,15 @@ class GroupCommitter:
             observe(elapsed, len(completions), sources)
         _resolve(completions)
 
-    def _fail(self, group: Sequence[tuple[Op, asyncio.Future[None]]], exc: Exception, what: str) -> None:
+    def _fail(
+        self,
+        group: Sequence[tuple[Op, asyncio.Future[None]]],
+        exc: Exception,
+        failures: FailureLog,
+        what: str,
+    ) -> None:
         self._stats.commit_failures += 1
-        self._failures.failed(exc)
+        failures.failed(exc)
         if isinstance(exc, CompletionWriteError):
             message = f"{what}: {exc}"  # says what to do
         else:
