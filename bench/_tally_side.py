@@ -109,9 +109,9 @@ def _writer_main(inbox: Any, outbox: Any) -> None:
                 t0 = time.perf_counter()
                 for batch in batches:
                     w.apply_deltas(batch)
-                w.flush()
+                w.flush(timeout=_STEP_TIMEOUT_S)  # the client's default (30 s) is short on a busy machine
                 outbox.put(("done", time.perf_counter() - t0))
-                result = w.close()
+                result = w.close(timeout=_STEP_TIMEOUT_S)
             outbox.put(("closed", sum(len(b) for b in batches), result.counts.completed))
         except Exception:  # noqa: BLE001 - reported to the parent, which stops
             outbox.put(("error", traceback.format_exc()))
@@ -261,7 +261,7 @@ class _Prober(threading.Thread):
     def run(self) -> None:
         import tally
 
-        with tally.Client(self._address) as client:
+        with tally.Client(self._address, timeout=_STEP_TIMEOUT_S) as client:
             while not self.stop.is_set():
                 t0 = time.perf_counter()
                 client.are_completed(PROBE, [wl.source_id(1)])
@@ -282,7 +282,7 @@ def load(data_dir: Path, count: int, queries: int) -> dict[str, Any]:
         rss_empty = rss_bytes(pid)
         prober = _Prober(server.grpc_address)
         prober.start()
-        with tally.Client(server.grpc_address) as client:
+        with tally.Client(server.grpc_address, timeout=_STEP_TIMEOUT_S) as client:  # 10 M ids load slowly
             status = client.checkpoint(LOADED)
             status_s = time.perf_counter() - t0
             rss_status = rss_bytes(pid)

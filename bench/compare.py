@@ -239,6 +239,7 @@ class Bench:
         self.results = Results()
         self.pool: tside.WriterPool | None = None
         self.data: dict[int, LoadData] = {}
+        self.ray_idle: list[float] = []  # the Ray instance's CPU (fraction of a core) during Tally's runs
 
     # ---------------------------------------------------------------- preparation (not measured)
 
@@ -269,7 +270,7 @@ class Bench:
         # restart of a coordinator that knows the checkpoint, as after an upgrade or a crash.
         with (
             running_server(base / "tally", settle_ms=0) as server,
-            tally.Client(server.grpc_address) as client,
+            tally.Client(server.grpc_address, timeout=900) as client,
         ):
             client.are_completed(tside.LOADED, ["x"])
             client.are_completed(tside.PROBE, ["x"])
@@ -278,17 +279,27 @@ class Bench:
     # ------------------------------------------------------------------------------ Tally's runs
 
     def tally_round(self, r: int) -> None:
+        # Ray stays up between the anchor's runs; what it burns meanwhile is printed in the header.
+        anchor_pid = self.anchor.proc.pid if self.anchor is not None else None
+        cpu0, t0 = (tside.cpu_seconds(anchor_pid) if anchor_pid else 0.0), time.perf_counter()
+        self._tally_round(r)
+        if anchor_pid is not None:
+            self.ray_idle.append((tside.cpu_seconds(anchor_pid) - cpu0) / (time.perf_counter() - t0))
+
+    def _tally_round(self, r: int) -> None:
         from tally_server.testing import running_server
 
         put, s, figs = self.results.put, self.sizes, self.figures
+        # Runs of one round share a server (each on a checkpoint of its own): alternate who goes first.
+        transports = ("grpc", "http") if r % 2 == 0 else ("http", "grpc")
         if figs & {"durable", "deltas", "latency"}:
             with running_server(settle_ms=0) as server:
                 if "durable" in figs:
-                    for transport in ("grpc", "http"):
+                    for transport in transports:
                         put(f"T:durable.{transport}.s0", self._durable(server, transport, f"s0-r{r}"))
                 if "deltas" in figs:
                     for writers in (1, WRITERS):
-                        for transport in ("grpc", "http"):
+                        for transport in transports:
                             run = self.pool_run(
                                 server, transport, f"bench/deltas{writers}-{transport}-r{r}", writers, False
                             )
@@ -305,7 +316,7 @@ class Bench:
                     self._put_latency("T", asked, applied)
             if "durable" in figs:
                 with running_server(settle_ms=250) as server:
-                    for transport in ("grpc", "http"):
+                    for transport in transports:
                         put(f"T:durable.{transport}.s250", self._durable(server, transport, f"s250-r{r}"))
                 if JOURNAL_SWITCH is not None:
                     for state, extra in zip(("on", "off"), JOURNAL_SWITCH, strict=True):
@@ -509,7 +520,9 @@ class Row:
 
 
 def rows(sizes: Sizes) -> Iterator[tuple[str, str, list[Row]]]:
-    at_least = lambda x, t="": Goal("ratio", ">=", x, t or f"≥ {x:g}×")  # noqa: E731
+    def at_least(x: float) -> Goal:
+        return Goal("ratio", ">=", x, f"≥ {x:g}×")
+
     not_above = Goal("ratio", "<=", 1.0, "≤ 1×")
     work = f"{WRITERS} writers × {sizes.sources:,} sources × 4 deltas, batches of {wl.BATCH:,}"
     durable: list[Row] = []
@@ -753,7 +766,11 @@ def _git(*args: str) -> str:
 
 
 def header(
-    mode: str, sizes: Sizes, anchor: dict[str, Any] | None, load_at_start: tuple[float, float, float]
+    mode: str,
+    sizes: Sizes,
+    anchor: dict[str, Any] | None,
+    load_at_start: tuple[float, float, float],
+    ray_idle: list[float],
 ) -> str:
     cpu_model = "?"
     try:
@@ -779,6 +796,11 @@ def header(
             f"anchor: NeMo Curator {anchor['nemo_curator']} ResumabilityActor, Ray {anchor['ray']} "
             f"(local instance, started in {anchor['start_s']:.1f} s), Python {anchor['python']}"
         )
+        if ray_idle:
+            lines.append(
+                "the Ray instance stays up during Tally's runs and used "
+                f"{statistics.median(ray_idle):.1%} of a core meanwhile (median over the rounds)"
+            )
     else:
         lines.append("anchor: not run (--tally-only)")
     lines.append(
@@ -833,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def anchor_side() -> None:
                 try:
-                    bench.anchor_round(0)  # type: ignore[union-attr]
+                    bench.anchor_round(0)
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
                     errors.append(exc)
 
@@ -860,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         if anchor is not None:
             anchor.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(header(mode_name, sizes, anchor.info if anchor else None, load_at_start))
+    print(header(mode_name, sizes, anchor.info if anchor else None, load_at_start, bench.ray_idle))
     print()
     print(table(bench.results, sizes, figures))
     return 0
