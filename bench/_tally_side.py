@@ -181,10 +181,12 @@ class WriterPool:
         return Throughput(seconds, sum(c[0] for c in closed), sum(c[1] for c in closed), cpu)
 
     def close(self) -> None:
+        """Idle writers exit at once; one still in a run (the benchmark was interrupted) is killed."""
         for inbox in self._inboxes:
             inbox.put(None)
+        deadline = time.monotonic() + 5.0
         for p in self._procs:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(10)
@@ -375,9 +377,9 @@ def heartbeats(count: int, window_s: float) -> dict[str, Any]:
             if kind == "error":
                 raise RuntimeError(f"the heartbeating writers failed:\n{rest[0]}")
             unhealthy = rest[0]
-        finally:
             proc.join(60)
-            if proc.is_alive():
+        finally:
+            if proc.is_alive():  # interrupted, or the writers did not finish closing
                 proc.kill()
                 proc.join(10)
     if live != count or unhealthy:

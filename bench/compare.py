@@ -150,6 +150,7 @@ class AnchorProcess:
         self._answers: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, name="anchor-answers", daemon=True).start()
         self.info: dict[str, Any] = {}
+        self._busy = False
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -180,14 +181,18 @@ class AnchorProcess:
     def call(self, cmd: str, **args: Any) -> dict[str, Any]:
         self.ready()
         assert self.proc.stdin is not None
+        self._busy = True
         self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
         self.proc.stdin.flush()
-        return self._answer(3600)
+        answer = self._answer(3600)
+        self._busy = False
+        return answer
 
     def stop(self) -> None:
         """``ray.shutdown()`` through the worker, then anything of this Ray instance still alive is killed."""
         try:
-            if self.proc.poll() is None and self.proc.stdin is not None:
+            # Busy (the benchmark was interrupted mid-call): nobody waits for the answer, kill it.
+            if self.proc.poll() is None and self.proc.stdin is not None and not self._busy:
                 self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
                 self.proc.stdin.close()
                 self.proc.wait(60)
@@ -771,6 +776,7 @@ def header(
     anchor: dict[str, Any] | None,
     load_at_start: tuple[float, float, float],
     ray_idle: list[float],
+    commit: str,
 ) -> str:
     cpu_model = "?"
     try:
@@ -781,15 +787,14 @@ def header(
     except OSError:
         pass
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    dirty = " + uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"bench/compare.py{'' if mode == 'full' else ' --' + mode}: {now}, "
-        f"commit {_git('rev-parse', '--short', 'HEAD')}{dirty}",
+        f"bench/compare.py{'' if mode == 'full' else ' --' + mode}: {now}, commit {commit}",
         f"machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu_model}), "
         f"{mem_gb:.1f} GB RAM, "
         f"Python {platform.python_version()}",
-        f"load average at start: {' '.join(f'{x:.2f}' for x in load_at_start)}",
+        f"load average before the run: {' '.join(f'{x:.2f}' for x in load_at_start)} "
+        "(while it runs, the benchmark's own processes add about 2 to 4)",
     ]
     if anchor:
         lines.append(
@@ -841,6 +846,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every server, writer and Ray process is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_at_start = os.getloadavg()
+    # The code measured is the code at the start, whatever happens to the worktree meanwhile.
+    commit = _git("rev-parse", "--short", "HEAD")
+    if _git("status", "--porcelain", "--untracked-files=no"):
+        commit += " + uncommitted changes"
     work = Path(tempfile.mkdtemp(prefix="tally-compare-"))
     anchor: AnchorProcess | None = None
     bench: Bench | None = None
@@ -882,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         if anchor is not None:
             anchor.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(header(mode_name, sizes, anchor.info if anchor else None, load_at_start, bench.ray_idle))
+    print(header(mode_name, sizes, anchor.info if anchor else None, load_at_start, bench.ray_idle, commit))
     print()
     print(table(bench.results, sizes, figures))
     return 0

@@ -75,7 +75,7 @@ def test_tiny_run_measures_every_figure_on_both_sides_and_stops_ray() -> None:
     out = run.stdout
 
     assert "anchor: NeMo Curator 1.4.0 ResumabilityActor, Ray " in out, out
-    assert "load average at start: " in out
+    assert "load average before the run: " in out
     for section in SECTIONS:
         assert re.search(rf"^\| \*\*{re.escape(section)}", out, re.M), f"no section {section!r}:\n{out}"
 
