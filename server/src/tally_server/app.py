@@ -27,7 +27,7 @@ from tally_server.service import CoordinatorService
 from tally_server.service.bridge import ServiceBridge
 from tally_server.settings import Settings, split_listen
 from tally_server.store.datadir_lock import DataDirLock
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal import LmdbJournal, NoJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry
 
@@ -39,7 +39,8 @@ def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] =
     return CoordinatorService(
         completions=LmdbCompletionStore(settings.data_dir),
         registry=SqlRegistry(settings.resolved_registry_url()),
-        journal=LmdbJournal(settings.data_dir),
+        journal=LmdbJournal(settings.data_dir) if settings.journal else NoJournal(),
+        journal_snapshot_deltas=settings.journal_snapshot_deltas,
         limits=settings.limits,
         settle_ms=settings.settle_ms,
         lease_ttl_s=settings.lease_ttl_s,

@@ -51,6 +51,13 @@ def serve(
             help="/metrics needs a reader token when tokens are set [TALLY_METRICS_AUTH; off].",
         ),
     ] = None,
+    journal: Annotated[
+        bool | None,
+        typer.Option(
+            "--journal/--no-journal",
+            help="Journal live writers so they survive a restart [TALLY_JOURNAL; on].",
+        ),
+    ] = None,
 ) -> None:
     """Run the coordinator (gRPC + HTTP) until SIGTERM."""
     flags: dict[str, Any] = {
@@ -66,6 +73,7 @@ def serve(
         "tls_key": tls_key,
         "tls_client_ca": tls_client_ca,
         "metrics_auth": metrics_auth,
+        "journal": journal,
     }
     from pydantic import ValidationError
 

@@ -64,6 +64,20 @@ class Settings(BaseSettings):
         "writers are unloaded, least recently used first, and loaded again when next asked about; "
         "status and listings never load them.",
     )
+    journal: bool = Field(
+        default=True,
+        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb), so that a "
+        "restart, crash or upgrade of the coordinator loses none of their pending state and they carry "
+        "on. Off: writers open at a restart are lost and their unfinished sources replay (faster; for "
+        "measuring what the journal costs).",
+    )
+    journal_snapshot_deltas: int = Field(
+        default=100_000,
+        gt=0,
+        description="A writer's journal entries give way to a snapshot of its state after this many "
+        "deltas (or twice its state's size, if more), so a journal stays within a few times the state "
+        "of its writers however long they run.",
+    )
     shutdown_grace_s: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )

@@ -67,6 +67,7 @@ class CoordinatorService:
         lease_ttl_s: how long a writer that sends nothing stays open.
         progress_interval_s: how often completed counts are sampled.
         memory_budget_bytes: loaded completed sets beyond this are unloaded while idle.
+        journal_snapshot_deltas: how many deltas of a writer's journal give way to a snapshot.
         clock: real monotonic seconds (leases and settling run on a stall clock over it).
         wall_clock: epoch seconds, for what people read.
         sleep: what background loops sleep with.
@@ -85,6 +86,7 @@ class CoordinatorService:
         lease_ttl_s: float,
         progress_interval_s: float = 5.0,
         memory_budget_bytes: int = 1 << 30,
+        journal_snapshot_deltas: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         sleep: Sleep = asyncio.sleep,
@@ -113,6 +115,7 @@ class CoordinatorService:
             committer=committer,
             bookkeeping=RegistryWriter(registry, lambda fn: core.registry_write(fn)),
             stats=self.stats,
+            journal_snapshot_deltas=journal_snapshot_deltas,
         )
         self._checkpoints = CheckpointTable(core, memory_budget_bytes)
         self._writers = Writers(core, self._checkpoints, lambda name: self._admin.reset_checkpoint(name))

@@ -42,6 +42,7 @@ class Core:
     committer: GroupCommitter
     bookkeeping: RegistryWriter
     stats: ServiceStats
+    journal_snapshot_deltas: int = 100_000
     sessions: SessionTable = field(default_factory=SessionTable)
     # Writes (the two that requests wait for, and the bookkeeping flushes) never queue behind
     # status reads, which get threads of their own.

@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
-# A writer's journal entries give way to a snapshot of its ledger after this many deltas (or twice
-# the ledger's size, if that is more): its journal stays within a few times the ledger's size.
-SNAPSHOT_MIN_DELTAS = 100_000
 
 
 class Writers:
@@ -418,7 +415,7 @@ class Writers:
         session.deltas_since_snapshot += deltas
         ledger = session.ledger
         if session.deltas_since_snapshot < max(
-            SNAPSHOT_MIN_DELTAS, 2 * (len(ledger.applied) + len(ledger.pending))
+            self._core.journal_snapshot_deltas, 2 * (len(ledger.applied) + len(ledger.pending))
         ):
             return
         session.deltas_since_snapshot = 0

@@ -253,3 +253,19 @@ def _split(blob: bytes, lengths: Iterable[int]) -> Iterator[str]:
     for length in lengths:
         yield blob[at : at + length].decode()
         at += length
+
+
+class NoJournal:
+    """No journal (``journal = false``): writers open at a restart are lost, as before journals."""
+
+    def commit(self, ops: Sequence[JournalOp]) -> None:
+        """Keep nothing."""
+
+    def load(self) -> list[JournaledWriter]:
+        return []
+
+    def size_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing to close."""
