@@ -102,8 +102,13 @@ def _run_writer(log: _WriterLog, plan: list[tuple[str, int]]) -> None:
                 pass  # the error above already said why
 
 
-def run_trial(base: Path, trial: int, rng: random.Random, settle_ms: int, min_rounds: int = 0) -> TrialResult:
-    """One kill -9 trial in ``base`` (a fresh directory), at least ``min_rounds`` acknowledged rounds in."""
+def run_trial(
+    base: Path, trial: int, rng: random.Random, settle_ms: int, min_rounds: int = 0, stop: str = "kill"
+) -> TrialResult:
+    """One kill -9 trial in ``base`` (a fresh directory), at least ``min_rounds`` acknowledged rounds in.
+
+    ``stop="term"``: the coordinator is stopped gracefully (SIGTERM, as for an upgrade) instead.
+    """
     data = base / "data"
     logs: list[_WriterLog] = []
     with serve(data, settle_ms=settle_ms) as first:
@@ -127,7 +132,10 @@ def run_trial(base: Path, trial: int, rng: random.Random, settle_ms: int, min_ro
         kill_after = time.monotonic() - started
         for log in logs:
             log.in_flight_at_kill = not log.finished
-        first.kill()
+        if stop == "term":
+            first.terminate()
+        else:
+            first.kill()
     same_ports = True
     with contextlib.ExitStack() as stack:
         try:

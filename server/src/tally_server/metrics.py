@@ -126,6 +126,11 @@ class ServiceCollector(Collector):
             value=self._service.journal_bytes(),
         )
         yield GaugeMetricFamily(
+            "tally_journal_entries",
+            "Entries in the writers' journal (snapshots keep it within a few per writer's state).",
+            value=self._service.journal_entries(),
+        )
+        yield GaugeMetricFamily(
             "tally_ready",
             "1 while the coordinator is ready (accepting work, persisting completions, loops healthy).",
             value=1 if self._service.ready else 0,

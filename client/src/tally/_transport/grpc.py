@@ -51,7 +51,14 @@ _STATUS: dict[grpc.StatusCode, StatusCode] = {
 DETAILS_METADATA_KEY = "tally-error-details"
 
 # Checkpoint listings can be large (one entry per writer); lift gRPC's 4 MB receive default.
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # A coordinator that restarts (an upgrade, a crash) is back in seconds; gRPC's default reconnect
+    # backoff grows to two minutes, long enough for a writer's lease to run out meanwhile.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def error_from_rpc(

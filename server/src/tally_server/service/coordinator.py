@@ -229,6 +229,10 @@ class CoordinatorService:
         """Bytes the writers' journal takes on disk."""
         return self._journal.size_bytes()
 
+    def journal_entries(self) -> int:
+        """Entries the writers' journal holds."""
+        return self._journal.entries()
+
     @property
     def registry_events_dropped(self) -> int:
         return self._core.bookkeeping.dropped_events

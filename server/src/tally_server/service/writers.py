@@ -63,6 +63,8 @@ from tally_server.service.views import ClosedWriter, OpenedWriter
 
 log = logging.getLogger(__name__)
 
+# What a writer brought back from the journal gets on top of its lease to come back.
+RESTORE_GRACE_S = 10.0
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
 
@@ -580,8 +582,9 @@ class Writers:
                 fingerprint=dict(who.fingerprint),
                 opened_at=who.opened_at,
                 last_seen_at=core.wall(),
-                # The lease starts over: the writer gets a whole lease to come back.
-                lease_deadline=core.clock() + core.lease_ttl_s,
+                # The lease starts over, with a grace: the writer's client has to notice the
+                # coordinator is back (reconnect backoff) before its first heartbeat lands.
+                lease_deadline=core.clock() + core.lease_ttl_s + RESTORE_GRACE_S,
                 ledger=rebuilt.ledger,
                 session_token=who.session_token,
                 journal_index=writer.last_index,

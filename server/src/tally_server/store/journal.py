@@ -130,6 +130,11 @@ class LmdbJournal:
         info, stat = self._env.info(), self._env.stat()
         return int((info["last_pgno"] + 1) * stat["psize"])
 
+    def entries(self) -> int:
+        """How many entries the journal holds (snapshots keep this bounded per writer)."""
+        with self._env.begin() as txn:
+            return int(txn.stat(self._entries)["entries"])
+
     def close(self) -> None:
         self._env.close()
 
@@ -265,6 +270,9 @@ class NoJournal:
         return []
 
     def size_bytes(self) -> int:
+        return 0
+
+    def entries(self) -> int:
         return 0
 
     def close(self) -> None:

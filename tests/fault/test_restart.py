@@ -1,0 +1,176 @@
+"""Writers outlive the coordinator (issue 9): a restart, crash or upgrade is only a pause for them.
+
+Real ``tally serve`` processes on one data directory, restarted on the same ports, and real SDK
+writers that never reopen.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+import tally
+from bench._faultlib import kill9
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.testing import RunningServer, running_server
+from tests.integration.workload import nemo_read, tree
+from tests.polling import wait_until
+
+TTL = 2.0
+
+
+@pytest.mark.parametrize("settle_ms", [0, 250])
+@pytest.mark.parametrize("stop", ["kill", "term"])
+def test_writers_carry_on_through_a_restart_without_replay(tmp_path: Path, stop: str, settle_ms: int) -> None:
+    """Four writers (two over gRPC, two over HTTP) split every tree across flushes; the coordinator
+    is killed (or stopped for an upgrade) at a random moment and started again: every writer
+    finishes without being reopened, every fully sent source is completed, nothing else is."""
+    for attempt in range(8):  # until the stop comes while writers are still streaming
+        result = kill9.run_trial(
+            tmp_path / str(attempt), 0, random.Random(attempt), settle_ms, min_rounds=kill9.WRITERS, stop=stop
+        )
+        if result.writers:
+            break
+    assert result.same_ports
+    assert result.writers > 0, "every writer had finished before the stop: no restart under load"
+    ended = result.ended_by
+    assert ended.get("finished", 0) + ended.get("done before the kill", 0) == kill9.WRITERS, ended
+    assert result.recovered == result.writers, f"{result.recovered} of {result.writers} writers carried on"
+    assert not result.lost, f"{len(result.lost)} acknowledged completions lost"
+    assert not result.false, f"{len(result.false)} sources completed that were never fully sent"
+
+
+@contextmanager
+def restarted(data: Path, first: RunningServer, **options: object) -> Iterator[RunningServer]:
+    ports = {"grpc_listen": first.grpc_address, "http_listen": first.http_address}
+    with running_server(data, **ports, **options) as second:  # type: ignore[arg-type]
+        yield second
+
+
+def test_a_restart_longer_than_the_lease_still_lets_writers_back_in(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0, lease_ttl_s=TTL) as first:
+        client = tally.Client(first.grpc_address, timeout=30)
+        writer = client.writer("restart/long", writer_id="patient")
+        writer.open()
+        writer.apply_deltas(tree("x")[:3])
+        writer.flush()
+        first.kill()
+        # Down for three leases: the lease clock does not run while the coordinator is down.
+        down_until = time.monotonic() + 3 * TTL
+        while time.monotonic() < down_until:
+            time.sleep(0.1)
+        with restarted(data, first, settle_ms=0, lease_ttl_s=TTL) as second:
+            writer.apply_deltas(tree("x")[3:])
+            writer.flush()
+            assert writer.close().incomplete_count == 0
+            client.close()
+            with tally.Client(second.grpc_address) as fresh:
+                assert fresh.are_completed("restart/long", ["x"]) == [True]
+
+
+def test_a_writer_that_really_died_still_expires_a_lease_after_the_restart(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0, lease_ttl_s=TTL) as first:
+        with httpx.Client(base_url=first.http_url, timeout=10) as http:
+            # Raw HTTP: nobody heartbeats for this writer; it dies with the coordinator.
+            opened = http.post("/v1/writers", json={"checkpoint": "restart/dead", "writer_id": "gone"})
+            assert opened.status_code == 200
+        first.kill()
+        with restarted(data, first, settle_ms=0, lease_ttl_s=TTL) as second:
+            back = time.monotonic()
+            with httpx.Client(base_url=second.http_url, timeout=10) as http:
+                assert http.get("/v1/checkpoints/restart/dead").json()["live_writers"] == 1  # restored
+                wait_until(
+                    lambda: http.get("/v1/checkpoints/restart/dead").json()["live_writers"] == 0,
+                    timeout=20 * TTL,
+                    what="the dead writer expired",
+                )
+                gone_after = time.monotonic() - back  # at least a lease (and the restart grace)
+                events = http.get("/v1/events", params={"checkpoint": "restart/dead"}).json()["events"]
+            kinds = [e["kind"] for e in events if e["writer_id"] == "gone"]
+            assert kinds[:2] == ["writer_expired", "writer_restored"]
+            assert gone_after >= 0.9 * TTL  # a whole lease, counted from the restart
+
+
+def test_a_batch_sent_again_is_applied_once_and_answered_again(tmp_path: Path) -> None:
+    with (
+        running_server(tmp_path / "data", settle_ms=0) as server,
+        grpc.insecure_channel(server.grpc_address) as channel,
+        httpx.Client(base_url=server.http_url, timeout=10) as http,
+    ):
+        stub = pb_grpc.CoordinatorStub(channel)
+        handle = stub.OpenWriter(pb.OpenWriterRequest(checkpoint="restart/seq", writer_id="g")).handle
+
+        def grpc_send(seq: int, *deltas: tuple[str, str, int]) -> pb.ApplyCounts:
+            items = [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in deltas]
+            return stub.ApplyDeltas(pb.ApplyDeltasRequest(handle=handle, deltas=items, batch_seq=seq)).counts
+
+        first = grpc_send(1, ("a", "x", 1), ("b", "x", 1))
+        again = grpc_send(1, ("a", "x", 1), ("b", "x", 1))  # the answer was lost: same batch again
+        assert (again.applied, again.skipped) == (first.applied, first.skipped) == (2, 0)
+        grpc_send(2, ("c", "x", -1), ("d", "x", -1))
+        # Applied twice, x would stand at 2 after its four deltas; once, it is complete.
+        done = stub.AreCompleted(pb.AreCompletedRequest(checkpoint="restart/seq", source_ids=["x"]))
+        assert list(done.completed) == [True]
+
+        h = http.post("/v1/writers", json={"checkpoint": "restart/seq", "writer_id": "h"}).json()["handle"]
+        body = {"batch_seq": 1, "deltas": [{"task_id": "e", "source_id": "y", "delta": 1}]}
+        assert http.post(f"/v1/writers/{h}/deltas", json=body).json()["counts"]["applied"] == 1
+        assert http.post(f"/v1/writers/{h}/deltas", json=body).json()["counts"]["applied"] == 1
+        assert http.get("/v1/checkpoints/restart/seq").json()["pending_sources"] == 1
+        metrics = http.get("/metrics").text
+        assert "tally_batches_resent_total 2.0" in metrics
+
+
+def test_an_open_retried_with_its_session_token_attaches_even_across_a_restart(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0) as first:
+        with httpx.Client(base_url=first.http_url, timeout=10) as http:
+            body = {"checkpoint": "restart/open", "writer_id": "w", "session_token": "t0ken"}
+            handle = http.post("/v1/writers", json=body).json()["handle"]
+            assert http.post("/v1/writers", json=body).json()["handle"] == handle
+            other = http.post("/v1/writers", json={**body, "session_token": "someone-else"})
+            assert other.status_code == 409 and other.json()["error"]["code"] == "ALREADY_EXISTS"
+        first.kill()
+        with restarted(data, first, settle_ms=0) as second, httpx.Client(base_url=second.http_url) as http:
+            assert http.post("/v1/writers", json=body).json()["handle"] == handle
+
+
+def test_a_journal_stays_bounded_however_long_its_writer_runs(tmp_path: Path) -> None:
+    """Snapshots replace a writer's journal entries as it goes, so a writer sending the same work
+    over and over (retries) keeps a journal of a few entries, and a restart still rebuilds it."""
+    data = tmp_path / "data"
+    env = {"TALLY_JOURNAL_SNAPSHOT_DELTAS": "500"}
+    with running_server(data, settle_ms=0, env=env) as first:
+        client = tally.Client(first.grpc_address)
+        writer = client.writer("restart/bounded", writer_id="long")
+        writer.open()
+        trees = [d for i in range(20) for d in tree(f"s{i}")[:5]]  # 100 deltas, all still pending
+        for _ in range(100):  # 10,000 deltas, the same ones: the state never grows
+            writer.apply_deltas(trees)
+            writer.flush()
+        with httpx.Client(base_url=first.http_url) as http:
+            metrics = http.get("/metrics").text.splitlines()
+        entries = float(
+            next(line.split()[-1] for line in metrics if line.startswith("tally_journal_entries "))
+        )
+        assert entries <= 500 / 100 + 3, entries  # without snapshots: 100 and counting
+        first.kill()
+        with restarted(data, first, settle_ms=0, env=env) as second:
+            for i in range(20):
+                writer.apply_deltas(tree(f"s{i}")[5:])
+            writer.flush()
+            assert writer.close().incomplete_count == 0
+            client.close()
+            with tally.Client(second.grpc_address) as fresh:
+                assert fresh.are_completed("restart/bounded", [f"s{i}" for i in range(20)]) == [True] * 20
+    assert len(nemo_read(data / "checkpoints" / "restart" / "bounded")) == 20

@@ -1,0 +1,95 @@
+"""The writers' journal on disk: what is committed comes back in order, snapshots and forgets shrink
+it, and a write torn by a crash leaves the journal as it was before that write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tally_server.domain.journal import Applied, Completing, Opened, Persisted, Reverted, Snapshot
+from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ports import ForgetWriter, JournalEntry, OpenJournal
+from tally_server.store.journal import JOURNAL_FILENAME, LmdbJournal, decode_entry, encode_entry
+
+
+def who(handle: str) -> Opened:
+    return Opened(handle, "cp/x", f"writer-{handle}", "host", 7, {"slurm": "3"}, {"input": "h"}, 1.5, "tok")
+
+
+def batch(seq: int) -> Applied:
+    return Applied(seq, [(f"t{seq}", "s", 1), (f"u{seq}", "é-src", -1)], ["hit"] if seq == 2 else [])
+
+
+def test_entries_come_back_in_order_per_writer(tmp_path: Path) -> None:
+    journal = LmdbJournal(tmp_path)
+    journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
+    journal.commit([JournalEntry("a", i, batch(i)) for i in range(1, 12)])  # 10 and 11 sort after 9
+    journal.commit([JournalEntry("b", 1, Completing(["s"])), JournalEntry("a", 12, Persisted(["s"]))])
+    journal.close()
+
+    loaded = {w.opened.handle: w for w in LmdbJournal(tmp_path).load()}
+    assert loaded["a"].opened == who("a")
+    assert loaded["a"].entries == [*(batch(i) for i in range(1, 12)), Persisted(["s"])]
+    assert loaded["a"].last_index == 12
+    assert loaded["b"].entries == [Completing(["s"])]
+
+
+def test_a_snapshot_replaces_what_came_before_and_forget_drops_a_writer(tmp_path: Path) -> None:
+    journal = LmdbJournal(tmp_path)
+    journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
+    journal.commit([JournalEntry("a", i, batch(i)) for i in range(1, 6)] + [JournalEntry("b", 1, batch(1))])
+    state = LedgerState({"s": 1}, {"t1": 1}, {"done"}, {"undone"}, ["settling"], ApplyCounts(5, 1, 0, 1, 1))
+    snapshot = Snapshot(state, 5, ApplyCounts(1, 0, 0, 0, 0), ["done"])
+    journal.commit([JournalEntry("a", 6, snapshot), JournalEntry("a", 7, batch(6))])
+    assert journal.entries() == 3  # a: the snapshot and one batch; b: one batch
+    journal.commit([ForgetWriter("b")])
+    assert journal.entries() == 2
+    loaded = journal.load()
+    assert [w.opened.handle for w in loaded] == ["a"]
+    assert loaded[0].entries == [snapshot, batch(6)]
+
+
+def test_every_entry_survives_its_encoding() -> None:
+    state = LedgerState(
+        {"s": -3, "ü": 0}, {"t": 2, "long" * 100: -1}, {"a", "b"}, set(), ["ü"], ApplyCounts(1, 2, 3, 4, 5)
+    )
+    entries = [
+        Applied(2**64 - 1, [("t", "s", -(2**61)), ("t2", "s\x00x", 2**61)], ["h"]),
+        Applied(0, [], []),
+        Completing(["a", "b"]),
+        Persisted([]),
+        Reverted(["x"]),
+        Snapshot(state, 9, ApplyCounts(0, 1, 0, 0, 0), ["b"]),
+    ]
+    for entry in entries:
+        assert decode_entry(encode_entry(entry)) == entry
+
+
+def test_a_write_torn_by_a_crash_leaves_the_journal_as_before_it(tmp_path: Path) -> None:
+    """A crash in the middle of a commit: the new pages reached the disk, the meta page that would
+    publish them did not. LMDB's copy-on-write B-tree then shows the previous commit, whole; the
+    torn one was never acknowledged (a commit is acknowledged only once its meta page is synced)."""
+    journal = LmdbJournal(tmp_path)
+    journal.commit([OpenJournal(who("a")), JournalEntry("a", 1, batch(1))])
+    journal.close()
+    path = tmp_path / JOURNAL_FILENAME
+    page = lmdb.open(str(path), subdir=False, readonly=True, lock=False).stat()["psize"]
+    metas_before = path.read_bytes()[: 2 * page]
+
+    journal = LmdbJournal(tmp_path)
+    journal.commit([JournalEntry("a", 2, batch(2)), JournalEntry("a", 3, Completing(["s"]))])
+    journal.close()
+    with open(path, "r+b") as raw:
+        raw.write(metas_before)  # the meta pages as they were: the last commit torn
+
+    loaded = LmdbJournal(tmp_path).load()
+    assert [w.opened.handle for w in loaded] == ["a"]
+    assert loaded[0].entries == [batch(1)]
+    assert loaded[0].last_index == 1
+
+
+def test_an_unknown_entry_kind_is_refused_loudly() -> None:
+    with pytest.raises(ValueError, match="unknown journal entry kind"):
+        decode_entry(b"Zjunk")
