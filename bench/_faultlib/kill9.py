@@ -205,6 +205,11 @@ def run(trials: int, seed: int) -> Row:
         if not result.same_ports:
             row.notes.append(f"trial {trial}: restarted on new ports")
     row.recovered = f"{recovered}/{writers} ({100 * recovered / max(writers, 1):.0f}%)"
+    if recovered < writers:
+        row.failed.append(
+            f"{writers - recovered} of {writers} writers in flight at the kill did not carry on without "
+            "being reopened (DESIGN §2.1: a restart is only a pause for writers)"
+        )
     row.notes.insert(
         0,
         f"{acknowledged:,} acked; writers ended: " + ", ".join(f"{k} {v}" for k, v in sorted(ended.items())),

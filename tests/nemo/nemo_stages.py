@@ -2,7 +2,8 @@
 
 ``FanOut`` splits each partition (one input file) into ``PARTS`` tasks and records every partition
 it sees; ``DropSome`` filters some of those tasks. Under a pass limit, ``FanOut`` lets only the first
-``pass_limit`` partitions through and holds the others until the driver is killed: the run stops
+``pass_limit`` partitions through and holds the others until the driver is killed (or until a file
+``open`` appears in the gate folder, which lets them through): the run stops
 "midway" by count, not by timing, whatever order the executor delivers partitions in.
 """
 
@@ -56,9 +57,11 @@ class FanOut(ProcessingStage[DocumentBatch, DocumentBatch]):
         (seen / name).write_text(json.dumps({"source_id": task._source_id}))
         if self.pass_limit >= 0 and not self._take_slot(name):
             deadline = time.monotonic() + _HOLD_S
-            while time.monotonic() < deadline and _alive(self.driver_pid):
+            opened = Path(self.gate_dir) / "open"
+            while time.monotonic() < deadline and _alive(self.driver_pid) and not opened.exists():
                 time.sleep(0.2)
-            os._exit(3)
+            if not opened.exists():
+                os._exit(3)
         df = task.to_pandas()
         return [
             DocumentBatch(

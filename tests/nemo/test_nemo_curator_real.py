@@ -7,7 +7,10 @@ a. an uninterrupted reference run;
 b. a run killed midway: FanOut lets ``PASS_LIMIT`` partitions through and holds the rest; once the
    coordinator reports those complete, the driver is SIGKILLed;
 c. a rerun that must process exactly the partitions (b) did not complete, and whose output equals (a);
-d. ``tally export``, then plain NeMo Curator without Tally resumes from the export and processes nothing.
+d. ``tally export``, then plain NeMo Curator without Tally resumes from the export and processes nothing;
+e. a run during which the coordinator is killed (kill -9) and started again on the same ports: the
+   pipeline carries on and finishes without noticing, with (a)'s output;
+f. a rerun after (e) processes nothing.
 """
 
 from __future__ import annotations
@@ -363,6 +366,63 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     assert _seen(tmp_path / "seen-d") == {}
     assert _records(tmp_path / "out-d") == collections.Counter()
     client.close()
+
+    # (e) The coordinator dies mid-run (kill -9) and comes back on the same ports: the pipeline
+    # carries on, its writer restored from the journal, and finishes with (a)'s output.
+    output_e, gate_e = tmp_path / "out-e", tmp_path / "gate-e"
+    start = time.monotonic()
+    driver = Driver(
+        ray_env,
+        tmp_path / "run e (coordinator restarted).log",
+        [
+            *common,
+            "--output", str(output_e),
+            "--checkpoint-path", str(tmp_path / "unused-e"),
+            "--seen-dir", str(tmp_path / "seen-e"),
+            "--gate-dir", str(gate_e),
+            "--pass-limit", str(PASS_LIMIT),
+            "--tally-address", address, "--tally-checkpoint", "nemo/restart",
+        ],
+    )  # fmt: skip
+    try:
+        with tally.Client(address) as watcher:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while True:
+                passed = {p.read_text() for p in gate_e.glob("slot-*")} if gate_e.exists() else set()
+                held = len(list(gate_e.glob("held-*"))) if gate_e.exists() else 0
+                if (
+                    len(passed) == PASS_LIMIT
+                    and held
+                    and all(watcher.are_completed("nemo/restart", [source_ids[n] for n in passed]))
+                ):
+                    break
+                assert driver.process.poll() is None, f"run (e) ended early:\n{driver.tail()}"
+                assert time.monotonic() < deadline, f"run (e) did not get going:\n{driver.tail()}"
+                time.sleep(0.2)
+        ports = {"grpc_listen": coordinator.grpc_address, "http_listen": coordinator.http_address}
+        coordinator.kill()
+        with running_server(coordinator.data_dir, **ports) as again:  # type: ignore[arg-type]
+            (gate_e / "open").touch()  # the held partitions go on
+            driver.wait()
+            TIMINGS["run e (coordinator killed and restarted)"] = time.monotonic() - start
+            with tally.Client(f"grpc://{again.grpc_address}") as after:
+                assert after.are_completed("nemo/restart", ids) == [True] * len(FILES)
+                kinds = {e.kind for e in after.events("nemo/restart", limit=200).events}
+                assert "writer_restored" in kinds and "writer_lost" not in kinds
+            assert _records(output_e) == reference
+
+            # (f) Nothing is left to do.
+            _run(
+                ray_env, tmp_path, "run f (rerun after the restart)", *common,
+                "--output", str(tmp_path / "out-f"),
+                "--checkpoint-path", str(tmp_path / "unused-f"),
+                "--seen-dir", str(tmp_path / "seen-f"),
+                "--tally-address", f"grpc://{again.grpc_address}", "--tally-checkpoint", "nemo/restart",
+            )  # fmt: skip
+            assert _seen(tmp_path / "seen-f") == {}
+    finally:
+        if driver.process.poll() is None:
+            driver.kill()
 
 
 @pytest.fixture(autouse=True)
