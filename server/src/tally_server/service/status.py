@@ -112,6 +112,14 @@ class Status:
         completed = await self._checkpoints.completed(cp)
         return [sid in completed for sid in source_ids]
 
+    async def _written(self) -> None:
+        """Let the registry's write-behind finish what it has, so a read sees what just happened
+        (rows that cannot be written now are merged from the queue by the caller)."""
+        try:
+            await self._core.bookkeeping.flush()
+        except Unavailable:
+            pass  # the read below says so if the registry is down
+
     async def list_writers(
         self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
     ) -> list[WriterView]:
@@ -121,6 +129,7 @@ class Status:
         if not include_closed:
             return live[: max(limit, 0)]
         core = self._core
+        await self._written()
         records = await core.registry_read(core.registry.list_writers, checkpoint)
         live_ids = {w.writer_id for w in live}
         queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
@@ -149,10 +158,7 @@ class Status:
             raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
         validation.before_id(before_id)
         core = self._core
-        try:
-            await core.bookkeeping.flush()  # so the page includes what just happened
-        except Unavailable:
-            pass  # the read below says so if the registry is down
+        await self._written()
         records = await core.registry_read(
             lambda: core.registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
         )
@@ -168,6 +174,7 @@ class Status:
         """Persisted samples, plus the live count now, so a plot always ends at the present."""
         cp = await self._checkpoints.existing(checkpoint)
         core = self._core
+        await self._written()
         records = await core.registry_read(lambda: core.registry.list_samples(checkpoint, since=since))
         queued = [r for r in core.bookkeeping.queued_samples(checkpoint) if r.at >= since]
         samples = [ProgressSample(r.at, r.completed_count) for r in [*records, *queued]]
