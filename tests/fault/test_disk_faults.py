@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tally_server.domain.ports import PutCompleted
-from tally_server.store.lmdb_files import CompletionWriteError, LmdbCompletionStore
+from tally_server.domain.ports import CompletionWriteError, PutCompleted
+from tally_server.store.lmdb_files import LmdbCompletionStore
 from tests.nemo_format import nemo_read
 
 SIZE_KB = 512

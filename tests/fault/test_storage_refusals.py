@@ -16,7 +16,7 @@ import pytest
 import tally
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1.coordinator_pb2_grpc import CoordinatorStub
-from tally_server.store.lmdb_files import TRASH_DIRNAME
+from tally_server.store.disk import TRASH_DIRNAME
 from tally_server.testing import RunningServer, running_server
 from tests.fault.test_registry_failure import registry_broken
 from tests.integration.workload import tree

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tally_server.store.lmdb_files import TRASH_DIRNAME
+from tally_server.store.disk import TRASH_DIRNAME
 from tests.integration.workload import tree
 from tests.unit.http_api.conftest import InProcess
 

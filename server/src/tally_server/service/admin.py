@@ -93,7 +93,7 @@ class Admin:
             cp.unreadable_files = []
             cp.fingerprint = {}
             cp.last_activity_at = core.wall()
-            self._writers.forget_undeleted(name)
+            self._writers.durability.forget_undeleted(name)
             self._checkpoints.forget_progress(name)
             await core.registry_write(core.registry.delete_samples, name)
             await core.registry_write(

@@ -28,7 +28,9 @@ from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.core import Core
+from tally_server.service.durability import Durability
 from tally_server.service.loops import Loop, Sleep
+from tally_server.service.opening import Opening
 from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.stats import ServiceStats
 from tally_server.service.status import CheckpointGauges, Status
@@ -118,7 +120,11 @@ class CoordinatorService:
             journal_snapshot_deltas=journal_snapshot_deltas,
         )
         self._checkpoints = CheckpointTable(core, memory_budget_bytes)
-        self._writers = Writers(core, self._checkpoints, lambda name: self._admin.reset_checkpoint(name))
+        self._durability = Durability(core, self._checkpoints)
+        self._writers = Writers(core, self._checkpoints, self._durability)
+        self._opening = Opening(
+            core, self._checkpoints, self._writers, lambda name: self._admin.reset_checkpoint(name)
+        )
         self._admin = Admin(core, self._checkpoints, self._writers)
         self._status = Status(core, self._checkpoints, lambda: core.accepting)
         self._loops: list[Loop] = []
@@ -135,7 +141,7 @@ class CoordinatorService:
         counts = await core.registry_read(core.registry.latest_counts)
         self._checkpoints.restore(records, counts)
         journaled = await core.committer.run(self._journal.load)
-        restored = await self._writers.restore(journaled)
+        restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
         if restored:
             log.info(
@@ -155,7 +161,7 @@ class CoordinatorService:
         lease_interval = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
         self._loops = [
             Loop("clock", self._tick, _CLOCK_TICK_S, sleep=self._sleep),
-            Loop("settle", self._writers.settle_step, settle_interval, sleep=self._sleep),
+            Loop("settle", self._durability.settle_step, settle_interval, sleep=self._sleep),
             Loop("lease", self._writers.lease_step, lease_interval, sleep=self._sleep),
             Loop("registry", self._flush_bookkeeping, _REGISTRY_FLUSH_S, sleep=self._sleep),
             Loop("progress", self._progress_step, self.progress_interval_s, sleep=self._sleep),
@@ -186,9 +192,9 @@ class CoordinatorService:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self._writers.finalizers:
-            await asyncio.gather(*self._writers.finalizers, return_exceptions=True)
-        await self._writers.settle_journals()
+        if self._durability.finalizers:
+            await asyncio.gather(*self._durability.finalizers, return_exceptions=True)
+        await self._durability.settle_journals()
         self._checkpoints.sample_progress()
         try:
             await core.bookkeeping.flush()
@@ -285,7 +291,7 @@ class CoordinatorService:
         that would have to reset the checkpoint. An open retried with the ``session_token`` of a
         live session attaches to it.
         """
-        return await self._writers.open(
+        return await self._opening.open(
             checkpoint,
             writer_id=writer_id,
             fingerprint_=dict(fingerprint or {}),

@@ -30,7 +30,7 @@ from tally_server.domain.journal import (
 )
 from tally_server.domain.ledger import ApplyCounts, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
-from tally_server.store.lmdb_files import write_error
+from tally_server.store.disk import write_error
 
 JOURNAL_FILENAME = "journal.mdb"
 _MAP_SIZE = 1 << 30

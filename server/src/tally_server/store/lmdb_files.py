@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -26,44 +24,28 @@ from tally.integrations.nemo_format import (
     NEMO_MAP_SIZE,
     READ_ERRORS,
     describe_error,
-    fsync_dir,
 )
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
-    CompletionWriteError,
     DeleteCompleted,
     LoadedCheckpoint,
     PutCompleted,
     QuarantinedFile,
     UnreadableFile,
 )
+from tally_server.store.disk import make_dirs, move_to_trash, quarantine, write_error
 from tally_server.store.file_handles import HandleCache, OpenFile
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
-TRASH_DIRNAME = ".trash"
 DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 # Each writable LMDB handle costs two file descriptors and map_size of address space; with
 # thousands of writers (SLURM arrays) keeping all open would hit the usual 1024-fd limit.
 DEFAULT_MAX_OPEN_FILES = 256
 # A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
 TEMP_TAG = "coordinator"
-
-
-def write_error(
-    path: Path, error: BaseException, data_dir: Path, what: str = "completion file"
-) -> CompletionWriteError:
-    """The error for a write the disk or the system refused, saying plainly when the disk is full."""
-    disk_full = nemo_format.is_disk_full(error, path.parent)
-    message = f"cannot write {what} {path}: {describe_error(error)}"
-    if disk_full:
-        message = (
-            f"the disk holding {data_dir} is full; free space or grow the volume — Tally retries by "
-            f"itself ({message})"
-        )
-    return CompletionWriteError(message, path=str(path), disk_full=disk_full)
 
 
 class LmdbCompletionStore:
@@ -182,7 +164,7 @@ class LmdbCompletionStore:
             own = {targets[c, w]: (w, changes) for (c, w), changes in puts.items() if c == checkpoint}
             if own:
                 try:
-                    _make_dirs(folder)
+                    make_dirs(folder)
                 except OSError as exc:
                     raise write_error(folder, exc, self._data_dir) from exc
             for path, (writer_id, changes) in sorted(own.items()):
@@ -213,42 +195,12 @@ class LmdbCompletionStore:
                     self._handles.forget(path)
                     if quarantined is not None:  # the fresh file failed too: not the file's fault
                         raise write_error(path, exc, self._data_dir) from exc
-                    quarantined = self._quarantine(checkpoint, writer_id, path, exc)
+                    quarantined = quarantine(self._data_dir, checkpoint, writer_id, path, exc)
                 except (lmdb.Error, OSError) as exc:
                     # A failed write can leave LMDB's handle unusable (MDB_PANIC after a failed
                     # meta write): the next commit reopens the file instead.
                     self._handles.forget(path)
                     raise write_error(path, exc, self._data_dir) from exc
-
-    def _quarantine(
-        self, checkpoint: str, writer_id: str, path: Path, error: BaseException
-    ) -> QuarantinedFile:
-        """Move ``path`` (a file, or a link itself: never its target) into the trash; the caller
-        holds the file's lock. Never deletes: the operator can inspect or restore it."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{secrets.token_hex(3)}"
-        trash = self._data_dir / TRASH_DIRNAME
-        destination = (trash / checkpoint / f"quarantine-{stamp}").resolve()
-        if not destination.is_relative_to(trash):
-            raise ValueError(f"quarantine folder for {checkpoint!r} would be outside {trash}; refusing")
-        moved_to = destination / path.name
-        try:
-            _make_dirs(destination)
-            os.rename(path, moved_to)
-            fsync_dir(path.parent)
-            fsync_dir(destination)
-        except OSError as exc:
-            raise write_error(path, exc, self._data_dir) from exc
-        text = describe_error(error, path)
-        logger.warning(
-            "checkpoint %r: completion file %s of writer %r cannot be written (%s); moved it to %s and "
-            "continuing in a fresh file (its sources count as not completed)",
-            checkpoint,
-            path,
-            writer_id,
-            text,
-            moved_to,
-        )
-        return QuarantinedFile(checkpoint, writer_id, str(path), str(moved_to), text)
 
     def _remove_from(self, checkpoint: str, path: Path, keys: Iterable[bytes]) -> None:
         with self._handles.lock(path):
@@ -311,7 +263,7 @@ class LmdbCompletionStore:
         coordinator reports itself not ready until this succeeds.
         """
         self._handles.check_open()
-        _make_dirs(self._root)
+        make_dirs(self._root)
         path = self._root / f".probe-{os.getpid()}"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -354,16 +306,7 @@ class LmdbCompletionStore:
         self.release(checkpoint)
         if not folder.exists():
             return "", 0
-        data_dir = self._data_dir
-        destination = (data_dir / TRASH_DIRNAME / checkpoint / stamp).resolve()
-        if not destination.is_relative_to(data_dir / TRASH_DIRNAME):
-            raise ValueError(f"trash folder for {checkpoint!r} would be outside {data_dir}; refusing")
-        destination.mkdir(parents=True, exist_ok=False)
-        files = sum(1 for p in folder.iterdir() if p.is_file())
-        folder.rename(destination / METADATA_DIRNAME)
-        fsync_dir(folder.parent)
-        fsync_dir(destination)
-        return str(destination.relative_to(data_dir)), files
+        return move_to_trash(self._data_dir, folder, checkpoint, stamp)
 
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
@@ -424,17 +367,3 @@ def _plan(
         else:  # pragma: no cover - guarded by the type checker
             raise TypeError(f"unknown completion op {op!r}")
     return puts, deletes
-
-
-def _make_dirs(folder: Path) -> None:
-    """``mkdir -p`` that also fsyncs each parent that gained an entry."""
-    missing: list[Path] = []
-    current = folder
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    if not missing:
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    for created in reversed(missing):
-        fsync_dir(created.parent)

@@ -15,87 +15,26 @@ from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
 from tally_server.errors import Unavailable
+from tally_server.store.registry_schema import (
+    checkpoint_record,
+    checkpoints_table,
+    event_record,
+    events_table,
+    metadata,
+    progress_table,
+    writer_record,
+    writers_table,
+)
 
 REGISTRY_FILENAME = "registry.sqlite3"
 
 _SUPPORTED_DIALECTS = ("sqlite", "postgresql")
-
-metadata = sa.MetaData()
-
-# JSONB on PostgreSQL: binary storage and equality, where plain JSON keeps text verbatim.
-_Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
-# Epoch seconds as float, the unit the domain uses; DOUBLE PRECISION keeps sub-millisecond.
-_Time = sa.Double[float]()
-# Counters can pass 2**31 over a long run; SQLite's INTEGER is 64-bit already.
-_Count = sa.BigInteger()
-
-checkpoints_table = sa.Table(
-    "checkpoints",
-    metadata,
-    sa.Column("name", sa.String(), primary_key=True),
-    sa.Column("created_at", _Time, nullable=False),
-    sa.Column("last_activity_at", _Time, nullable=False),
-    sa.Column("fingerprint", _Json, nullable=False),
-)
-
-writers_table = sa.Table(
-    "writers",
-    metadata,
-    sa.Column("handle", sa.String(), primary_key=True),
-    sa.Column("checkpoint", sa.String(), nullable=False),
-    sa.Column("writer_id", sa.String(), nullable=False),
-    sa.Column("host", sa.String(), nullable=False),
-    sa.Column("pid", sa.Integer(), nullable=False),
-    sa.Column("labels", _Json, nullable=False),
-    sa.Column("fingerprint", _Json, nullable=False),
-    sa.Column("state", sa.String(), nullable=False),
-    sa.Column("opened_at", _Time, nullable=False),
-    sa.Column("last_seen_at", _Time, nullable=False),
-    sa.Column("closed_at", _Time, nullable=True),
-    sa.Column("pending_sources", _Count, nullable=False),
-    sa.Column("applied", _Count, nullable=False),
-    sa.Column("skipped", _Count, nullable=False),
-    sa.Column("rewritten", _Count, nullable=False),
-    sa.Column("anomalies", _Count, nullable=False),
-    sa.Column("completed", _Count, nullable=False),
-    sa.Index("ix_writers_checkpoint", "checkpoint"),
-)
-
-events_table = sa.Table(
-    "events",
-    metadata,
-    # SQLite only auto-assigns ids to a column declared exactly INTEGER PRIMARY KEY.
-    sa.Column(
-        "id",
-        sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
-        primary_key=True,
-        autoincrement=True,
-    ),
-    sa.Column("checkpoint", sa.String(), nullable=False),
-    sa.Column("kind", sa.String(), nullable=False),
-    sa.Column("message", sa.Text(), nullable=False),
-    sa.Column("at", _Time, nullable=False),
-    sa.Column("writer_id", sa.String(), nullable=True),
-    sa.Column("data", _Json, nullable=False),
-    sa.Index("ix_events_checkpoint_id", "checkpoint", "id"),
-)
-
-
-# Completed count over time, sampled by the service; what the dashboard's progress plot draws.
-progress_table = sa.Table(
-    "progress_samples",
-    metadata,
-    sa.Column("checkpoint", sa.String(), primary_key=True),
-    sa.Column("at", _Time, primary_key=True),
-    sa.Column("completed_count", _Count, nullable=False),
-)
-
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -184,14 +123,14 @@ class SqlRegistry:
             row = conn.execute(
                 sa.select(checkpoints_table).where(checkpoints_table.c.name == name)
             ).one_or_none()
-        return None if row is None else _checkpoint(row)
+        return None if row is None else checkpoint_record(row)
 
     @_transient_as_unavailable
     def list_checkpoints(self) -> list[CheckpointRecord]:
         """Every checkpoint, by name."""
         with self._engine.connect() as conn:
             rows = conn.execute(sa.select(checkpoints_table).order_by(checkpoints_table.c.name)).all()
-        return [_checkpoint(row) for row in rows]
+        return [checkpoint_record(row) for row in rows]
 
     # ---------------------------------------------------------------- writers
 
@@ -209,7 +148,7 @@ class SqlRegistry:
             rows = conn.execute(
                 sa.select(writers_table).where(w.checkpoint == checkpoint).order_by(w.opened_at, w.handle)
             ).all()
-        return [_writer(row) for row in rows]
+        return [writer_record(row) for row in rows]
 
     @_transient_as_unavailable
     def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
@@ -232,7 +171,7 @@ class SqlRegistry:
                 .values(state=state, closed_at=at)
                 .returning(*writers_table.c)
             ).all()
-        return sorted((_writer(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
+        return sorted((writer_record(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
 
     @_transient_as_unavailable
     def write_batch(
@@ -285,7 +224,7 @@ class SqlRegistry:
         query = query.order_by(e.id.desc()).limit(max(limit, 0))
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [_event(row) for row in rows]
+        return [event_record(row) for row in rows]
 
     # --------------------------------------------------------------- progress
 
@@ -375,46 +314,3 @@ def _create_engine(url: sa.URL) -> Engine:
             cursor.close()
 
     return engine
-
-
-def _checkpoint(row: Row[Any]) -> CheckpointRecord:
-    return CheckpointRecord(
-        name=row.name,
-        created_at=row.created_at,
-        last_activity_at=row.last_activity_at,
-        fingerprint=dict(row.fingerprint),
-    )
-
-
-def _writer(row: Row[Any]) -> WriterRecord:
-    return WriterRecord(
-        handle=row.handle,
-        checkpoint=row.checkpoint,
-        writer_id=row.writer_id,
-        host=row.host,
-        pid=row.pid,
-        labels=dict(row.labels),
-        fingerprint=dict(row.fingerprint),
-        state=row.state,
-        opened_at=row.opened_at,
-        last_seen_at=row.last_seen_at,
-        closed_at=row.closed_at,
-        pending_sources=row.pending_sources,
-        applied=row.applied,
-        skipped=row.skipped,
-        rewritten=row.rewritten,
-        anomalies=row.anomalies,
-        completed=row.completed,
-    )
-
-
-def _event(row: Row[Any]) -> EventRecord:
-    return EventRecord(
-        checkpoint=row.checkpoint,
-        kind=row.kind,
-        message=row.message,
-        at=row.at,
-        writer_id=row.writer_id,
-        data=dict(row.data),
-        id=row.id,
-    )

@@ -1,0 +1,217 @@
+"""Making writers' work durable: each session's journal entries in order, the completion and
+un-complete commits grouped after them, and the settle step that completes sources whose window
+ran out.
+
+Ordering guarantees that matter:
+
+* a completion becomes visible in the live set only after its completion-file commit is durable;
+* completion and un-complete commits go through one FIFO group committer, and their effects on
+  the live set are applied in that same order, so a late anomaly always wins over an earlier
+  completion of the same source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tally_server.domain.checkpoint import Checkpoint, WriterState
+from tally_server.domain.effects import (
+    BatchEffects,
+    commit_failed,
+    made_durable,
+    settle_due,
+    uncomplete_durable,
+)
+from tally_server.domain.journal import Completing, Persisted, Reverted, Snapshot
+from tally_server.domain.ports import (
+    CompletionOp,
+    DeleteCompleted,
+    ForgetWriter,
+    JournalEntry,
+    PutCompleted,
+)
+from tally_server.service.checkpoints import CheckpointTable
+from tally_server.service.core import Core
+from tally_server.service.sessions import Session
+
+log = logging.getLogger(__name__)
+
+
+class Durability:
+    """The commit path every writer operation shares.
+
+    Args:
+        core: what the service's parts share.
+        checkpoints: the checkpoint table.
+    """
+
+    def __init__(self, core: Core, checkpoints: CheckpointTable) -> None:
+        self._core = core
+        self._checkpoints = checkpoints
+        self.finalizers: set[asyncio.Task[None]] = set()
+        # Un-completes whose commit failed, by checkpoint: retried until they are durable.
+        self.undeleted: dict[str, set[str]] = {}
+
+    async def commit(
+        self, session: Session, changes: Sequence[CompletionOp] = ()
+    ) -> list[BaseException | None]:
+        """Make the session's queued journal entries durable, and ``changes`` after them in the
+        same group; returns, per change, its error or None.
+
+        Raises:
+            Unavailable: the journal could not be written; the entries stay queued, in order, for
+                the next try, and none of ``changes`` was committed.
+        """
+        committer = self._core.committer
+        async with session.journal_lock:
+            entries, session.journal_queue = session.journal_queue, []
+            first = session.journal_index + 1
+            written = [
+                committer.enqueue(JournalEntry(session.handle, first + i, e)) for i, e in enumerate(entries)
+            ]
+            committed = [committer.enqueue(change) for change in changes]
+            journal = await asyncio.gather(*written, return_exceptions=True)
+            results = await asyncio.gather(*committed, return_exceptions=True)
+            failed = next((r for r in journal if isinstance(r, BaseException)), None)
+            if failed is not None:
+                session.journal_queue[:0] = entries
+                raise failed
+            session.journal_index += len(entries)
+            return [r if isinstance(r, BaseException) else None for r in results]
+
+    def changes_failed(
+        self, session: Session, effects: BatchEffects, results: Sequence[BaseException | None] | None = None
+    ) -> None:
+        """Some of a batch's commits failed: retry un-completes, let completions settle again."""
+        uncomplete_failed = bool(effects.uncomplete) and (results is None or results[0] is not None)
+        complete_failed = bool(effects.complete) and (results is None or results[-1] is not None)
+        if uncomplete_failed:
+            # A completion left in a file would come back at the next start: retried until durable.
+            self.undeleted.setdefault(session.checkpoint, set()).update(effects.uncomplete)
+        if complete_failed:
+            self.revert(session, effects.complete)
+        if uncomplete_failed or complete_failed:
+            session.failed_commits += 1
+
+    def revert(self, session: Session, sources: list[str]) -> None:
+        """Completions whose commit failed are not completed: they settle again (and the journal
+        says so)."""
+        commit_failed(session.ledger, sources, self._core.clock())
+        session.unconfirmed.difference_update(sources)
+        session.journal_queue.append(Reverted(sources))
+
+    @staticmethod
+    def completing(session: Session, sources: list[str]) -> None:
+        """The ledger completed ``sources``: journaled before their commit, so replay sees them
+        complete exactly where the writer did (unconfirmed until the commit is durable)."""
+        session.unconfirmed.update(sources)
+        session.journal_queue.append(Completing(sources))
+
+    @staticmethod
+    def persisted(session: Session, sources: list[str]) -> None:
+        """Their commit is durable (journaled with the session's next entries)."""
+        session.unconfirmed.difference_update(sources)
+        session.journal_queue.append(Persisted(sources))
+
+    def maybe_snapshot(self, session: Session, deltas: int) -> None:
+        """Now and then the journal's entries give way to a snapshot of the ledger, so a writer's
+        journal never holds much more than its ledger, however long it runs."""
+        session.deltas_since_snapshot += deltas
+        ledger = session.ledger
+        if session.deltas_since_snapshot < max(
+            self._core.journal_snapshot_deltas, 2 * (len(ledger.applied) + len(ledger.pending))
+        ):
+            return
+        session.deltas_since_snapshot = 0
+        session.journal_queue.append(
+            Snapshot(
+                ledger.state(), session.applied_seq, replace(session.last_counts), sorted(session.unconfirmed)
+            )
+        )
+
+    async def persist(
+        self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False
+    ) -> None:
+        """Commit ``sources`` as completed (their Completing entry is queued), then make them visible.
+
+        ``counted``: the caller already raised ``commits_in_flight`` synchronously, when it marked
+        the sources completing; a flush or close arriving before this coroutine runs must wait.
+        On failure the sources settle again.
+        """
+        if not counted:
+            session.commits_in_flight += 1
+        try:
+            undeleted = self.undeleted.get(cp.name)
+            if undeleted:
+                undeleted.difference_update(sources)  # completed again: the newer state wins
+            (result,) = await self.commit(session, [PutCompleted(cp.name, session.writer_id, sources)])
+            if result is not None:
+                raise result
+            made_durable(cp.ids(), sources)
+            self.persisted(session, sources)
+            self._core.stats.completions += len(sources)
+        except Exception:
+            session.failed_commits += 1
+            self.revert(session, sources)
+            raise
+        finally:
+            session.commits_in_flight -= 1
+            await session.notify()
+
+    async def forget(self, session: Session) -> None:
+        """Drop the journal of a session that ended (best effort: a journal left behind brings the
+        writer back at the next start, where its lease then runs out)."""
+        try:
+            await self._core.committer.submit(ForgetWriter(session.handle))
+        except Exception as exc:
+            log.warning("could not drop the journal of writer %s: %s", session.writer_id, exc)
+
+    async def settle_journals(self) -> None:
+        """On a graceful stop: make every queued journal entry durable (best effort)."""
+        for session in self._core.sessions:
+            try:
+                await self.commit(session)
+            except Exception as exc:
+                log.warning(
+                    "could not write the journal of writer %s on shutdown: %s", session.writer_id, exc
+                )
+
+    async def settle_step(self) -> None:
+        """Complete settling sources whose window passed; retry un-completes that failed."""
+        core = self._core
+        now = core.clock()
+        for session in core.sessions:
+            if not session.ledger.settling or session.state != WriterState.OPEN:
+                continue
+            completing = settle_due(session.ledger, now)
+            if completing:
+                self.completing(session, completing)
+                session.commits_in_flight += 1
+                task = asyncio.get_running_loop().create_task(self._finalize(session, completing))
+                self.finalizers.add(task)
+                task.add_done_callback(self.finalizers.discard)
+        for name, sources in list(self.undeleted.items()):
+            if not sources:
+                del self.undeleted[name]
+                continue
+            retry = sorted(sources)
+            await core.committer.submit(DeleteCompleted(name, retry))
+            sources.difference_update(retry)
+            cp = self._checkpoints.known.get(name)
+            if cp is not None and cp.completed is not None:
+                uncomplete_durable(cp.completed, retry)
+
+    async def _finalize(self, session: Session, sources: list[str]) -> None:
+        cp = self._checkpoints[session.checkpoint]
+        with contextlib.suppress(Exception):
+            # On failure the sources settle again and this loop retries them; the committer logged
+            # the cause (once per cause).
+            await self.persist(cp, session, sources, counted=True)
+
+    def forget_undeleted(self, checkpoint: str) -> None:
+        """A reset moved every file away: nothing is left to un-complete."""
+        self.undeleted.pop(checkpoint, None)

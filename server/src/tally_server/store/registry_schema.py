@@ -1,0 +1,125 @@
+"""The registry's tables (SQLAlchemy Core, portable between SQLite and PostgreSQL) and how their
+rows read back as the domain's records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Row
+
+from tally_server.domain.ports import CheckpointRecord, EventRecord, WriterRecord
+
+metadata = sa.MetaData()
+
+# JSONB on PostgreSQL: binary storage and equality, where plain JSON keeps text verbatim.
+_Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+# Epoch seconds as float, the unit the domain uses; DOUBLE PRECISION keeps sub-millisecond.
+_Time = sa.Double[float]()
+# Counters can pass 2**31 over a long run; SQLite's INTEGER is 64-bit already.
+_Count = sa.BigInteger()
+
+checkpoints_table = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("name", sa.String(), primary_key=True),
+    sa.Column("created_at", _Time, nullable=False),
+    sa.Column("last_activity_at", _Time, nullable=False),
+    sa.Column("fingerprint", _Json, nullable=False),
+)
+
+writers_table = sa.Table(
+    "writers",
+    metadata,
+    sa.Column("handle", sa.String(), primary_key=True),
+    sa.Column("checkpoint", sa.String(), nullable=False),
+    sa.Column("writer_id", sa.String(), nullable=False),
+    sa.Column("host", sa.String(), nullable=False),
+    sa.Column("pid", sa.Integer(), nullable=False),
+    sa.Column("labels", _Json, nullable=False),
+    sa.Column("fingerprint", _Json, nullable=False),
+    sa.Column("state", sa.String(), nullable=False),
+    sa.Column("opened_at", _Time, nullable=False),
+    sa.Column("last_seen_at", _Time, nullable=False),
+    sa.Column("closed_at", _Time, nullable=True),
+    sa.Column("pending_sources", _Count, nullable=False),
+    sa.Column("applied", _Count, nullable=False),
+    sa.Column("skipped", _Count, nullable=False),
+    sa.Column("rewritten", _Count, nullable=False),
+    sa.Column("anomalies", _Count, nullable=False),
+    sa.Column("completed", _Count, nullable=False),
+    sa.Index("ix_writers_checkpoint", "checkpoint"),
+)
+
+events_table = sa.Table(
+    "events",
+    metadata,
+    # SQLite only auto-assigns ids to a column declared exactly INTEGER PRIMARY KEY.
+    sa.Column(
+        "id",
+        sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    sa.Column("checkpoint", sa.String(), nullable=False),
+    sa.Column("kind", sa.String(), nullable=False),
+    sa.Column("message", sa.Text(), nullable=False),
+    sa.Column("at", _Time, nullable=False),
+    sa.Column("writer_id", sa.String(), nullable=True),
+    sa.Column("data", _Json, nullable=False),
+    sa.Index("ix_events_checkpoint_id", "checkpoint", "id"),
+)
+
+
+# Completed count over time, sampled by the service; what the dashboard's progress plot draws.
+progress_table = sa.Table(
+    "progress_samples",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("at", _Time, primary_key=True),
+    sa.Column("completed_count", _Count, nullable=False),
+)
+
+
+def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
+    return CheckpointRecord(
+        name=row.name,
+        created_at=row.created_at,
+        last_activity_at=row.last_activity_at,
+        fingerprint=dict(row.fingerprint),
+    )
+
+
+def writer_record(row: Row[Any]) -> WriterRecord:
+    return WriterRecord(
+        handle=row.handle,
+        checkpoint=row.checkpoint,
+        writer_id=row.writer_id,
+        host=row.host,
+        pid=row.pid,
+        labels=dict(row.labels),
+        fingerprint=dict(row.fingerprint),
+        state=row.state,
+        opened_at=row.opened_at,
+        last_seen_at=row.last_seen_at,
+        closed_at=row.closed_at,
+        pending_sources=row.pending_sources,
+        applied=row.applied,
+        skipped=row.skipped,
+        rewritten=row.rewritten,
+        anomalies=row.anomalies,
+        completed=row.completed,
+    )
+
+
+def event_record(row: Row[Any]) -> EventRecord:
+    return EventRecord(
+        checkpoint=row.checkpoint,
+        kind=row.kind,
+        message=row.message,
+        at=row.at,
+        writer_id=row.writer_id,
+        data=dict(row.data),
+        id=row.id,
+    )
