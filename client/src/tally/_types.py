@@ -54,13 +54,15 @@ class WriterStatus:
         host: Host the writer runs on.
         pid: Process id of the writer.
         labels: Free-form labels given at open (e.g. SLURM job ids).
-        state: Lifecycle state reported by the server (e.g. ``"live"``).
+        state: Where the writer is in its life: ``"open"``, ``"closed"`` (by its client),
+            ``"expired"`` (its lease ran out), ``"lost"`` (open when the coordinator stopped and
+            not restored) or ``"reset"`` (closed by a forced checkpoint reset).
         pending_sources: Sources with a non-zero pending count in this writer.
         counts: Totals of what the writer's deltas did.
         opened_at: Open time, seconds since the epoch.
         last_seen_at: Last heartbeat or call, seconds since the epoch.
         closed_at: When the writer closed, expired or was lost, seconds since the epoch; 0 while
-            it is live.
+            it is open.
     """
 
     writer_id: str

@@ -51,7 +51,6 @@ def test_a_damaged_file_lmdb_still_opens_is_unreadable_never_empty(
     loaded = store.load("run")
 
     assert loaded.completed == {"a"}
-    assert loaded.files == [str(folder / "good.mdb")]
     (bad,) = loaded.unreadable
     assert bad.path == str(folder / "big.mdb")
     assert "MDB_CORRUPTED" in bad.error and "wrong type" in bad.error
@@ -69,7 +68,7 @@ def test_only_a_missing_database_reads_as_empty(store: LmdbCompletionStore, data
 
     loaded = store.load("run")
 
-    assert loaded.files == [str(folder / "bare.mdb")]
+    assert loaded.completed == set()  # bare.mdb reads as empty, not as unreadable
     assert [(Path(u.path).name, "MDB_INCOMPATIBLE" in u.error) for u in loaded.unreadable] == [
         ("plain.mdb", True)
     ]

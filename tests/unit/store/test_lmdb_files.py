@@ -40,7 +40,6 @@ def test_round_trip_across_writer_files(store: LmdbCompletionStore, data_dir: Pa
 
     assert loaded.completed == {"a", "b", "c", "d", "e", "f"}
     folder = folder_of(data_dir, "run")
-    assert loaded.files == [str(folder / f"host-{i}.mdb") for i in (1, 2, 3)]
     assert loaded.unreadable == []
     assert sorted(p.name for p in folder.iterdir()) == ["host-1.mdb", "host-2.mdb", "host-3.mdb"]
 
@@ -116,7 +115,7 @@ def test_delete_leaves_a_file_without_the_database_untouched(
     store.commit([DeleteCompleted("run", ["a"])])
 
     assert (folder / "bare.mdb").read_bytes() == before
-    assert store.load("run").files == [str(folder / "bare.mdb")]
+    assert (store.load("run").completed, store.load("run").unreadable) == (set(), [])  # read as empty
 
 
 def test_delete_of_a_missing_checkpoint_creates_nothing(store: LmdbCompletionStore, data_dir: Path) -> None:
@@ -202,7 +201,6 @@ def test_unreadable_files_are_listed_and_skipped(
         loaded = store.load("run")
 
     assert loaded.completed == {"a", "z"} | {f"source-{i:05d}" for i in range(5000)}
-    assert loaded.files == [str(folder / name) for name in ("big.mdb", "good.mdb", "zz-other.mdb")]
     unreadable = {Path(u.path).name: u.error for u in loaded.unreadable}
     assert sorted(unreadable) == ["empty.mdb", "garbage.mdb", "truncated.mdb"]
     assert "truncated" in unreadable["truncated.mdb"]
@@ -234,7 +232,7 @@ def test_load_and_exists_of_a_missing_checkpoint_create_nothing(
 ) -> None:
     loaded = store.load("curation/run-42")
 
-    assert (loaded.completed, loaded.files, loaded.unreadable) == (set(), [], [])
+    assert (loaded.completed, loaded.unreadable) == (set(), [])
     assert store.exists("curation/run-42") is False
     assert not data_dir.exists()
 
@@ -244,7 +242,7 @@ def test_exists_after_the_first_put(store: LmdbCompletionStore) -> None:
 
     assert store.exists("run")
     assert store.load("run").completed == set()
-    assert len(store.load("run").files) == 1
+    assert store.load("run").unreadable == []
 
 
 def test_nested_checkpoint_names(store: LmdbCompletionStore, data_dir: Path) -> None:

@@ -31,21 +31,25 @@ def writer(handle: str, checkpoint: str = "run", **overrides: object) -> WriterR
     return record
 
 
+def checkpoint(registry: SqlRegistry, name: str) -> CheckpointRecord | None:
+    return next((c for c in registry.list_checkpoints() if c.name == name), None)
+
+
 def test_checkpoints_upsert_get_list(registry: SqlRegistry) -> None:
-    assert registry.get_checkpoint("curation/run-42") is None
+    assert checkpoint(registry, "curation/run-42") is None
     assert registry.list_checkpoints() == []
 
     first = CheckpointRecord("curation/run-42", 1_700_000_000.0, 1_700_000_000.0, {"pipeline": "p1"})
-    registry.upsert_checkpoint(first)
-    registry.upsert_checkpoint(CheckpointRecord("alpha", 1.5, 2.25))
+    registry.write_batch(checkpoints=[first])
+    registry.write_batch(checkpoints=[CheckpointRecord("alpha", 1.5, 2.25)])
 
-    assert registry.get_checkpoint("curation/run-42") == first
-    assert registry.get_checkpoint("alpha") == CheckpointRecord("alpha", 1.5, 2.25, {})
+    assert checkpoint(registry, "curation/run-42") == first
+    assert checkpoint(registry, "alpha") == CheckpointRecord("alpha", 1.5, 2.25, {})
 
     updated = CheckpointRecord("curation/run-42", 1_700_000_000.0, 1_700_000_123.456789, {"pipeline": "p2"})
-    registry.upsert_checkpoint(updated)
+    registry.write_batch(checkpoints=[updated])
 
-    assert registry.get_checkpoint("curation/run-42") == updated
+    assert checkpoint(registry, "curation/run-42") == updated
     assert [c.name for c in registry.list_checkpoints()] == ["alpha", "curation/run-42"]
     assert registry.list_checkpoints()[1] == updated
 
@@ -55,7 +59,7 @@ def test_writers_upsert_list_round_trip(registry: SqlRegistry) -> None:
     b = writer("h-b", opened_at=1_700_000_001.0, labels={}, fingerprint={})
     other = writer("h-c", checkpoint="other")
     for record in (b, a, other):
-        registry.upsert_writer(record)
+        registry.write_batch(writers=[record])
 
     assert registry.list_writers("run") == [a, b]  # oldest first
     assert registry.list_writers("other") == [other]
@@ -74,16 +78,16 @@ def test_writers_upsert_list_round_trip(registry: SqlRegistry) -> None:
         completed=8,
         labels={"k": "v2"},
     )
-    registry.upsert_writer(a_later)
+    registry.write_batch(writers=[a_later])
 
     assert registry.list_writers("run") == [a_later, b]
 
 
 def test_mark_open_writers(registry: SqlRegistry) -> None:
-    registry.upsert_writer(writer("h-1"))
-    registry.upsert_writer(writer("h-2", checkpoint="other", opened_at=1_700_000_005.0))
+    registry.write_batch(writers=[writer("h-1")])
+    registry.write_batch(writers=[writer("h-2", checkpoint="other", opened_at=1_700_000_005.0)])
     closed = writer("h-3", state="closed", closed_at=1_700_000_050.0)
-    registry.upsert_writer(closed)
+    registry.write_batch(writers=[closed])
 
     marked = registry.mark_open_writers("lost", 1_700_000_200.0)
 
@@ -108,11 +112,11 @@ def test_events_newest_first_with_paging(registry: SqlRegistry) -> None:
             writer_id=None if i == 0 else f"host-{i}",
             data={"task_id": f"t{i}", "old": -1, "new": i, "nested": {"ok": True, "list": [1, "x"]}},
         )
-        registry.add_event(event)
+        registry.write_batch(events=[event])
         added.append(event)
-        registry.add_event(EventRecord("other", "writer_opened", f"noise {i}", 0.0))
+        registry.write_batch(events=[EventRecord("other", "writer_opened", f"noise {i}", 0.0)])
 
-    ids = [e.id for e in added if isinstance(e.id, int)]  # add_event stores the new id
+    ids = [e.id for e in added if isinstance(e.id, int)]  # write_batch stores the new id
     assert len(ids) == len(added)
     assert ids == sorted(ids)
 
@@ -133,12 +137,12 @@ def test_events_newest_first_with_paging(registry: SqlRegistry) -> None:
 
 def test_state_survives_reopening(registry_url: str) -> None:
     with SqlRegistry(registry_url) as first:
-        first.upsert_checkpoint(CheckpointRecord("run", 1.0, 2.0, {"input": "x"}))
-        first.upsert_writer(writer("h-1"))
-        first.add_event(EventRecord("run", "writer_opened", "opened", 3.0, "host-h-1"))
+        first.write_batch(checkpoints=[CheckpointRecord("run", 1.0, 2.0, {"input": "x"})])
+        first.write_batch(writers=[writer("h-1")])
+        first.write_batch(events=[EventRecord("run", "writer_opened", "opened", 3.0, "host-h-1")])
 
     with SqlRegistry(registry_url) as second:  # create_all on existing tables is a no-op
-        assert second.get_checkpoint("run") == CheckpointRecord("run", 1.0, 2.0, {"input": "x"})
+        assert checkpoint(second, "run") == CheckpointRecord("run", 1.0, 2.0, {"input": "x"})
         assert second.list_writers("run") == [writer("h-1")]
         assert [e.message for e in second.list_events("run")] == ["opened"]
 
@@ -149,7 +153,7 @@ def test_default_sqlite_url_creates_a_wal_database_in_the_data_dir(tmp_path: Pat
     assert url == f"sqlite:///{data_dir / 'registry.sqlite3'}"
 
     with SqlRegistry(url) as reg:
-        reg.upsert_checkpoint(CheckpointRecord("run", 1.0, 1.0))
+        reg.write_batch(checkpoints=[CheckpointRecord("run", 1.0, 1.0)])
 
     with closing(sqlite3.connect(data_dir / "registry.sqlite3")) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
@@ -161,9 +165,9 @@ def test_default_sqlite_url_creates_a_wal_database_in_the_data_dir(tmp_path: Pat
 
 def test_registry_can_be_used_from_another_thread(tmp_path: Path) -> None:
     with SqlRegistry(default_sqlite_url(tmp_path)) as reg:
-        reg.upsert_checkpoint(CheckpointRecord("run", 1.0, 1.0))
+        reg.write_batch(checkpoints=[CheckpointRecord("run", 1.0, 1.0)])
         results: list[object] = []
-        thread = threading.Thread(target=lambda: results.append(reg.get_checkpoint("run")))
+        thread = threading.Thread(target=lambda: results.append(checkpoint(reg, "run")))
         thread.start()
         thread.join()
 
@@ -176,10 +180,14 @@ def test_unsupported_database_is_refused() -> None:
 
 
 def test_progress_samples_round_trip_and_reset(registry: SqlRegistry) -> None:
-    registry.add_samples(
-        [ProgressRecord("run", 10.0, 1), ProgressRecord("run", 20.5, 7), ProgressRecord("other", 15.0, 3)]
+    registry.write_batch(
+        samples=[
+            ProgressRecord("run", 10.0, 1),
+            ProgressRecord("run", 20.5, 7),
+            ProgressRecord("other", 15.0, 3),
+        ]
     )
-    registry.add_samples([])
+    registry.write_batch(samples=[])
     assert registry.list_samples("run") == [ProgressRecord("run", 10.0, 1), ProgressRecord("run", 20.5, 7)]
     assert registry.list_samples("run", since=11.0) == [ProgressRecord("run", 20.5, 7)]
     registry.delete_samples("run")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from tally._config import ClientConfig
 from tally._retry import Deadline
 from tally._types import CloseResult, Delta, WriterHealth, WriterSpec
-from tally._writer.core import Phase, WriterCore
+from tally._writer.core import WriterCore
 from tally._writer.support import CLOSE_GRACE_S, fresh, validated
 from tally.errors import InvalidArgument, TallyError
 
@@ -168,6 +168,3 @@ class WriterBase:
 
     def _close_grace(self) -> Deadline:
         return Deadline(min(self._config.timeout, CLOSE_GRACE_S))
-
-    def _is_open_locked(self) -> bool:
-        return self._core.phase is Phase.OPEN and not self._core.lease_lost

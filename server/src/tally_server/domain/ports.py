@@ -21,7 +21,6 @@ class LoadedCheckpoint:
     """The union of a checkpoint folder's ``*.mdb`` files."""
 
     completed: set[str]
-    files: list[str]
     unreadable: list[UnreadableFile]
 
 
@@ -177,15 +176,7 @@ class Registry(Protocol):
     :class:`tally_server.errors.Unavailable`; anything else that fails is a bug.
     """
 
-    def upsert_checkpoint(self, record: CheckpointRecord) -> None: ...
-
-    def get_checkpoint(self, name: str) -> CheckpointRecord | None: ...
-
     def list_checkpoints(self) -> list[CheckpointRecord]: ...
-
-    def upsert_writer(self, record: WriterRecord) -> None:
-        """Insert or update by ``handle``."""
-        ...
 
     def write_batch(
         self,
@@ -209,15 +200,11 @@ class Registry(Protocol):
         restart); returns them."""
         ...
 
-    def add_event(self, event: EventRecord) -> None: ...
-
     def list_events(
         self, checkpoint: str, *, limit: int = 100, before_id: int | None = None
     ) -> list[EventRecord]:
         """Newest first; ``before_id`` pages backwards."""
         ...
-
-    def add_samples(self, samples: Sequence[ProgressRecord]) -> None: ...
 
     def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]: ...
 

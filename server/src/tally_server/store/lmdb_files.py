@@ -100,15 +100,14 @@ class LmdbCompletionStore:
     def load(self, checkpoint: str) -> LoadedCheckpoint:
         """Union of every ``*.mdb`` in the checkpoint's metadata folder.
 
-        ``files`` lists the files that were read and counted; ``unreadable`` lists the files that
-        could not be read (with the error), whose contents are never counted: damaged files,
-        links (never followed) and anything else that is not a regular file. Only a file without
-        the ``completed_sources`` database reads as empty. A missing folder gives an empty
-        result and creates nothing.
+        ``unreadable`` lists the files that could not be read (with the error), whose contents are
+        never counted: damaged files, links (never followed) and anything else that is not a
+        regular file. Only a file without the ``completed_sources`` database reads as empty. A
+        missing folder gives an empty result and creates nothing.
         """
         self._handles.check_open()
         folder = self._folder(checkpoint)
-        result = LoadedCheckpoint(completed=set(), files=[], unreadable=[])
+        result = LoadedCheckpoint(completed=set(), unreadable=[])
         if not folder.is_dir():
             return result
         for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
@@ -123,7 +122,6 @@ class LmdbCompletionStore:
                 result.unreadable.append(UnreadableFile(path=str(path), error=error))
                 continue
             result.completed |= sources
-            result.files.append(str(path))
         return result
 
     def _read(self, path: Path) -> set[str]:
@@ -289,10 +287,10 @@ class LmdbCompletionStore:
     # -------------------------------------------------------------- lifecycle
 
     def release(self, checkpoint: str) -> None:
-        """Close the cached handles of one checkpoint's files (before they are moved or removed).
+        """Close the cached handles of one checkpoint's files; the next write opens them again.
 
-        Not part of the ``CompletionStore`` port: a checkpoint reset must call it before moving
-        the folder, or later puts would land in the moved files through the open handles.
+        ``trash`` calls it before moving the folder, or later puts would land in the moved files
+        through the open handles.
         """
         self._handles.drop_folder(self._folder(checkpoint))
 

@@ -112,20 +112,6 @@ class SqlRegistry:
     # ------------------------------------------------------------ checkpoints
 
     @_transient_as_unavailable
-    def upsert_checkpoint(self, record: CheckpointRecord) -> None:
-        """Insert or update by ``name``."""
-        with self._engine.begin() as conn:
-            self._upsert(conn, checkpoints_table, dataclasses.asdict(record))
-
-    @_transient_as_unavailable
-    def get_checkpoint(self, name: str) -> CheckpointRecord | None:
-        with self._engine.connect() as conn:
-            row = conn.execute(
-                sa.select(checkpoints_table).where(checkpoints_table.c.name == name)
-            ).one_or_none()
-        return None if row is None else checkpoint_record(row)
-
-    @_transient_as_unavailable
     def list_checkpoints(self) -> list[CheckpointRecord]:
         """Every checkpoint, by name."""
         with self._engine.connect() as conn:
@@ -133,12 +119,6 @@ class SqlRegistry:
         return [checkpoint_record(row) for row in rows]
 
     # ---------------------------------------------------------------- writers
-
-    @_transient_as_unavailable
-    def upsert_writer(self, record: WriterRecord) -> None:
-        """Insert or update by ``handle``."""
-        with self._engine.begin() as conn:
-            self._upsert(conn, writers_table, dataclasses.asdict(record))
 
     @_transient_as_unavailable
     def list_writers(self, checkpoint: str) -> list[WriterRecord]:
@@ -198,12 +178,6 @@ class SqlRegistry:
 
     # ----------------------------------------------------------------- events
 
-    @_transient_as_unavailable
-    def add_event(self, event: EventRecord) -> None:
-        """Append ``event``; the database assigns its id, which is stored into ``event.id``."""
-        with self._engine.begin() as conn:
-            event.id = self._insert_event(conn, event)
-
     @staticmethod
     def _insert_event(conn: Connection, event: EventRecord) -> int:
         values = dataclasses.asdict(event)
@@ -227,14 +201,6 @@ class SqlRegistry:
         return [event_record(row) for row in rows]
 
     # --------------------------------------------------------------- progress
-
-    @_transient_as_unavailable
-    def add_samples(self, samples: Sequence[ProgressRecord]) -> None:
-        """Append progress samples (one transaction)."""
-        if not samples:
-            return
-        with self._engine.begin() as conn:
-            conn.execute(sa.insert(progress_table), [dataclasses.asdict(x) for x in samples])
 
     @_transient_as_unavailable
     def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]:
