@@ -57,11 +57,7 @@ class AsyncWriter(WriterBase):
         try:
             await self.close()
         except TallyError as close_err:
-            logger.error(
-                "tally writer %s: close after an error in the with-block failed: %s",
-                self.writer_id,
-                close_err,
-            )
+            self._close_after_error_failed(close_err)
 
     # ------------------------------------------------------------------ waking the loop
 

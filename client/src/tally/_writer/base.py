@@ -168,3 +168,9 @@ class WriterBase:
 
     def _close_grace(self) -> Deadline:
         return Deadline(min(self._config.timeout, CLOSE_GRACE_S))
+
+    def _close_after_error_failed(self, close_err: TallyError) -> None:
+        """Log a close that failed after the with-block raised (the block's error propagates)."""
+        logger.error(
+            "tally writer %s: close after an error in the with-block failed: %s", self.writer_id, close_err
+        )

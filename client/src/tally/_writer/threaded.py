@@ -55,11 +55,7 @@ class Writer(WriterBase):
         try:
             self.close()
         except TallyError as close_err:
-            logger.error(
-                "tally writer %s: close after an error in the with-block failed: %s",
-                self.writer_id,
-                close_err,
-            )
+            self._close_after_error_failed(close_err)
 
     def open(self) -> None:
         """Register the writer with the coordinator and start the background threads.

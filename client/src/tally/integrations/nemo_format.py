@@ -138,6 +138,20 @@ def check_regular(path: Path) -> os.stat_result:
     return st
 
 
+def _open_for_writing(path: Path, map_size: int) -> Any:
+    """Open ``path`` for writing with NeMo Curator's flags (no lock table, synced commits)."""
+    return lmdb.open(
+        str(path),
+        subdir=False,
+        lock=False,
+        max_dbs=1,
+        map_size=map_size,
+        metasync=False,
+        sync=True,
+        readahead=False,
+    )
+
+
 def open_env(path: Path, *, write: bool, map_size: int = NEMO_MAP_SIZE) -> Any:
     """Open an existing completion file with NeMo Curator's flags, after checking it is whole.
 
@@ -153,16 +167,7 @@ def open_env(path: Path, *, write: bool, map_size: int = NEMO_MAP_SIZE) -> Any:
         # LMDB would silently turn an empty file into a new environment when opened for writing.
         raise DamagedFileError(f"{path}: empty file (0 bytes), not an LMDB file")
     if write:
-        env = lmdb.open(
-            str(path),
-            subdir=False,
-            lock=False,
-            max_dbs=1,
-            map_size=map_size,
-            metasync=False,
-            sync=True,
-            readahead=False,
-        )
+        env = _open_for_writing(path, map_size)
     else:
         env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
     try:
@@ -283,16 +288,7 @@ def create_file(
     os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
     count = 0
     try:
-        env = lmdb.open(
-            str(temp),
-            subdir=False,
-            lock=False,
-            max_dbs=1,
-            map_size=map_size,
-            metasync=False,
-            sync=True,
-            readahead=False,
-        )
+        env = _open_for_writing(temp, map_size)
         try:
             db = env.open_db(COMPLETED_DB)  # as NeMo Curator's actor does on open: its first transaction
             batch: dict[bytes, bool] = {}

@@ -149,16 +149,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     await _failed(context, method, exc)
 
             return generate
-
-        async def write(request: Any, context: Any) -> Any:
-            # Streams that answer through context.write() (grpc's health Watch).
-            if isinstance(request, _Undecodable):
-                await _refuse_undecodable(context, method, request)
-            try:
-                return await inner(request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await _failed(context, method, exc)
-
-        return write
+        # Streams that answer through context.write() (grpc's health Watch) are awaited like a
+        # unary call.
+        return ErrorInterceptor._unary(inner, method)

@@ -33,7 +33,7 @@ class Opening:
     Args:
         core: what the service's parts share.
         checkpoints: the checkpoint table.
-        writers: the writer operations (lease renewal, registry rows, the commit path).
+        writers: the writer operations (lease renewal, the commit path).
         reset: resets a checkpoint (for a writer that asked ``on_mismatch="reset"``).
     """
 
@@ -128,7 +128,7 @@ class Opening:
             await core.registry_write(
                 lambda: core.registry.write_batch(
                     checkpoints=[CheckpointRecord(cp.name, cp.created_at, now, dict(cp.fingerprint))],
-                    writers=[self._writers.record(session)],
+                    writers=[session.record()],
                 )
             )
         except BaseException:

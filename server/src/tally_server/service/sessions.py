@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tally_server.domain.checkpoint import WriterSession
 from tally_server.domain.journal import Entry
 from tally_server.domain.ledger import ApplyCounts
+from tally_server.domain.ports import WriterRecord
 
 
 @dataclass(eq=False)
@@ -39,6 +40,29 @@ class Session(WriterSession):
     # The last client batch_seq applied, and what that batch answered (a resent batch gets it again).
     applied_seq: int = 0
     last_counts: ApplyCounts = field(default_factory=ApplyCounts)
+
+    def record(self, closed_at: float | None = None) -> WriterRecord:
+        """The writer's registry row (also what status shows of a live writer)."""
+        t = self.ledger.totals
+        return WriterRecord(
+            handle=self.handle,
+            checkpoint=self.checkpoint,
+            writer_id=self.writer_id,
+            host=self.host,
+            pid=self.pid,
+            labels=dict(self.labels),
+            fingerprint=dict(self.fingerprint),
+            state=self.state,
+            opened_at=self.opened_at,
+            last_seen_at=self.last_seen_at,
+            closed_at=closed_at,
+            pending_sources=self.ledger.in_flight,
+            applied=t.applied,
+            skipped=t.skipped,
+            rewritten=t.rewritten,
+            anomalies=t.anomalies,
+            completed=t.completed,
+        )
 
     async def notify(self) -> None:
         async with self.changed:

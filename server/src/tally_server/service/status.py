@@ -16,7 +16,6 @@ from typing import Any
 
 from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint, WriterState
-from tally_server.domain.ledger import ApplyCounts
 from tally_server.errors import InvalidArgument, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -51,20 +50,7 @@ class Status:
 
     def view(self, cp: Checkpoint) -> CheckpointView:
         sessions = self._core.sessions
-        writers = [
-            WriterView(
-                writer_id=s.writer_id,
-                host=s.host,
-                pid=s.pid,
-                labels=dict(s.labels),
-                state=s.state,
-                pending_sources=s.ledger.in_flight,
-                counts=ApplyCounts(**vars(s.ledger.totals)),
-                opened_at=s.opened_at,
-                last_seen_at=s.last_seen_at,
-            )
-            for s in sessions.live(cp.name).values()
-        ]
+        writers = [WriterView.of(s.record()) for s in sessions.live(cp.name).values()]
         return CheckpointView(
             name=cp.name,
             completed_count=cp.completed_count,
@@ -135,18 +121,7 @@ class Status:
         queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
         records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
         past = [
-            WriterView(
-                writer_id=r.writer_id,
-                host=r.host,
-                pid=r.pid,
-                labels=dict(r.labels),
-                state=r.state,
-                pending_sources=r.pending_sources,
-                counts=ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed),
-                opened_at=r.opened_at,
-                last_seen_at=r.last_seen_at,
-                closed_at=r.closed_at or 0.0,
-            )
+            WriterView.of(r)
             for r in sorted(records, key=lambda r: r.opened_at, reverse=True)
             if r.state != WriterState.OPEN or r.writer_id not in live_ids
         ]

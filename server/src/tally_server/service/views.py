@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_server.domain.ledger import ApplyCounts
+from tally_server.domain.ports import WriterRecord
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,22 @@ class WriterView:
     opened_at: float
     last_seen_at: float
     closed_at: float = field(default=0.0, metadata={"description": "0 while the writer is open."})
+
+    @classmethod
+    def of(cls, r: WriterRecord) -> WriterView:
+        """The view of a writer's registry row (a live writer's from ``Session.record``)."""
+        return cls(
+            writer_id=r.writer_id,
+            host=r.host,
+            pid=r.pid,
+            labels=dict(r.labels),
+            state=r.state,
+            pending_sources=r.pending_sources,
+            counts=ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed),
+            opened_at=r.opened_at,
+            last_seen_at=r.last_seen_at,
+            closed_at=r.closed_at or 0.0,
+        )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from tally_server.domain.events import EventKind
 from tally_server.domain.journal import Applied
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
-from tally_server.domain.ports import CompletionOp, DeleteCompleted, PutCompleted, WriterRecord
+from tally_server.domain.ports import CompletionOp, DeleteCompleted, PutCompleted
 from tally_server.errors import NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -69,30 +69,6 @@ class Writers:
         session.lease_deadline = self._core.clock() + self._core.lease_ttl_s
         session.last_seen_at = self._core.wall()
         self._dirty.add(session.handle)
-
-    @staticmethod
-    def record(s: Session, closed_at: float | None = None) -> WriterRecord:
-        """The writer's registry row."""
-        t = s.ledger.totals
-        return WriterRecord(
-            handle=s.handle,
-            checkpoint=s.checkpoint,
-            writer_id=s.writer_id,
-            host=s.host,
-            pid=s.pid,
-            labels=dict(s.labels),
-            fingerprint=dict(s.fingerprint),
-            state=s.state,
-            opened_at=s.opened_at,
-            last_seen_at=s.last_seen_at,
-            closed_at=closed_at,
-            pending_sources=s.ledger.in_flight,
-            applied=t.applied,
-            skipped=t.skipped,
-            rewritten=t.rewritten,
-            anomalies=t.anomalies,
-            completed=t.completed,
-        )
 
     # ------------------------------------------------------------------ operations
 
@@ -244,7 +220,7 @@ class Writers:
             self._dirty.discard(session.handle)
             now = core.wall()
             cp.last_activity_at = now
-            core.bookkeeping.writer(self.record(session, now))
+            core.bookkeeping.writer(session.record(now))
             core.event(
                 cp.name,
                 EventKind(f"writer_{state}"),
@@ -286,4 +262,4 @@ class Writers:
         for handle in dirty:
             session = self._core.sessions.get(handle)
             if session is not None and session.state == WriterState.OPEN:
-                self._core.bookkeeping.writer(self.record(session))
+                self._core.bookkeeping.writer(session.record())
