@@ -35,6 +35,7 @@ class CompletedSet:
         return len(self._completed)
 
     def add(self, sources: Iterable[str]) -> None:
+        """Mark ``sources`` completed, each under a new sequence number (ids already in keep theirs)."""
         self._seq += 1
         self._ordered = None
         completed = self._completed
@@ -44,6 +45,7 @@ class CompletedSet:
                 self._id_chars += len(sid)
 
     def discard(self, source_id: str) -> bool:
+        """Drop one completion (an un-complete); returns whether the source was completed."""
         removed = self._completed.pop(source_id, None) is not None
         if removed:
             self._ordered = None
@@ -51,8 +53,10 @@ class CompletedSet:
         return removed
 
     def estimated_bytes(self) -> int:
-        """Roughly what the set holds in memory: each id as a str plus its dict slot (and the
-        sorted byte copy while an export keeps it)."""
+        """Roughly how many bytes the set holds in memory.
+
+        Each id as a str plus its dict slot (and the sorted byte copy while an export keeps it).
+        """
         size = len(self._completed) * _BYTES_PER_ID + self._id_chars
         if self._ordered is not None:
             size += len(self._ordered) * _BYTES_PER_SORTED_ID + self._id_chars
@@ -76,6 +80,7 @@ class CompletedSet:
         return view
 
     def sources(self) -> list[str]:
+        """Every completed id, in the order they were completed."""
         return list(self._completed)
 
 
@@ -91,6 +96,8 @@ class WriterState(StrEnum):
 
 @dataclass
 class WriterSession:
+    """What the domain knows of an open writer: who it is, its lease and its ledger."""
+
     handle: str
     writer_id: str
     checkpoint: str
@@ -126,6 +133,7 @@ class Checkpoint:
 
     @property
     def completed_count(self) -> int:
+        """Completed sources, from the loaded set or, while unloaded, the last known count."""
         return len(self.completed) if self.completed is not None else self.known_count
 
     def ids(self) -> CompletedSet:
@@ -135,6 +143,7 @@ class Checkpoint:
         return self.completed
 
     def unload(self) -> None:
+        """Drop the completed set from memory, remembering its size for status reads."""
         if self.completed is not None:
             self.known_count = len(self.completed)
             self.completed = None

@@ -62,7 +62,9 @@ def commit_failed(ledger: WriterLedger, sources: Iterable[str], now: float) -> N
 
 
 def uncomplete_durable(completed: CompletedSet, sources: Iterable[str]) -> None:
-    """The un-complete is durable: drop the sources again, in case a completion committed before
-    the delete re-added them meanwhile (the later anomaly wins)."""
+    """The un-complete is durable: drop the sources from the live set again.
+
+    A completion committed before the delete may have re-added them meanwhile; the later anomaly wins.
+    """
     for sid in sources:
         completed.discard(sid)

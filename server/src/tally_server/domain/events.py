@@ -32,6 +32,7 @@ class EventKind(StrEnum):
 
     @property
     def severity(self) -> Severity:
+        """How this kind of event should be shown (info unless listed otherwise)."""
         return _SEVERITY.get(self, Severity.INFO)
 
 

@@ -52,6 +52,7 @@ class StallClock:
         self.paused_s = 0.0  # total time not counted, for metrics and logs
 
     def now(self) -> float:
+        """Lease time now: counted time plus the real time since the last tick, at most one step."""
         return self._counted + min(self._clock() - self._last_tick, self.max_step_s)
 
     def tick(self) -> float:

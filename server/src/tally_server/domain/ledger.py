@@ -25,6 +25,7 @@ class ApplyCounts:
     completed: int = 0
 
     def add(self, other: ApplyCounts) -> None:
+        """Add ``other``'s counters to these."""
         self.applied += other.applied
         self.skipped += other.skipped
         self.rewritten += other.rewritten
@@ -44,6 +45,8 @@ class Anomaly:
 
 @dataclass
 class BatchResult:
+    """What one batch did to a ledger: its counters, anomalies, and sources that became complete."""
+
     counts: ApplyCounts = field(default_factory=ApplyCounts)
     anomalies: list[Anomaly] = field(default_factory=list)
     # Sources to complete now (settle window 0); the caller persists them, then calls completed().
@@ -55,8 +58,10 @@ class BatchResult:
 
 @dataclass
 class LedgerState:
-    """A copy of everything a ledger holds (a journal snapshot). Settle deadlines are not kept:
-    a window starts over when the state is restored."""
+    """A copy of everything a ledger holds (a journal snapshot).
+
+    Settle deadlines are not kept: a window starts over when the state is restored.
+    """
 
     pending: dict[str, int]
     applied: dict[str, int]
@@ -93,11 +98,20 @@ class WriterLedger:
         return len(self.pending) - len(self.settling)
 
     def is_completed(self, source_id: str) -> bool:
+        """Whether the source counts as completed for this writer.
+
+        It does if the writer completed it, or if it was completed before the writer opened and not
+        un-completed since.
+        """
         if source_id in self.own_completed:
             return True
         return source_id not in self.uncompleted and self._completed_before_open(source_id)
 
     def apply(self, batch: Iterable[Delta], now: float) -> BatchResult:
+        """Apply a batch of deltas in order under the counting rules (DESIGN §2.3).
+
+        ``now`` starts settle windows.
+        """
         result = BatchResult()
         counts = result.counts
         pending, applied, settling = self.pending, self.applied, self.settling

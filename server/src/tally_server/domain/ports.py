@@ -1,5 +1,7 @@
-"""What the domain needs from storage. Implemented in ``tally_server.store``; blocking calls,
-run by the service off the event loop."""
+"""What the domain needs from storage.
+
+Implemented in ``tally_server.store``; blocking calls, run by the service off the event loop.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from tally_server.domain.journal import Entry, JournaledWriter, Opened
 
 @dataclass(frozen=True)
 class UnreadableFile:
+    """A completion file that could not be read, and why (its ids are never counted)."""
+
     path: str
     error: str
 
@@ -60,9 +64,10 @@ class QuarantinedFile:
 
 
 class CompletionWriteError(Exception):
-    """Completions could not be made durable because of the disk or the system (a full disk, an
-    I/O error, a read-only filesystem); the commit did not become durable. Transient: applying the
-    same ops again is safe and succeeds once the cause is gone.
+    """Completions could not be made durable because of the disk or the system.
+
+    A full disk, an I/O error, a read-only filesystem: the commit did not become durable.
+    Transient: applying the same ops again is safe and succeeds once the cause is gone.
 
     A damaged file of the writer's own never raises this: the store quarantines it instead.
 
@@ -119,11 +124,14 @@ class CompletionStore(Protocol):
         """
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close every open file; the store refuses further calls."""
 
 
 @dataclass
 class CheckpointRecord:
+    """A checkpoint's registry row: when it was created and last active, and its fingerprint."""
+
     name: str
     created_at: float
     last_activity_at: float
@@ -132,6 +140,8 @@ class CheckpointRecord:
 
 @dataclass
 class WriterRecord:
+    """A writer's registry row: who it is, its state, and its counters when last written."""
+
     handle: str
     checkpoint: str
     writer_id: str
@@ -153,6 +163,8 @@ class WriterRecord:
 
 @dataclass
 class EventRecord:
+    """Something that happened to a checkpoint, as the registry keeps it (``id`` assigned by the database)."""
+
     checkpoint: str
     kind: str  # e.g. writer_opened, writer_closed, writer_expired, anomaly, unreadable_file
     message: str
@@ -164,6 +176,8 @@ class EventRecord:
 
 @dataclass(frozen=True)
 class ProgressRecord:
+    """A checkpoint's completed count at one moment (a point of the progress plot)."""
+
     checkpoint: str
     at: float
     completed_count: int
@@ -176,7 +190,8 @@ class Registry(Protocol):
     :class:`tally_server.errors.Unavailable`; anything else that fails is a bug.
     """
 
-    def list_checkpoints(self) -> list[CheckpointRecord]: ...
+    def list_checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint, by name."""
 
     def write_batch(
         self,
@@ -193,11 +208,14 @@ class Registry(Protocol):
         """The completed count of each checkpoint's newest progress sample."""
         ...
 
-    def list_writers(self, checkpoint: str) -> list[WriterRecord]: ...
+    def list_writers(self, checkpoint: str) -> list[WriterRecord]:
+        """The checkpoint's writers, oldest first."""
 
     def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
-        """Set every writer still ``open`` but not in ``keep`` (handles) to ``state`` (after a
-        restart); returns them."""
+        """After a restart, set every writer still ``open`` and not in ``keep`` to ``state``.
+
+        ``keep`` holds the handles the journal brought back. Returns the writers changed.
+        """
         ...
 
     def list_events(
@@ -206,11 +224,14 @@ class Registry(Protocol):
         """Newest first; ``before_id`` pages backwards."""
         ...
 
-    def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]: ...
+    def list_samples(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressRecord]:
+        """The checkpoint's progress samples taken at or after ``since``, oldest first."""
 
-    def delete_samples(self, checkpoint: str) -> None: ...
+    def delete_samples(self, checkpoint: str) -> None:
+        """Drop the checkpoint's progress samples (a reset starts its plot over)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the database connections."""
 
 
 @dataclass(frozen=True)
@@ -261,4 +282,5 @@ class Journal(Protocol):
         """How many entries the journal holds."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the journal's file."""

@@ -249,6 +249,7 @@ def _id(what: str, value: str, limits: Limits) -> None:
 
 
 def labels(values: dict[str, str], limits: Limits) -> None:
+    """Refuse too many labels, or keys and values that are not bounded UTF-8 ids."""
     if len(values) > limits.max_labels:
         raise InvalidArgument(
             f"{len(values)} labels, over the limit of {limits.max_labels} (setting max_labels)",
@@ -264,6 +265,7 @@ def labels(values: dict[str, str], limits: Limits) -> None:
 
 
 def host(value: str, limits: Limits) -> None:
+    """Refuse a host name that is not UTF-8 or is longer than ``max_name_bytes``."""
     _utf8("host", value)
     if len(value.encode()) > limits.max_name_bytes:
         raise InvalidArgument(
