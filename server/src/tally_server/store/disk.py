@@ -1,6 +1,9 @@
-"""What the stores share about the disk: the error for a write it refused (saying plainly when it
-is full), ``mkdir -p`` that syncs, and the trash folder, where damaged files and reset checkpoints
-are moved (never deleted, so an operator can inspect or restore them)."""
+"""What the stores share about the disk.
+
+The error for a write it refused (saying plainly when it is full), ``mkdir -p`` that syncs, and
+the trash folder, where damaged files and reset checkpoints are moved (never deleted, so an
+operator can inspect or restore them).
+"""
 
 from __future__ import annotations
 
@@ -50,8 +53,10 @@ def make_dirs(folder: Path) -> None:
 def quarantine(
     data_dir: Path, checkpoint: str, writer_id: str, path: Path, error: BaseException
 ) -> QuarantinedFile:
-    """Move ``path`` (a file, or a link itself: never its target) into the trash; the caller
-    holds the file's lock. Never deletes: the operator can inspect or restore it."""
+    """Move ``path`` (a file, or a link itself: never its target) into the trash.
+
+    The caller holds the file's lock. Never deletes: the operator can inspect or restore it.
+    """
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{secrets.token_hex(3)}"
     trash = data_dir / TRASH_DIRNAME
     destination = (trash / checkpoint / f"quarantine-{stamp}").resolve()
@@ -79,8 +84,10 @@ def quarantine(
 
 
 def move_to_trash(data_dir: Path, folder: Path, checkpoint: str, stamp: str) -> tuple[str, int]:
-    """Move a checkpoint's metadata ``folder`` to ``<data_dir>/.trash/<checkpoint>/<stamp>/``; returns
-    where it went (relative to ``data_dir``) and how many files it held."""
+    """Move a checkpoint's metadata ``folder`` to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
+
+    Returns where it went (relative to ``data_dir``) and how many files it held.
+    """
     destination = (data_dir / TRASH_DIRNAME / checkpoint / stamp).resolve()
     if not destination.is_relative_to(data_dir / TRASH_DIRNAME):
         raise ValueError(f"trash folder for {checkpoint!r} would be outside {data_dir}; refusing")

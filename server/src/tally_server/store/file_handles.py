@@ -13,6 +13,8 @@ import lmdb
 
 @dataclass
 class OpenFile:
+    """A completion file opened for writing: its LMDB environment and database handle."""
+
     env: Any  # lmdb.Environment (lmdb ships no type information)
     db: Any  # its b"completed_sources" database handle
 
@@ -38,6 +40,7 @@ class HandleCache:
             return len(self._handles)
 
     def check_open(self) -> None:
+        """Refuse calls once the store is closed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the completion store is closed")

@@ -136,6 +136,7 @@ class LmdbJournal:
             return int(txn.stat(self._entries)["entries"])
 
     def close(self) -> None:
+        """Close the journal's LMDB file."""
         self._env.close()
 
 
@@ -155,6 +156,7 @@ def _decode_opened(raw: bytes) -> Opened:
 
 
 def encode_entry(entry: Entry) -> bytes:
+    """A journal entry as stored: a one-byte kind, then its fields."""
     out = bytearray()
     if isinstance(entry, Applied):
         out += b"A" + _SEQ.pack(entry.seq)
@@ -187,6 +189,7 @@ def encode_entry(entry: Entry) -> bytes:
 
 
 def decode_entry(raw: bytes) -> Entry:
+    """Read back an entry written by ``encode_entry``."""
     kind, view = raw[:1], memoryview(raw)
     if kind == b"A":
         (seq,) = _SEQ.unpack_from(view, 1)
@@ -267,12 +270,15 @@ class NoJournal:
         """Keep nothing."""
 
     def load(self) -> list[JournaledWriter]:
+        """Nothing is journaled, so nothing comes back."""
         return []
 
     def size_bytes(self) -> int:
+        """Always 0: nothing on disk."""
         return 0
 
     def entries(self) -> int:
+        """Always 0: nothing is kept."""
         return 0
 
     def close(self) -> None:

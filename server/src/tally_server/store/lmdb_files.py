@@ -342,8 +342,9 @@ class LmdbCompletionStore:
 def _plan(
     ops: Sequence[CompletionOp],
 ) -> tuple[dict[tuple[str, str], dict[bytes, bool]], dict[str, set[bytes]]]:
-    """Fold ``ops`` into their net effect: per writer file, id -> present; per checkpoint, the
-    ids deleted from every file.
+    """Fold ``ops`` into their net effect: per writer file, id -> present.
+
+    Per checkpoint, the ids deleted from every file.
 
     A delete overrides earlier puts of the same id (it rewrites them to absent in the files
     already planned), and a later put overrides the delete for its own file (its entry is laid

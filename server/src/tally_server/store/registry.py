@@ -132,8 +132,9 @@ class SqlRegistry:
 
     @_transient_as_unavailable
     def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
-        """Set every writer still ``open`` but not in ``keep`` (handles) to ``state`` with
-        ``closed_at = at``; returns them.
+        """Set every writer still ``open`` and not in ``keep`` (handles) to ``state``, closed at ``at``.
+
+        Returns the writers changed.
 
         Called after a restart: writers the journal brought back stay open; the others' pending
         state did not survive the old process.

@@ -1,5 +1,7 @@
-"""The registry's tables (SQLAlchemy Core, portable between SQLite and PostgreSQL) and how their
-rows read back as the domain's records."""
+"""The registry's tables and how their rows read back as the domain's records.
+
+SQLAlchemy Core, portable between SQLite and PostgreSQL.
+"""
 
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ progress_table = sa.Table(
 
 
 def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
+    """A ``checkpoints`` row as a checkpoint record."""
     return CheckpointRecord(
         name=row.name,
         created_at=row.created_at,
@@ -92,6 +95,7 @@ def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
 
 
 def writer_record(row: Row[Any]) -> WriterRecord:
+    """A ``writers`` row as a writer record."""
     return WriterRecord(
         handle=row.handle,
         checkpoint=row.checkpoint,
@@ -114,6 +118,7 @@ def writer_record(row: Row[Any]) -> WriterRecord:
 
 
 def event_record(row: Row[Any]) -> EventRecord:
+    """An ``events`` row as an event record (with its database id)."""
     return EventRecord(
         checkpoint=row.checkpoint,
         kind=row.kind,
