@@ -54,6 +54,7 @@ class CheckpointTable:
         self._sampled.update(counts)
 
     def close(self) -> None:
+        """Wait for loads in progress and stop the loading thread."""
         self._load_executor.shutdown(wait=True)
 
     def __getitem__(self, name: str) -> Checkpoint:
@@ -175,8 +176,10 @@ class CheckpointTable:
             cp.unload()
 
     async def census(self, checkpoints: list[Checkpoint]) -> None:
-        """Read each checkpoint once for its count and unreadable files, then let it go again
-        unless someone started using it meanwhile."""
+        """Read each checkpoint once for its count and unreadable files.
+
+        Each is let go again afterwards, unless someone started using it meanwhile.
+        """
         for cp in checkpoints:
             used = cp.last_used
             try:

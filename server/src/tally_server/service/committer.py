@@ -62,8 +62,10 @@ class GroupCommitter:
 
     @property
     def failing(self) -> str | None:
-        """The cause while the latest journal write or completion commit (or storage probe)
-        failed, else None."""
+        """Why storage is failing, or None.
+
+        The cause while the latest journal write or completion commit (or storage probe) failed.
+        """
         return self._journal_failures.failing or self._failures.failing
 
     async def probe(self) -> None:
@@ -72,6 +74,7 @@ class GroupCommitter:
         self._failures.succeeded()
 
     def start(self) -> None:
+        """Start the commit loop on the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._run(), name="tally-group-commit")
 
     def enqueue(self, op: Op) -> asyncio.Future[None]:
@@ -84,6 +87,7 @@ class GroupCommitter:
         return future
 
     async def submit(self, op: Op) -> None:
+        """Queue ``op`` and wait until it is durable; raises what made it fail."""
         await self.enqueue(op)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -153,6 +157,7 @@ class GroupCommitter:
                 future.set_exception(Unavailable(message, cause=str(exc)[:500]))
 
     async def close(self) -> None:
+        """Commit what is queued, then stop the commit loop and its thread."""
         self._closing = True
         self._wake.set()
         if self._task is not None:

@@ -133,8 +133,10 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Restore the known checkpoints (without loading their id sets) and every writer the
-        journal holds, then start the loops."""
+        """Restore the known checkpoints and every journaled writer, then start the loops.
+
+        The checkpoints' id sets are not loaded here.
+        """
         core = self._core
         core.committer.start()
         records = await core.registry_read(core.registry.list_checkpoints)
@@ -184,9 +186,11 @@ class CoordinatorService:
         self._core.accepting = False
 
     async def shutdown(self) -> None:
-        """Stop: finish the commits in flight and close the stores. Writers stay open: their
-        journals bring them back when the coordinator starts again (a stop for an upgrade is not a
-        goodbye); settling sources settle again then."""
+        """Stop: finish the commits in flight and close the stores.
+
+        Writers stay open: their journals bring them back when the coordinator starts again (a stop
+        for an upgrade is not a goodbye); settling sources settle again then.
+        """
         core = self._core
         core.accepting = False
         for task in self._background:
@@ -218,6 +222,7 @@ class CoordinatorService:
 
     @property
     def ready(self) -> bool:
+        """Whether the coordinator accepts work and nothing keeps it from making completions durable."""
         return not self.problems()
 
     def loop(self, name: str) -> Loop:
@@ -241,6 +246,7 @@ class CoordinatorService:
 
     @property
     def registry_events_dropped(self) -> int:
+        """Events the registry's write-behind dropped because its queue was full."""
         return self._core.bookkeeping.dropped_events
 
     def gauges(self) -> dict[str, CheckpointGauges]:
@@ -308,8 +314,11 @@ class CoordinatorService:
         return await self._writers.keep_alive(handle)
 
     async def apply_deltas(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
-        """Apply ``(task_id, source_id, delta)`` in order under the counting rules; a batch resent
-        with the ``batch_seq`` of the last one applied is recognised and answered again."""
+        """Apply ``(task_id, source_id, delta)`` in order under the counting rules.
+
+        A batch resent with the ``batch_seq`` of the last one applied is recognised and answered
+        again.
+        """
         return await self._writers.apply(handle, batch, batch_seq)
 
     async def flush(self, handle: str) -> int:

@@ -1,5 +1,8 @@
-"""What every part of the service shares: limits, clocks, the session table, and the doors to the
-stores (the group committer, the registry's threads and its write-behind)."""
+"""What every part of the service shares.
+
+Limits, clocks, the session table, and the doors to the stores (the group committer, the
+registry's threads and its write-behind).
+"""
 
 from __future__ import annotations
 
@@ -55,9 +58,11 @@ class Core:
     accepting: bool = False
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking registry write on the registry's one writing thread."""
         return await asyncio.get_running_loop().run_in_executor(self.registry_writes, fn, *args)
 
     async def registry_read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking registry read on the reading threads, never behind writes."""
         return await asyncio.get_running_loop().run_in_executor(self.registry_reads, fn, *args)
 
     def event(
@@ -68,5 +73,6 @@ class Core:
         self.bookkeeping.event(EventRecord(checkpoint, kind, message, self.wall(), writer_id, dict(data)))
 
     def check_accepting(self) -> None:
+        """Refuse work (UNAVAILABLE) while the coordinator is starting or shutting down."""
         if not self.accepting:
             raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")

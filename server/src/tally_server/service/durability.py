@@ -1,6 +1,7 @@
-"""Making writers' work durable: each session's journal entries in order, the completion and
-un-complete commits grouped after them, and the settle step that completes sources whose window
-ran out.
+"""Making writers' work durable.
+
+Each session's journal entries in order, the completion and un-complete commits grouped after
+them, and the settle step that completes sources whose window ran out.
 
 Ordering guarantees that matter:
 
@@ -59,8 +60,9 @@ class Durability:
     async def commit(
         self, session: Session, changes: Sequence[CompletionOp] = ()
     ) -> list[BaseException | None]:
-        """Make the session's queued journal entries durable, and ``changes`` after them in the
-        same group; returns, per change, its error or None.
+        """Make the session's queued journal entries durable, and ``changes`` after them in the same group.
+
+        Returns, per change, its error or None.
 
         Raises:
             Unavailable: the journal could not be written; the entries stay queued, in order, for
@@ -98,16 +100,21 @@ class Durability:
             session.failed_commits += 1
 
     def revert(self, session: Session, sources: list[str]) -> None:
-        """Completions whose commit failed are not completed: they settle again (and the journal
-        says so)."""
+        """Completions whose commit failed are not completed: they settle again.
+
+        The journal says so too.
+        """
         commit_failed(session.ledger, sources, self._core.clock())
         session.unconfirmed.difference_update(sources)
         session.journal_queue.append(Reverted(sources))
 
     @staticmethod
     def completing(session: Session, sources: list[str]) -> None:
-        """The ledger completed ``sources``: journaled before their commit, so replay sees them
-        complete exactly where the writer did (unconfirmed until the commit is durable)."""
+        """The ledger completed ``sources``: journal that before their commit.
+
+        Replay then sees them complete exactly where the writer did (unconfirmed until the commit
+        is durable).
+        """
         session.unconfirmed.update(sources)
         session.journal_queue.append(Completing(sources))
 
@@ -118,8 +125,10 @@ class Durability:
         session.journal_queue.append(Persisted(sources))
 
     def maybe_snapshot(self, session: Session, deltas: int) -> None:
-        """Now and then the journal's entries give way to a snapshot of the ledger, so a writer's
-        journal never holds much more than its ledger, however long it runs."""
+        """Now and then, let the journal's entries give way to a snapshot of the ledger.
+
+        So a writer's journal never holds much more than its ledger, however long it runs.
+        """
         session.deltas_since_snapshot += deltas
         ledger = session.ledger
         if session.deltas_since_snapshot < max(
@@ -163,8 +172,11 @@ class Durability:
             await session.notify()
 
     async def forget(self, session: Session) -> None:
-        """Drop the journal of a session that ended (best effort: a journal left behind brings the
-        writer back at the next start, where its lease then runs out)."""
+        """Drop the journal of a session that ended.
+
+        Best effort: a journal left behind brings the writer back at the next start, where its
+        lease then runs out.
+        """
         try:
             await self._core.committer.submit(ForgetWriter(session.handle))
         except Exception as exc:

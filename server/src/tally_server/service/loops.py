@@ -38,14 +38,17 @@ class Loop:
 
     @property
     def failing(self) -> str | None:
+        """The cause of the latest failure while steps keep failing; None once a step succeeds."""
         return self._failures.failing
 
     async def run(self) -> None:
+        """Sleep, then run a step, until cancelled."""
         while True:
             await self._sleep(self.interval_s)
             await self.run_once()
 
     async def run_once(self) -> None:
+        """Run one step; a failure is counted and logged (once per cause), never raised."""
         try:
             await self._step()
         except asyncio.CancelledError:

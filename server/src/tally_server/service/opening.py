@@ -1,5 +1,8 @@
-"""How a writer session begins: opened by a client (validated, admitted, its fingerprint checked,
-journaled and registered, all or nothing), or restored from the journal after a restart."""
+"""How a writer session begins.
+
+Opened by a client (validated, admitted, its fingerprint checked, journaled and registered, all
+or nothing), or restored from the journal after a restart.
+"""
 
 from __future__ import annotations
 

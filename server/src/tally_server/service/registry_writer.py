@@ -55,6 +55,7 @@ class RegistryWriter:
         self._writers[record.handle] = record
 
     def event(self, record: EventRecord) -> None:
+        """Queue an event; beyond the queue's bound the oldest is dropped (and counted)."""
         self._events.append(record)
         if len(self._events) > self._max_events:
             self._events.popleft()
@@ -67,6 +68,7 @@ class RegistryWriter:
                 )
 
     def samples(self, records: Sequence[ProgressRecord]) -> None:
+        """Queue progress samples."""
         self._samples.extend(records)
 
     def forget_samples(self, checkpoint: str) -> None:
@@ -78,10 +80,12 @@ class RegistryWriter:
         return [r for r in self._writers.values() if r.checkpoint == checkpoint]
 
     def queued_samples(self, checkpoint: str) -> list[ProgressRecord]:
+        """The checkpoint's samples still waiting to be written."""
         return [x for x in self._samples if x.checkpoint == checkpoint]
 
     @property
     def queued(self) -> int:
+        """Rows waiting to be written."""
         return len(self._writers) + len(self._events) + len(self._samples)
 
     async def flush(self) -> None:

@@ -65,6 +65,7 @@ class Session(WriterSession):
         )
 
     async def notify(self) -> None:
+        """Wake the flushes and closes waiting on this session."""
         async with self.changed:
             self.changed.notify_all()
 
@@ -77,10 +78,12 @@ class SessionTable:
         self._by_checkpoint: dict[str, dict[str, Session]] = {}
 
     def add(self, session: Session) -> None:
+        """Add an open session to both indexes."""
         self._by_handle[session.handle] = session
         self._by_checkpoint.setdefault(session.checkpoint, {})[session.writer_id] = session
 
     def remove(self, session: Session) -> None:
+        """Remove a session from both indexes (a no-op if another session took its place)."""
         if self._by_handle.get(session.handle) is session:
             del self._by_handle[session.handle]
         live = self._by_checkpoint.get(session.checkpoint)
@@ -90,6 +93,7 @@ class SessionTable:
                 del self._by_checkpoint[session.checkpoint]
 
     def get(self, handle: str) -> Session | None:
+        """The session with this handle, if it is in the table."""
         return self._by_handle.get(handle)
 
     def live(self, checkpoint: str) -> Mapping[str, Session]:
@@ -108,4 +112,5 @@ class SessionTable:
         return sum(s.ledger.in_flight for s in self.live(checkpoint).values())
 
     def settling_sources(self, checkpoint: str) -> int:
+        """Sources whose settle window is running, across the checkpoint's writers."""
         return sum(len(s.ledger.settling) for s in self.live(checkpoint).values())

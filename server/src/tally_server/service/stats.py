@@ -29,6 +29,7 @@ class ServiceStats:
     commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
 
     def count(self, counts: ApplyCounts) -> None:
+        """Add one batch's counters to the totals."""
         self.deltas_applied += counts.applied
         self.deltas_skipped += counts.skipped
         self.deltas_rewritten += counts.rewritten

@@ -49,6 +49,7 @@ class Status:
         self._accepting = accepting
 
     def view(self, cp: Checkpoint) -> CheckpointView:
+        """A checkpoint's status from memory, with its live writers."""
         sessions = self._core.sessions
         writers = [WriterView.of(s.record()) for s in sessions.live(cp.name).values()]
         return CheckpointView(
@@ -88,6 +89,7 @@ class Status:
         return [self.view(cp) for _, cp in sorted(self._checkpoints.known.items())]
 
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
+        """Whether each source is in the checkpoint's live completed set (loads it if needed)."""
         core = self._core
         core.check_accepting()
         validation.checkpoint_name(checkpoint, core.limits)
@@ -99,8 +101,10 @@ class Status:
         return [sid in completed for sid in source_ids]
 
     async def _written(self) -> None:
-        """Let the registry's write-behind finish what it has, so a read sees what just happened
-        (rows that cannot be written now are merged from the queue by the caller)."""
+        """Let the registry's write-behind finish what it has, so a read sees what just happened.
+
+        Rows that cannot be written now are merged from the queue by the caller.
+        """
         try:
             await self._core.bookkeeping.flush()
         except Unavailable:
@@ -128,6 +132,7 @@ class Status:
         return (live + past)[: max(limit, 0)]
 
     async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
+        """The checkpoint's events newest first, read once the write-behind has written what it queued."""
         await self._checkpoints.existing(checkpoint)
         if not 0 < limit <= 1000:
             raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
@@ -181,6 +186,7 @@ class Status:
             await asyncio.sleep(interval_s)
 
     async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
+        """A page of completed ids in byte order after ``after`` (loads the set if needed)."""
         cp = await self._checkpoints.existing(checkpoint)
         most = self._core.limits.max_ids_per_query
         if not 0 < limit <= most:

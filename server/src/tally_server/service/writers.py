@@ -1,6 +1,9 @@
-"""Writers at work: heartbeats, batches applied under the counting rules, flushes, closes, and the
-lease step that closes writers that went quiet (opening one is in ``opening``, the commit path
-in ``durability``)."""
+"""Writers at work.
+
+Heartbeats, batches applied under the counting rules, flushes, closes, and the lease step that
+closes writers that went quiet (opening one is in ``opening``, the commit path in
+``durability``).
+"""
 
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ class Writers:
     # ------------------------------------------------------------------ sessions
 
     def session(self, handle: str) -> Session:
+        """The open session behind a handle; NOT_FOUND if it is unknown, closed or expired."""
         session = self._core.sessions.get(handle)
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
@@ -79,8 +83,10 @@ class Writers:
         return self._core.lease_ttl_s
 
     async def apply(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
-        """Apply a batch under the rules; answered once it is in the journal (and, at settle 0,
-        once what it completed is in the completion files).
+        """Apply a batch under the rules.
+
+        Answered once it is in the journal (and, at settle 0, once what it completed is in the
+        completion files).
 
         A batch sent again with the ``batch_seq`` of the last one applied (the client did not hear
         the answer) is recognised and not applied twice; it gets the same answer.
@@ -195,6 +201,7 @@ class Writers:
         return session.ledger.totals.completed
 
     async def close_writer(self, handle: str) -> ClosedWriter:
+        """Close a writer at its client's request."""
         self._core.check_accepting()
         return await self.close(self.session(handle), WriterState.CLOSED, "closed by its client")
 
