@@ -59,6 +59,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
+        """Wrap each method's handler so it checks the caller's role before decoding the request."""
         method: str = details.method
         if not method.startswith(_PREFIX):
             return await continuation(details)

@@ -37,6 +37,7 @@ def on_mismatch(value: pb.OnMismatch) -> str:
 
 
 def counts(c: ApplyCounts) -> pb.ApplyCounts:
+    """Counters as their message."""
     return pb.ApplyCounts(
         applied=c.applied,
         skipped=c.skipped,
@@ -47,6 +48,7 @@ def counts(c: ApplyCounts) -> pb.ApplyCounts:
 
 
 def opened_writer(o: OpenedWriter) -> pb.OpenWriterResponse:
+    """An open writer's answer as its message."""
     return pb.OpenWriterResponse(
         handle=o.handle,
         writer_id=o.writer_id,
@@ -57,6 +59,7 @@ def opened_writer(o: OpenedWriter) -> pb.OpenWriterResponse:
 
 
 def closed_writer(c: ClosedWriter) -> pb.CloseWriterResponse:
+    """A close's outcome as its message."""
     return pb.CloseWriterResponse(
         counts=counts(c.counts),
         incomplete_sources=c.incomplete_sources,
@@ -65,6 +68,7 @@ def closed_writer(c: ClosedWriter) -> pb.CloseWriterResponse:
 
 
 def writer_status(w: WriterView) -> pb.WriterStatus:
+    """A writer's view as its message."""
     return pb.WriterStatus(
         writer_id=w.writer_id,
         host=w.host,
@@ -80,6 +84,7 @@ def writer_status(w: WriterView) -> pb.WriterStatus:
 
 
 def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
+    """A checkpoint's status as its message."""
     return pb.CheckpointStatus(
         name=v.name,
         completed_count=v.completed_count,
@@ -96,6 +101,7 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
 
 
 def event(e: EventView) -> pb.Event:
+    """An event as its message."""
     return pb.Event(
         id=e.id,
         checkpoint=e.checkpoint,
@@ -108,24 +114,29 @@ def event(e: EventView) -> pb.Event:
 
 
 def event_page(page: EventPage) -> pb.ListEventsResponse:
+    """A page of events as its message."""
     return pb.ListEventsResponse(events=[event(e) for e in page.events], next_before_id=page.next_before_id)
 
 
 def progress(samples: Sequence[ProgressSample]) -> pb.GetProgressResponse:
+    """Progress samples as their message."""
     return pb.GetProgressResponse(
         samples=[pb.ProgressSample(at=x.at, completed_count=x.completed_count) for x in samples]
     )
 
 
 def completed_page(page: CompletedPage) -> pb.ListCompletedResponse:
+    """A page of completed ids as its message."""
     return pb.ListCompletedResponse(source_ids=page.source_ids, next_after=page.next_after)
 
 
 def import_result(result: ImportResult) -> pb.ImportCompletedResponse:
+    """An import's outcome as its message."""
     return pb.ImportCompletedResponse(imported=result.imported, completed_count=result.completed_count)
 
 
 def reset_result(result: ResetResult) -> pb.ResetCheckpointResponse:
+    """A reset's outcome as its message."""
     return pb.ResetCheckpointResponse(
         moved_to=result.moved_to, files_moved=result.files_moved, writers_closed=result.writers_closed
     )

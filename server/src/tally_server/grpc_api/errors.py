@@ -67,8 +67,11 @@ async def _abort(context: Any, exc: TallyServerError) -> None:
 
 
 async def _failed(context: Any, method: str, exc: Exception) -> None:
-    """Answer what a handler raised: a refusal with its code, a storage error as UNAVAILABLE (the
-    caller may retry), anything else as INTERNAL; the last two are logged with their traceback."""
+    """Answer what a handler raised with the status it maps to.
+
+    A refusal gets its code, a storage error UNAVAILABLE (the caller may retry), anything else
+    INTERNAL; the last two are logged with their traceback.
+    """
     if isinstance(exc, TallyServerError):
         await _abort(context, exc)
     elif isinstance(exc, STORAGE_ERRORS):
@@ -88,8 +91,9 @@ async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) 
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps ``TallyServerError`` to its status code and a storage error to UNAVAILABLE; anything else
-    is logged and becomes INTERNAL.
+    """Maps ``TallyServerError`` to its status code and a storage error to UNAVAILABLE.
+
+    Anything else is logged and becomes INTERNAL.
 
     Covers unary calls and server streams (WatchCheckpoint) alike: a request that cannot be decoded
     is INVALID_ARGUMENT, and a refusal in the middle of a stream ends it with the refusal's code.
@@ -101,6 +105,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
+        """Wrap unary and server-streaming handlers so every failure becomes a status with a message."""
         handler = await continuation(details)
         if handler is None:
             return handler

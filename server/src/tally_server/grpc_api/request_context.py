@@ -47,6 +47,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
+        """Wrap each handler to bind a request id and time the call."""
         handler = await continuation(details)
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED; no label for arbitrary names

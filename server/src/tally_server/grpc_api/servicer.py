@@ -28,6 +28,11 @@ async def _unpack(items: Sequence[Any], unpack: Callable[[], T]) -> T:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """The ``tally.v1.Coordinator`` gRPC service.
+
+    Each RPC converts its request, calls the coordinator service and converts the answer.
+    """
+
     def __init__(self, service: CoordinatorService) -> None:
         self._service = service
 
@@ -35,6 +40,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return validation.source_ids(ids, self._service.limits)  # counts them before reading any
 
     async def OpenWriter(self, request: pb.OpenWriterRequest, context: Context) -> pb.OpenWriterResponse:
+        """Register a writer of a checkpoint."""
         validation.pid(request.pid)
         opened = await self._service.open_writer(
             request.checkpoint,
@@ -50,9 +56,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return convert.opened_writer(opened)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Context) -> pb.KeepAliveResponse:
+        """Renew a writer's lease."""
         return pb.KeepAliveResponse(lease_ttl_s=await self._service.keep_alive(request.handle))
 
     async def ApplyDeltas(self, request: pb.ApplyDeltasRequest, context: Context) -> pb.ApplyDeltasResponse:
+        """Apply a batch of deltas in order under the counting rules."""
         limits = self._service.limits
         if len(request.deltas) > limits.max_deltas_per_call:  # before a tuple is built for any of them
             raise validation.too_many_deltas(limits, len(request.deltas))
@@ -66,33 +74,40 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def AreCompleted(
         self, request: pb.AreCompletedRequest, context: Context
     ) -> pb.AreCompletedResponse:
+        """Parallel booleans from the checkpoint's live completed set."""
         ids = await _unpack(request.source_ids, lambda: self._source_ids(request.source_ids))
         done = await self._service.are_completed(request.checkpoint, ids)
         return pb.AreCompletedResponse(completed=done)
 
     async def Flush(self, request: pb.FlushRequest, context: Context) -> pb.FlushResponse:
+        """Return once every completion from deltas applied so far is durable."""
         return pb.FlushResponse(completed=await self._service.flush(request.handle))
 
     async def CloseWriter(self, request: pb.CloseWriterRequest, context: Context) -> pb.CloseWriterResponse:
+        """Close a writer: complete its settling sources, report what was left incomplete."""
         return convert.closed_writer(await self._service.close_writer(request.handle))
 
     async def GetCheckpoint(self, request: pb.GetCheckpointRequest, context: Context) -> pb.CheckpointStatus:
+        """One checkpoint's status."""
         return convert.checkpoint_status(await self._service.get_checkpoint(request.name))
 
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Context
     ) -> pb.ListCheckpointsResponse:
+        """Every known checkpoint's status."""
         # A scoped token sees only the checkpoints it may read.
         views = [v for v in await self._service.list_checkpoints() if auth.current().may_read(v.name)]
         return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint_status(v) for v in views])
 
     async def ListWriters(self, request: pb.ListWritersRequest, context: Context) -> pb.ListWritersResponse:
+        """Writers of a checkpoint: live ones first, then past ones if asked."""
         writers = await self._service.list_writers(
             request.checkpoint, include_closed=request.include_closed, limit=request.limit or 100
         )
         return pb.ListWritersResponse(writers=[convert.writer_status(w) for w in writers])
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
+        """A checkpoint's events, newest first, paged."""
         validation.before_id(request.before_id)
         page = await self._service.list_events(
             request.checkpoint, limit=request.limit or 50, before_id=request.before_id
@@ -100,11 +115,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return convert.event_page(page)
 
     async def GetProgress(self, request: pb.GetProgressRequest, context: Context) -> pb.GetProgressResponse:
+        """A checkpoint's completed count over time."""
         return convert.progress(await self._service.progress(request.checkpoint, since=request.since))
 
     async def WatchCheckpoint(
         self, request: pb.WatchCheckpointRequest, context: Context
     ) -> AsyncIterator[pb.CheckpointStatus]:
+        """Stream the checkpoint's status whenever it changes."""
         async for view in self._service.watch(
             request.checkpoint, interval_s=(request.interval_ms or 1000) / 1000
         ):
@@ -113,6 +130,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ListCompleted(
         self, request: pb.ListCompletedRequest, context: Context
     ) -> pb.ListCompletedResponse:
+        """A page of completed ids in byte order."""
         page = await self._service.list_completed(
             request.checkpoint, after=request.after, limit=request.limit or 10_000
         )
@@ -121,6 +139,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ImportCompleted(
         self, request: pb.ImportCompletedRequest, context: Context
     ) -> pb.ImportCompletedResponse:
+        """Adopt completions made elsewhere into their own file."""
         ids = await _unpack(request.source_ids, lambda: self._source_ids(request.source_ids))
         result = await self._service.import_completed(request.checkpoint, ids, import_id=request.import_id)
         return convert.import_result(result)
@@ -128,4 +147,5 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ResetCheckpoint(
         self, request: pb.ResetCheckpointRequest, context: Context
     ) -> pb.ResetCheckpointResponse:
+        """Start a checkpoint over; its files go to the trash folder."""
         return convert.reset_result(await self._service.reset_checkpoint(request.name, force=request.force))
