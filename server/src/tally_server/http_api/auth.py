@@ -60,6 +60,7 @@ class Requires:
         return principal
 
     async def __call__(self, request: Request) -> AsyncIterator[Principal]:
+        """Authenticate the request and bind its principal while the route runs."""
         principal = self.check(request)
         with auth.bind(principal):
             yield principal

@@ -37,6 +37,7 @@ class BodyLimit:
         return error_response(413, ErrorCode.RESOURCE_EXHAUSTED, message)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse a body larger than the limit (413) before the route reads it."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -40,6 +40,7 @@ _PROBLEMS_SHOWN = 5
 def error_response(
     status: int, code: ErrorCode | str, message: str, details: dict[str, Any] | None = None
 ) -> JSONResponse:
+    """The JSON error reply every refusal uses: ``{"error": {"code", "message", "details"}}``."""
     error = {
         "code": str(code),
         "message": bounded_message(message),

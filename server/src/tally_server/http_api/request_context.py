@@ -49,6 +49,7 @@ class RequestMiddleware:
         self.latency = latency
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Bind a request id to the request and time it."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -14,10 +14,14 @@ from tally_server.domain.validation import MAX_PID
 
 
 class RequestBody(BaseModel):
+    """A JSON request body, validated strictly (no type coercion)."""
+
     model_config = ConfigDict(strict=True)
 
 
 class OpenWriterBody(RequestBody):
+    """Register a writer of a checkpoint."""
+
     checkpoint: str = Field(description="Checkpoint name, e.g. 'curation/run-42'.")
     writer_id: str = Field(default="", description="Empty: the server picks one.")
     fingerprint: dict[str, str] = Field(default_factory=dict)
@@ -36,40 +40,55 @@ class OpenWriterBody(RequestBody):
 
 
 class DeltaBody(RequestBody):
+    """One delta: a task's count for a source goes up or down."""
+
     task_id: str
     source_id: str
     delta: int
 
 
 class ApplyDeltasBody(RequestBody):
+    """A batch of deltas, applied in order; ``batch_seq`` numbers it so a resent batch is recognised."""
+
     deltas: list[DeltaBody]
     batch_seq: int = Field(default=0, ge=0, lt=2**64)
 
     def batch(self) -> list[tuple[str, str, int]]:
+        """The deltas as ``(task_id, source_id, delta)`` tuples."""
         return [(d.task_id, d.source_id, d.delta) for d in self.deltas]
 
 
 class AreCompletedBody(RequestBody):
+    """Ask which sources are completed."""
+
     checkpoint: str
     source_ids: list[str]
 
 
 class ErrorDetail(BaseModel):
+    """What went wrong: a code, a message for people, and machine-readable details."""
+
     code: str
     message: str
     details: dict[str, object] = Field(default_factory=dict)
 
 
 class ErrorReply(BaseModel):
+    """The body of every error reply."""
+
     error: ErrorDetail
 
 
 class ImportBody(RequestBody):
+    """Adopt completions made elsewhere."""
+
     checkpoint: str
     source_ids: list[str]
     import_id: str = Field(description="Names the file the ids are written to: <import_id>.mdb.")
 
 
 class ResetBody(RequestBody):
+    """Start a checkpoint over."""
+
     name: str
     force: bool = False

@@ -18,6 +18,7 @@ TAGS: list[str | Enum] = ["admin"]
 
 
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
+    """Add the admin routes (import, reset) to ``app``."""
     limits = service.limits
 
     @app.get(
@@ -58,8 +59,10 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         request: Request,
         caller: Annotated[Principal, Depends(guard.requires("ResetCheckpoint", checkpoint_in_body=True))],
     ) -> ResetResult:
-        """Move a checkpoint's files to the trash folder and start it over (refused while writers are
-        live unless force)."""
+        """Move a checkpoint's files to the trash folder and start it over.
+
+        Refused while writers are live, unless ``force``.
+        """
         body = await bodies.parse(request, lambda raw: bodies.model(s.ResetBody, raw))
         caller.require("ResetCheckpoint", body.name)
         return await service.reset_checkpoint(body.name, force=body.force)

@@ -39,6 +39,7 @@ TAGS: list[str | Enum] = ["checkpoints"]
 
 
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
+    """Add the checkpoint routes to ``app``."""
     limits = service.limits
 
     @app.post(

@@ -19,6 +19,7 @@ TAGS: list[str | Enum] = ["health"]
 
 
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard, metrics: Metrics) -> None:
+    """Add the health, readiness and metrics routes to ``app``."""
 
     @app.get(
         "/healthz",
@@ -35,8 +36,11 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard, metrics:
 
     @app.get("/readyz", tags=TAGS, responses={503: {"model": s.ErrorReply}})
     async def readyz() -> Any:
-        """Readiness: the coordinator accepts work, can persist completions and its background loops
-        work (503 naming what is wrong otherwise)."""
+        """Readiness: whether the coordinator can do its work.
+
+        It accepts work, can persist completions and its background loops work; otherwise 503,
+        naming what is wrong.
+        """
         problems = service.problems()
         if problems:
             return error_response(503, ErrorCode.UNAVAILABLE, "not ready: " + "; ".join(problems))

@@ -22,6 +22,7 @@ TAGS: list[str | Enum] = ["status"]
 
 
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
+    """Add the status routes (writers, events, progress, watch) to ``app``."""
 
     @app.get(
         "/v1/writers",

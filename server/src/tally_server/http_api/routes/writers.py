@@ -19,6 +19,7 @@ TAGS: list[str | Enum] = ["writers"]
 
 
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
+    """Add the writer routes (open, keepalive, deltas, flush, close) to ``app``."""
     limits = service.limits
 
     @app.post(
