@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] = ()) -> CoordinatorService:
+    """Build the coordinator service the settings describe, on its stores (creating the data directory)."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return CoordinatorService(
         completions=LmdbCompletionStore(settings.data_dir),
@@ -74,7 +75,7 @@ def _address(host: str, port: int) -> str:
 
 
 def _tls(settings: Settings) -> tuple[grpc.ServerCredentials | None, dict[str, Any]]:
-    """gRPC credentials and uvicorn's ssl options from the certificate files (none without TLS).
+    """GRPC credentials and uvicorn's ssl options from the certificate files (none without TLS).
 
     The files are loaded once here with Python's ssl module, so a wrong path, a key that does not
     match the certificate or a malformed PEM stops ``tally serve`` at once with the reason.
@@ -116,7 +117,7 @@ def _warn_exposed(settings: Settings, authorizer: Authorizer) -> None:
 
 
 async def _mirror_readiness(service: CoordinatorService, health: HealthServicer) -> None:
-    """gRPC health says SERVING exactly while /readyz says ready (checked every half second)."""
+    """GRPC health says SERVING exactly while /readyz says ready (checked every half second)."""
     serving: bool | None = None
     while True:
         ready = service.ready

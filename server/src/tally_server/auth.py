@@ -138,10 +138,12 @@ class Principal:
 
     @classmethod
     def unscoped(cls, role: Role) -> Principal:
+        """A principal holding ``role`` on every checkpoint."""
         return cls((Grant(role),))
 
     @property
     def best_role(self) -> Role | None:
+        """The highest role of any grant, or None without grants."""
         return max((g.role for g in self.grants), default=None)
 
     def may(self, operation: str, checkpoint: str | None) -> bool:
@@ -181,8 +183,10 @@ class Principal:
     def require_request(
         self, operation: str, fields: Mapping[str, str], checkpoint_of: Callable[[str], str | None]
     ) -> None:
-        """Check the checkpoint a request names: ``fields[CHECKPOINT_FIELD[operation]]``, or for
-        HANDLE_OPERATIONS the checkpoint of ``fields["handle"]`` (``checkpoint_of``).
+        """Check that the grants cover the checkpoint a request names.
+
+        That is ``fields[CHECKPOINT_FIELD[operation]]``, or for HANDLE_OPERATIONS the checkpoint of
+        ``fields["handle"]`` (``checkpoint_of``).
 
         An operation whose checkpoint cannot be told is allowed only to unscoped grants, so a scoped
         token is never let through by an operation nobody mapped here.
@@ -256,6 +260,7 @@ def parse_tokens(spec: str) -> dict[str, Principal]:
 
 
 def load_tokens(inline: str | None, path: Path | None) -> dict[str, Principal]:
+    """The token table: tokens given inline plus those in the tokens file (grants of one token add up)."""
     tokens = parse_tokens(inline or "")
     if path is not None:
         for token, principal in parse_tokens(path.read_text()).items():
@@ -274,6 +279,7 @@ class Authorizer:
 
     @property
     def enabled(self) -> bool:
+        """Whether tokens are configured (without them every caller may do everything)."""
         return bool(self._tokens)
 
     def check(self, operation: str, authorization: str | None) -> Principal:

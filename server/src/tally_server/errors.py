@@ -9,6 +9,8 @@ from tally_server.domain.ports import CompletionWriteError
 
 
 class ErrorCode(StrEnum):
+    """What kind of refusal an error is; each transport maps it to its own status."""
+
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
@@ -32,34 +34,50 @@ class TallyServerError(Exception):
 
 
 class InvalidArgument(TallyServerError):
+    """The request is malformed or a value in it is out of bounds; retrying it unchanged fails again."""
+
     code = ErrorCode.INVALID_ARGUMENT
 
 
 class NotFound(TallyServerError):
+    """The checkpoint or writer named does not exist (or no longer does)."""
+
     code = ErrorCode.NOT_FOUND
 
 
 class AlreadyExists(TallyServerError):
+    """The name is taken, e.g. a writer id that is already live."""
+
     code = ErrorCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(TallyServerError):
+    """The request is valid but the state does not allow it now (e.g. a reset while writers are live)."""
+
     code = ErrorCode.FAILED_PRECONDITION
 
 
 class ResourceExhausted(TallyServerError):
+    """A limit of the coordinator's was reached (writers per checkpoint, ids or bytes in one call)."""
+
     code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class Unavailable(TallyServerError):
+    """The coordinator cannot do this right now (shutting down, storage failing); retrying may succeed."""
+
     code = ErrorCode.UNAVAILABLE
 
 
 class Unauthenticated(TallyServerError):
+    """The request carries no valid token."""
+
     code = ErrorCode.UNAUTHENTICATED
 
 
 class PermissionDenied(TallyServerError):
+    """The token's role does not allow this operation on this checkpoint."""
+
     code = ErrorCode.PERMISSION_DENIED
 
 

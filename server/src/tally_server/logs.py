@@ -27,6 +27,7 @@ _VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
 def new_request_id() -> str:
+    """A new random request id."""
     return uuid.uuid4().hex[:16]
 
 
@@ -41,12 +42,16 @@ class RequestIdFilter(logging.Filter):
     """Adds ``record.request_id`` (never drops a record)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Stamp the record with the current request id."""
         record.request_id = request_id.get()
         return True
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per log line (time, level, logger, request id, message)."""
+
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
@@ -64,6 +69,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
 def configure(level: str, fmt: str) -> None:
+    """Send log records to stderr as text or JSON, at ``level``, with request ids."""
     handler = logging.StreamHandler(sys.stderr)
     # On the handler, not a logger: logger filters do not see records propagated from child loggers.
     handler.addFilter(RequestIdFilter())
@@ -107,6 +113,7 @@ class FailureLog:
         self.failing: str | None = None
 
     def failed(self, exc: BaseException) -> None:
+        """Count a failure; log it once per cause, then a reminder now and then while it lasts."""
         cause = f"{type(exc).__name__}: {exc}"[:500]
         self.failures += 1
         self._since_reminder += 1
@@ -127,6 +134,7 @@ class FailureLog:
             self._reminded_at, self._since_reminder = now, 0
 
     def succeeded(self) -> None:
+        """A step worked: say so once if it was failing, and forget the causes."""
         if self.failing is not None:
             self._logger.warning("%s works again after %d failures", self._what, self.failures)
         self._causes.clear()

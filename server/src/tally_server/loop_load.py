@@ -21,6 +21,7 @@ class TimedSelector(selectors.DefaultSelector):
         self.idle_s = 0.0
 
     def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        """Wait for I/O like the default selector, adding the time waited to ``idle_s``."""
         started = time.perf_counter()
         try:
             return super().select(timeout)

@@ -52,6 +52,7 @@ class ServiceCollector(Collector):
         self._service = service
 
     def collect(self) -> Iterable[Metric]:
+        """The metric families at this scrape."""
         stats = self._service.stats
         deltas = CounterMetricFamily(
             "tally_deltas",

@@ -151,10 +151,12 @@ class Settings(BaseSettings):
 
     @property
     def tls(self) -> bool:
+        """Whether TLS is configured (a certificate was given)."""
         return self.tls_cert is not None
 
     @property
     def limits(self) -> Limits:
+        """The refusal limits these settings set."""
         return Limits(
             max_deltas_per_call=self.max_deltas_per_call,
             max_ids_per_query=self.max_ids_per_query,
@@ -165,6 +167,7 @@ class Settings(BaseSettings):
         )
 
     def resolved_registry_url(self) -> str:
+        """The registry URL: the one configured, else SQLite in the data directory."""
         from tally_server.store.registry import default_sqlite_url
 
         return self.registry_url or default_sqlite_url(self.data_dir)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 @dataclass
 class RunningServer:
+    """A ``tally serve`` subprocess started by ``running_server``, and where to reach it."""
+
     process: subprocess.Popen[str]
     grpc_address: str
     http_address: str
@@ -33,10 +35,12 @@ class RunningServer:
 
     @property
     def http_url(self) -> str:
+        """The HTTP base URL (https with TLS)."""
         return f"{'https' if self.tls else 'http'}://{self.http_address}"
 
     @property
     def grpc_url(self) -> str:
+        """The gRPC address as a URL (grpcs with TLS)."""
         return f"{'grpcs' if self.tls else 'grpc'}://{self.grpc_address}"
 
     def terminate(self, timeout: float = 60) -> int:
@@ -52,6 +56,7 @@ class RunningServer:
         return self.process.wait(30)
 
     def log(self) -> str:
+        """The server's log so far."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
