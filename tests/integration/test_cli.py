@@ -23,11 +23,15 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK
 
 
 def run(
-    *args: str, address: str | None = None, input: str | None = None, timeout: float = 60
+    *args: str,
+    address: str | None = None,
+    input: str | None = None,
+    timeout: float = 60,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``tally ARGS`` with a wide terminal (tables do not wrap) and a short SDK timeout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
-    env.update(COLUMNS="200", TALLY_TIMEOUT="5")
+    env.update(COLUMNS="200", TALLY_TIMEOUT="5", **(extra_env or {}))
     if address is not None:
         env["TALLY_ADDRESS"] = address
     return subprocess.run(
@@ -148,6 +152,38 @@ def test_events_page_with_before(server: RunningServer, busy: tally.Writer) -> N
     assert more and int(more.group(1)) == ids[1]
     second = ok("events", "cli/run", "--limit", "2", "--before", more.group(1), address=server.grpc_address)
     assert ids_in(second) == ids[2:4]
+
+
+def test_events_show_and_filter_by_severity(server: RunningServer, busy: tally.Writer) -> None:
+    busy.apply_deltas([("0_b_late", "b", -1)])  # a second anomaly (b was completed by "first")
+    busy.flush()
+    everything = tally.Client(server.grpc_address).events("cli/run", limit=100).events
+    anomalies = [e.id for e in everything if e.kind == "anomaly"]
+    assert len(anomalies) == 2 and {e.severity for e in everything if e.kind != "anomaly"} == {"info"}
+
+    table = ok("events", "cli/run", address=server.grpc_address)
+    assert row(table, str(anomalies[0]))[2:4] == ["warning", "anomaly"]
+    opened = next(e.id for e in everything if e.kind == "writer_opened")
+    assert row(table, str(opened))[2:4] == ["info", "writer_opened"]
+    # In colour, warnings are yellow and info plain: by severity, whatever the kind is called.
+    coloured = run("events", "cli/run", address=server.grpc_address, extra_env={"FORCE_COLOR": "1"}).stdout
+    lines = coloured.splitlines()
+    assert "\x1b[33mwarning" in next(line for line in lines if "anomaly" in line)
+    assert "\x1b[" not in next(line for line in lines if "writer_opened" in line)
+
+    warnings = ok("events", "cli/run", "--severity", "warning", address=server.grpc_address)
+    assert ids_in(warnings) == anomalies and "older events" not in warnings
+    # Paging keeps the filter: the hint carries it, and the last page says there is nothing older.
+    first = ok("events", "cli/run", "--severity", "WARNING", "--limit", "1", address=server.grpc_address)
+    assert ids_in(first) == anomalies[:1]
+    hint = f"older events: tally events cli/run --before {anomalies[0]} --severity warning"
+    assert hint in first
+    second = ok(*hint.split()[3:], "--limit", "1", address=server.grpc_address)
+    assert ids_in(second) == anomalies[1:] and "older events" not in second
+
+    none = ok("events", "cli/run", "--severity", "error", address=server.grpc_address)
+    assert none.strip() == "no events of severity error or worse in cli/run"
+    assert run("events", "cli/run", "--severity", "loud", address=server.grpc_address).returncode == 2
 
 
 def ids_in(output: str) -> list[int]:

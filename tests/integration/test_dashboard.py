@@ -295,6 +295,42 @@ def test_problems_are_highlighted_and_the_event_log_pages(tmp_path: Path, browse
         expect(card.get_by_test_id("unreadable")).to_have_class(re.compile(r"\bbad\b"))
 
 
+def test_the_event_log_styles_each_event_by_its_severity(tmp_path: Path, browser_page: Any) -> None:
+    """Warnings amber, errors red, the rest plain: from the severity the server sends, not the kind's name
+    (a quarantined file and an ignored fingerprint mismatch have names no pattern of problems knew)."""
+    from playwright.sync_api import expect
+
+    data = tmp_path / "data"
+    metadata = data / "checkpoints" / "sick" / "run" / ".nemo_curator_metadata"
+    metadata.mkdir(parents=True)
+    (metadata / "gpu-node-3-9.mdb").write_bytes(b"not an lmdb file" * 512)
+    with running_server(data, settle_ms=0) as server, tally.Client(server.grpc_address) as client:
+        with client.writer("sick/run", writer_id="first", fingerprint={"pipeline": "p-1"}) as writer:
+            _complete(writer, ["a"])
+            writer.apply_deltas([("0_a_late", "a", -1)])  # a delta for a completed source: an anomaly
+            writer.flush()
+        # The damaged file is this writer's own: its first commit moves it aside (file_quarantined).
+        changed = {"pipeline": "p-2"}
+        with client.writer(
+            "sick/run", writer_id="gpu-node-3-9", fingerprint=changed, on_mismatch="ignore"
+        ) as w:
+            _complete(w, ["b"])
+        severities = {e.kind: e.severity for e in client.events("sick/run").events}
+        assert severities["file_quarantined"] == tally.Severity.ERROR, severities
+
+        page = browser_page
+        page.goto(server.http_url + "/#/checkpoint/sick/run")
+        kind = page.get_by_test_id("event-kind")
+        expect(page.get_by_test_id("event-row")).to_have_count(len(client.events("sick/run").events))
+        for text in ("anomaly", "fingerprint mismatch ignored"):
+            expect(kind.filter(has_text=text)).to_have_class(re.compile(r"\bwarn\b"))
+        for text in ("unreadable file", "file quarantined"):
+            expect(kind.filter(has_text=text)).to_have_class(re.compile(r"\bbad\b"))
+        for text in ("checkpoint created", "writer closed"):
+            for i in range(kind.filter(has_text=text).count()):
+                expect(kind.filter(has_text=text).nth(i)).not_to_have_class(re.compile(r"\b(warn|bad|ok)\b"))
+
+
 def test_dashboard_keeps_retrying_when_the_server_goes_away(tmp_path: Path, browser_page: Any) -> None:
     """An error shows a banner and the page recovers by itself when the server is back."""
     from playwright.sync_api import expect

@@ -98,6 +98,12 @@ def _writer(w: Any) -> tuple[Any, ...]:
     return (get("writer_id"), get("state"), int(get("pending_sources")), _counts(get("counts")))
 
 
+def _event(e: Any) -> tuple[Any, ...]:
+    # The message names the checkpoint, which differs between the two runs; the severity must not.
+    get = e.get if isinstance(e, dict) else lambda k: getattr(e, k)
+    return (get("kind"), get("severity"), get("writer_id"))
+
+
 def _status(s: Any) -> dict[str, Any]:
     get = s.get if isinstance(s, dict) else lambda k: getattr(s, k)
     fields = ("completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies")
@@ -159,6 +165,10 @@ class GrpcWire:
         request = pb.ListWritersRequest(checkpoint=checkpoint, include_closed=True)
         return self.call("ListWriters", request, lambda r: [_writer(w) for w in r.writers])
 
+    def events(self, checkpoint: str) -> Answer:
+        request = pb.ListEventsRequest(checkpoint=checkpoint, limit=1000)
+        return self.call("ListEvents", request, lambda r: [_event(e) for e in r.events])
+
 
 class HttpWire:
     def __init__(self, url: str) -> None:
@@ -208,6 +218,10 @@ class HttpWire:
         params = {"checkpoint": checkpoint, "include_closed": True}
         return self.call("GET", "/v1/writers", lambda r: [_writer(w) for w in r["writers"]], params=params)
 
+    def events(self, checkpoint: str) -> Answer:
+        params = {"checkpoint": checkpoint, "limit": 1000}
+        return self.call("GET", "/v1/events", lambda r: [_event(e) for e in r["events"]], params=params)
+
 
 Wire = GrpcWire | HttpWire
 
@@ -252,6 +266,7 @@ def play(wire: Wire, checkpoint: str, operations: list[tuple[Any, ...]]) -> list
     answers.append(("end: status", wire.status(checkpoint)))
     answers.append(("end: completed", wire.are_completed(checkpoint, list(SOURCES))))
     answers.append(("end: writers", wire.writers(checkpoint)))
+    answers.append(("end: events", wire.events(checkpoint)))
     for handle in handles.values():
         wire.close_writer(handle)  # leave no live writer behind (a refusal for closed ones is fine)
     return answers
@@ -288,6 +303,9 @@ def test_generated_scenarios_answer_the_same_over_grpc_and_http(
     # What the scenarios reach (pytest --hypothesis-show-statistics): refusals, completions, anomalies.
     for op, (outcome, value) in over_grpc[: len(operations)]:
         event(f"{op}: {value if outcome == 'refused' else 'ok'}")
+    events = over_grpc[len(operations) + 3][1]
+    if events[0] == "ok":
+        event(f"events of severity {sorted({severity for _, severity, _ in events[1]})}")
     end = over_grpc[len(operations)][1]
     if end[0] == "ok":
         completed, anomalies = end[1]["completed_count"], end[1]["anomalies"]

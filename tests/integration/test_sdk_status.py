@@ -249,12 +249,19 @@ def test_grpc_and_http_answer_the_same(tmp_path: Path) -> None:
                     answers[t] = {
                         "writers": [_no_heartbeat(w) for w in c.writers(checkpoint, include_closed=True)],
                         "events": [c.events(checkpoint, limit=2, before_id=b) for b in (None, 3)],
+                        "severities": {e.kind: e.severity for e in c.events(checkpoint, limit=100).events},
                         "progress": c.progress(checkpoint)[-1].completed_count,
                         "completed": list(c.completed(checkpoint, page_size=1)),
                         "watch": _strip_times(next(iter(c.watch(checkpoint)))),
                     }
             assert answers["grpc"] == answers["http"]
             assert answers["grpc"]["completed"] == ["b", "c"]  # "a" was un-completed by the anomaly
+            assert answers["grpc"]["severities"] == {
+                "checkpoint_created": tally.Severity.INFO,
+                "writer_opened": tally.Severity.INFO,
+                "writer_closed": tally.Severity.INFO,
+                "anomaly": tally.Severity.WARNING,
+            }
             imports = {
                 t: c.import_completed(checkpoint, ["x", "y"], import_id=f"imp-{t}")
                 for t, c in clients.items()

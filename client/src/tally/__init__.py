@@ -22,6 +22,7 @@ from tally._types import (
     ImportResult,
     ProgressSample,
     ResetResult,
+    Severity,
     WriterHealth,
     WriterStatus,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "ProgressSample",
     "ResetResult",
     "ResourceExhausted",
+    "Severity",
     "StatusCode",
     "TallyError",
     "Unauthenticated",

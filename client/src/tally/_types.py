@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 #: One delta: ``(task_id, source_id, delta)``.
@@ -147,6 +148,44 @@ class WriterHealth:
     dropped: int = 0
 
 
+class Severity(StrEnum):
+    """How much an event matters, as the coordinator rates its kind.
+
+    ``error`` needs someone to act (an unreadable or quarantined completion file), ``warning``
+    deserves a look (an anomaly, an expired or lost writer, a reset, an ignored fingerprint
+    mismatch), ``info`` is the ordinary course of a run. The values compare as strings, not by
+    rank: use :meth:`at_least` to filter.
+    """
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        """0 for info, 1 for warning, 2 for error."""
+        return _SEVERITY_RANK[self]
+
+    def at_least(self, other: Severity) -> bool:
+        """Whether this severity is ``other`` or worse."""
+        return self.rank >= other.rank
+
+    @classmethod
+    def from_wire(cls, value: str) -> Severity:
+        """The severity a server sent.
+
+        Empty (a server older than the severity field) and levels this SDK does not know (a newer
+        server) read as ``info``: the SDK never guesses a severity from the event's kind.
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.INFO
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+
+
 @dataclass(frozen=True)
 class Event:
     """One entry of a checkpoint's event log (anomalies, unreadable files, resets, writers ...).
@@ -159,6 +198,8 @@ class Event:
         at: When, seconds since the epoch.
         writer_id: The writer involved, or ``""``.
         data: The event's structured fields (e.g. ``task_id``, ``source_id``, old and new delta).
+        severity: How much it matters (see :class:`Severity`); colour and filter by this rather
+            than by ``kind``. ``info`` from a server that does not send it.
     """
 
     id: int
@@ -168,6 +209,7 @@ class Event:
     at: float
     writer_id: str
     data: dict[str, Any]
+    severity: Severity = Severity.INFO
 
 
 @dataclass(frozen=True)

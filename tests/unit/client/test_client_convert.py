@@ -140,3 +140,28 @@ def test_every_call_description_has_a_route_on_each_wire() -> None:
 
 def test_only_reset_is_never_retried() -> None:
     assert [cls.__name__ for cls in _descriptions() if not cls.retry] == ["ResetCheckpoint"]
+
+
+@pytest.mark.parametrize(
+    ("sent", "severity"),
+    [
+        ("error", tally.Severity.ERROR),
+        ("warning", tally.Severity.WARNING),
+        ("info", tally.Severity.INFO),
+        ("", tally.Severity.INFO),  # a server older than the field
+        ("critical", tally.Severity.INFO),  # a level of a newer server
+    ],
+)
+def test_both_wires_read_the_same_severity(sent: str, severity: tally.Severity) -> None:
+    # The kind is a problem on purpose: the SDK reads the severity the server sent, never the kind.
+    over_grpc = grpc_convert.event_from_pb(pb.Event(id=1, kind="unreadable_file", severity=sent))
+    over_http = http_convert.event_from_json({"id": 1, "kind": "unreadable_file", "severity": sent})
+    assert over_grpc == over_http and over_grpc.severity is severity
+    assert http_convert.event_from_json({"id": 1, "kind": "unreadable_file"}).severity is tally.Severity.INFO
+
+
+def test_severities_rank_info_warning_error() -> None:
+    info, warning, error = tally.Severity.INFO, tally.Severity.WARNING, tally.Severity.ERROR
+    assert [s.rank for s in (info, warning, error)] == [0, 1, 2]
+    assert error.at_least(warning) and warning.at_least(warning) and not info.at_least(warning)
+    assert tally.Severity("warning") == "warning"  # a str, as the wire spells it

@@ -101,6 +101,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 at=3.5,
                 writer_id="w1",
                 data_json=json.dumps({"task_id": "t", "old": 1, "new": -1}),
+                severity="warning",
             ),
             pb.Event(id=4, checkpoint=request.checkpoint, kind="writer_opened", data_json=""),
         ]
@@ -355,9 +356,17 @@ def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> Non
         page = transport.send(calls.ListEvents("cp", 2, None), 5)
         assert page.next_before_id == 4
         assert page.events[0] == tally.Event(
-            5, "cp", "anomaly", "late delta", 3.5, "w1", {"task_id": "t", "old": 1, "new": -1}
+            5,
+            "cp",
+            "anomaly",
+            "late delta",
+            3.5,
+            "w1",
+            {"task_id": "t", "old": 1, "new": -1},
+            tally.Severity.WARNING,
         )
         assert page.events[1].data == {}
+        assert page.events[1].severity == tally.Severity.INFO  # not sent (an older server): info
         assert transport.send(calls.ListEvents("cp", 2, 4), 5).next_before_id is None
         assert transport.send(calls.GetProgress("cp", 5.0), 5) == [
             tally.ProgressSample(6.0, 2),

@@ -100,6 +100,7 @@ class Recorder:
                             "at": 1.5,
                             "writer_id": "w1",
                             "data": {"task_id": "t"},
+                            "severity": "warning",
                         },
                         {"id": 8, "checkpoint": "cp", "kind": "writer_opened", "message": "", "at": 1.0},
                     ],
@@ -341,7 +342,10 @@ def test_status_routes_follow_the_json_contract(http_server: tuple[str, Recorder
     (writer,) = transport.send(calls.ListWriters("a/b c", True, 5), 5)
     assert writer.state == "closed" and writer.closed_at == 3.5 and writer.labels == {"team": "x"}
     page = transport.send(calls.ListEvents("cp", 2, None), 5)
-    assert page.events[0] == tally.Event(9, "cp", "anomaly", "m", 1.5, "w1", {"task_id": "t"})
+    assert page.events[0] == tally.Event(
+        9, "cp", "anomaly", "m", 1.5, "w1", {"task_id": "t"}, tally.Severity.WARNING
+    )
+    assert page.events[1].severity == tally.Severity.INFO  # not sent (an older server): info
     assert page.events[1].data == {} and page.events[1].writer_id == "" and page.next_before_id == 8
     assert transport.send(calls.ListEvents("cp", 2, 8), 5) == tally.EventPage((), None)
     assert transport.send(calls.GetProgress("cp", 1.5), 5) == [

@@ -30,6 +30,7 @@ EXPECTED_ALL = [
     "ProgressSample",
     "ResetResult",
     "ResourceExhausted",
+    "Severity",
     "StatusCode",
     "TallyError",
     "Unauthenticated",

@@ -105,7 +105,9 @@ async def test_status_listings_and_pages(served: InProcess) -> None:
 
     events = await ok(await http.get("/v1/events", params={"checkpoint": "res/ls", "limit": 2}))
     assert set(events) == {"events", "next_before_id"} and len(events["events"]) == 2
-    assert set(events["events"][0]) == {"id", "checkpoint", "kind", "message", "at", "writer_id", "data"}
+    members = {"id", "checkpoint", "kind", "message", "at", "writer_id", "data", "severity"}
+    assert set(events["events"][0]) == members
+    assert {e["severity"] for e in events["events"]} == {"info"}  # writers opening and closing
     older = await ok(
         await http.get("/v1/events", params={"checkpoint": "res/ls", "before_id": events["next_before_id"]})
     )

@@ -27,6 +27,7 @@ from tally._types import (
     OpenedWriter,
     ProgressSample,
     ResetResult,
+    Severity,
     WriterSpec,
     WriterStatus,
 )
@@ -169,6 +170,7 @@ def event_from_pb(msg: pb.Event) -> Event:
         at=msg.at,
         writer_id=msg.writer_id,
         data=event_data(msg.data_json),
+        severity=Severity.from_wire(msg.severity),
     )
 
 

@@ -28,6 +28,7 @@ from tally._types import (
     OpenedWriter,
     ProgressSample,
     ResetResult,
+    Severity,
     WriterSpec,
     WriterStatus,
 )
@@ -256,6 +257,7 @@ def event_from_json(body: Any) -> Event:
         at=float(obj.get("at", 0.0)),
         writer_id=str(obj.get("writer_id") or ""),
         data=dict(_obj(obj.get("data"))),
+        severity=Severity.from_wire(str(obj.get("severity") or "")),
     )
 
 

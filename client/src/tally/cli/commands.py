@@ -214,28 +214,65 @@ def events(
     before: Annotated[
         int | None, typer.Option("--before", min=1, help="Only events older than this id (paging).")
     ] = None,
+    severity: Annotated[
+        tally.Severity,
+        typer.Option("--severity", case_sensitive=False, help="Only events of this severity or worse."),
+    ] = tally.Severity.INFO,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
     """Events of a checkpoint, newest first: anomalies, unreadable files, writers, resets."""
     with connect(address, token, timeout) as client:
-        page = client.events(checkpoint, limit=limit, before_id=before)
-    if not page.events:
-        out.print(f"no events in {checkpoint}")
+        shown, older = _events_at_least(client, checkpoint, severity, limit, before)
+    if not shown:
+        worse = "" if severity == tally.Severity.INFO else f" of severity {severity} or worse"
+        out.print(f"no events{worse} in {checkpoint}")
         return
     table = Table()
     table.add_column("id", justify="right")
-    for name in ("time", "kind", "writer", "message", "data"):
+    for name in ("time", "severity", "kind", "writer", "message", "data"):
         table.add_column(name)
-    for e in page.events:
-        style = "red" if e.kind in ("anomaly", "unreadable_file") else ""
+    for e in shown:
+        style = _SEVERITY_STYLE.get(e.severity, "")
         table.add_row(
-            str(e.id), clock(e.at), Text(e.kind, style=style), e.writer_id or "-", e.message, pairs(e.data)
+            str(e.id),
+            clock(e.at),
+            Text(e.severity, style=style),
+            Text(e.kind, style=style),
+            e.writer_id or "-",
+            e.message,
+            pairs(e.data),
         )
     out.print(table)
-    if page.next_before_id is not None:
-        out.print(f"older events: tally events {checkpoint} --before {page.next_before_id}")
+    if older is not None:
+        also = "" if severity == tally.Severity.INFO else f" --severity {severity}"
+        out.print(f"older events: tally events {checkpoint} --before {older}{also}")
+
+
+_SEVERITY_STYLE = {tally.Severity.ERROR: "red", tally.Severity.WARNING: "yellow"}
+# Filtering by severity happens here, reading the log newest first in pages of the most the server gives.
+_SCAN_PAGE = 1000
+
+
+def _events_at_least(
+    client: tally.Client, checkpoint: str, minimum: tally.Severity, limit: int, before: int | None
+) -> tuple[list[tally.Event], int | None]:
+    """Up to ``limit`` events of ``minimum`` severity or worse, and the ``--before`` of the next ones."""
+    if minimum == tally.Severity.INFO:
+        page = client.events(checkpoint, limit=limit, before_id=before)
+        return list(page.events), page.next_before_id
+    found: list[tally.Event] = []
+    while True:
+        page = client.events(checkpoint, limit=_SCAN_PAGE, before_id=before)
+        for e in page.events:
+            if e.severity.at_least(minimum):
+                if len(found) == limit:  # one more exists: there is an older page
+                    return found, found[-1].id
+                found.append(e)
+        if page.next_before_id is None:
+            return found, None
+        before = page.next_before_id
 
 
 # --------------------------------------------------------------------------- reset

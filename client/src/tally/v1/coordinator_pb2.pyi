@@ -256,7 +256,7 @@ class ListWritersResponse(_message.Message):
     def __init__(self, writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("id", "checkpoint", "kind", "message", "at", "writer_id", "data_json")
+    __slots__ = ("id", "checkpoint", "kind", "message", "at", "writer_id", "data_json", "severity")
     ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class Event(_message.Message):
     AT_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
     id: int
     checkpoint: str
     kind: str
@@ -271,7 +272,8 @@ class Event(_message.Message):
     at: float
     writer_id: str
     data_json: str
-    def __init__(self, id: _Optional[int] = ..., checkpoint: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., at: _Optional[float] = ..., writer_id: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
+    severity: str
+    def __init__(self, id: _Optional[int] = ..., checkpoint: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., at: _Optional[float] = ..., writer_id: _Optional[str] = ..., data_json: _Optional[str] = ..., severity: _Optional[str] = ...) -> None: ...
 
 class ListEventsRequest(_message.Message):
     __slots__ = ("checkpoint", "limit", "before_id")

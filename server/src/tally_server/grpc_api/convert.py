@@ -110,6 +110,7 @@ def event(e: EventView) -> pb.Event:
         at=e.at,
         writer_id=e.writer_id,
         data_json=json.dumps(e.data, default=str),  # free-form per kind: JSON in a string field
+        severity=e.severity,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint, WriterState
+from tally_server.domain.events import severity_of
 from tally_server.errors import InvalidArgument, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -144,7 +145,16 @@ class Status:
         )
         page = records[:limit]
         events = [
-            EventView(r.id or 0, r.checkpoint, r.kind, r.message, r.at, r.writer_id or "", dict(r.data))
+            EventView(
+                r.id or 0,
+                r.checkpoint,
+                r.kind,
+                r.message,
+                r.at,
+                r.writer_id or "",
+                dict(r.data),
+                severity_of(r.kind),
+            )
             for r in page
         ]
         more = len(records) > limit

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_server.domain.events import Severity
 from tally_server.domain.ledger import ApplyCounts
 from tally_server.domain.ports import WriterRecord
 
@@ -78,6 +79,7 @@ class EventView:
     at: float
     writer_id: str
     data: dict[str, Any]
+    severity: Severity = field(metadata={"description": "How much it matters; set from the kind."})
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,8 @@ import { fmtAgo, fmtStamp, plural } from "../format.js";
 
 const HIGHLIGHT_MS = 4000;
 
-function eventClass(kind) {
-  if (/unreadable|error|fail/.test(kind)) return "bad";
-  if (/anomal|expired|lost|reset/.test(kind)) return "warn";
-  if (/opened|created/.test(kind)) return "ok";
-  return "";
-}
+/** The style of an event's severity (set by the server from the kind; info has none). */
+const SEVERITY_CLASS = new Map([["error", "bad"], ["warning", "warn"]]);
 
 function eventData(data) {
   const entries = Object.entries(data || {});
@@ -28,7 +24,7 @@ export function eventsPanel(page) {
       "tr",
       { "data-key": "e:" + e.id, "data-testid": "event-row", class: arrived && now - arrived < HIGHLIGHT_MS ? "ev-new" : "" },
       h("td", { class: "nowrap", title: fmtStamp(e.at) }, fmtAgo(e.at), h("div", { class: "sub" }, fmtStamp(e.at))),
-      h("td", {}, h("span", { class: "ev-kind " + eventClass(e.kind || ""), "data-testid": "event-kind" }, (e.kind || "").replace(/_/g, " "))),
+      h("td", {}, h("span", { class: "ev-kind " + (SEVERITY_CLASS.get(e.severity) || ""), "data-testid": "event-kind" }, (e.kind || "").replace(/_/g, " "))),
       h("td", { class: "mono sub" }, e.writer_id || ""),
       h("td", { class: "ev-msg" }, e.message || "", eventData(e.data)),
     );
