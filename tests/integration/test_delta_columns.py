@@ -131,7 +131,8 @@ def test_the_sdk_sends_columns_only_to_a_coordinator_that_reads_them(server: Run
     call = calls.ApplyDeltas("h", BATCH, 7, columns=True)
     request = grpc_convert.apply_deltas_request(call)
     assert request.HasField("columns") and not request.deltas
-    assert list(zip(request.columns.task_ids, request.columns.source_ids, request.columns.deltas, strict=True)) == BATCH
+    sent = request.columns
+    assert list(zip(sent.task_ids, sent.source_ids, sent.deltas, strict=True)) == BATCH
     older = grpc_convert.apply_deltas_request(calls.ApplyDeltas("h", BATCH, 7))
     assert (
         not older.HasField("columns") and [(d.task_id, d.source_id, d.delta) for d in older.deltas] == BATCH
