@@ -203,6 +203,8 @@ def delta_columns(
     count = len(task_ids)
     if count > limits.max_deltas_per_call:
         raise too_many_deltas(limits, count)
+    # Read each column once (a protobuf column makes a new str on every read of an item).
+    task_ids, source_ids, values = list(task_ids), list(source_ids), list(values)
     if len(source_ids) != count or len(values) != count:
         raise InvalidArgument(
             f"the batch's columns differ in length ({count} task_ids, {len(source_ids)} source_ids, "
