@@ -45,7 +45,9 @@ def test_failed_commit_is_never_acknowledged_and_is_retried(tmp_path: Path, sett
         await service.start()
         try:
             opened = await service.open_writer("fault/disk", writer_id="w")
-            store.failures = 1
+            # The disk stays full until the failure was seen (a retry of the settle loop could
+            # otherwise succeed between the failed flush and the check below).
+            store.failures = 10**9
             if settle_ms == 0:
                 # The call that would complete the source reports the failure instead.
                 with pytest.raises(Unavailable, match="could not persist"):
@@ -55,6 +57,7 @@ def test_failed_commit_is_never_acknowledged_and_is_retried(tmp_path: Path, sett
                 with pytest.raises(Unavailable, match="flush again"):
                     await service.flush(opened.handle)
             assert await service.are_completed("fault/disk", ["a"]) == [False]
+            store.failures = 0
             # The settle loop retries; a flush now returns only once "a" is durable.
             await service.flush(opened.handle)
             assert await service.are_completed("fault/disk", ["a"]) == [True]

@@ -84,6 +84,8 @@ class ApplyDeltas(Call[ApplyCounts]):
     handle: str
     deltas: Sequence[Delta]
     batch_seq: int
+    # Send the batch as columns (the coordinator said it reads them; gRPC only).
+    columns: bool = False
 
     @property
     def what(self) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tally_server.domain import validation
 from tally_server.domain.validation import Limits
@@ -251,3 +253,44 @@ def test_too_many_without_a_count_says_more_than_the_limit() -> None:
     limits = Limits(max_deltas_per_call=5, max_ids_per_query=7)
     assert "batch has more than 5 deltas" in validation.too_many_deltas(limits).message
     assert "query has more than 7 source ids" in validation.too_many_ids(limits).message
+
+
+# --- batches: the fast check decides exactly as the item-by-item one ----------------------------
+
+
+def _one_by_one(batch: list[tuple[str, str, int]]) -> str | None:
+    """The reference: every item checked on its own; the refusal of the first bad one."""
+    try:
+        for i, (task_id, source_id, delta) in enumerate(batch):
+            validation._id(f"deltas[{i}].task_id", task_id, LIMITS)
+            validation._id(f"deltas[{i}].source_id", source_id, LIMITS)
+            if not -(2**62) < delta < 2**62:
+                raise InvalidArgument(f"deltas[{i}].delta {validation.describe(delta)} is out of range")
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
+
+
+_ids = st.one_of(
+    st.text(alphabet=st.characters(codec="ascii"), min_size=0, max_size=8),
+    st.text(min_size=0, max_size=4),  # any code point, lone surrogates included
+    st.sampled_from(["x" * 511, "x" * 512, "é" * 255, "é" * 256]),
+)
+_values = st.one_of(st.integers(-3, 3), st.sampled_from([2**62 - 1, 2**62, -(2**62), True]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ids, _ids, _values), max_size=6))
+def test_a_batch_is_refused_exactly_when_one_of_its_deltas_is(batch: list[tuple[str, str, int]]) -> None:
+    expected = _one_by_one(batch)
+    columns = [list(column) for column in zip(*batch, strict=True)] or [[], [], []]
+    for check in (
+        lambda: validation.deltas(batch, LIMITS),
+        lambda: validation.delta_columns(*columns, LIMITS),
+    ):
+        if expected is None:
+            assert list(check()) == batch
+        else:
+            with pytest.raises(InvalidArgument) as info:
+                check()
+            assert str(info.value).startswith(expected)

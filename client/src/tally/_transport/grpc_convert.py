@@ -81,6 +81,11 @@ def open_writer_request(spec: WriterSpec) -> pb.OpenWriterRequest:
 
 
 def apply_deltas_request(call: calls.ApplyDeltas) -> pb.ApplyDeltasRequest:
+    if call.columns and call.deltas:
+        # Three parallel columns: no message object per delta, on either side.
+        task_ids, source_ids, values = zip(*call.deltas, strict=True)
+        columns = pb.DeltaColumns(task_ids=task_ids, source_ids=source_ids, deltas=values)
+        return pb.ApplyDeltasRequest(handle=call.handle, columns=columns, batch_seq=call.batch_seq)
     return pb.ApplyDeltasRequest(
         handle=call.handle,
         deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in call.deltas],
@@ -98,6 +103,7 @@ def opened_from_pb(msg: pb.OpenWriterResponse) -> OpenedWriter:
         lease_ttl_s=msg.lease_ttl_s,
         completed_count=msg.completed_count,
         settle_ms=msg.settle_ms,
+        delta_columns=msg.accepts_delta_columns,
     )
 
 

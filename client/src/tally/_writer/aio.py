@@ -246,7 +246,7 @@ class AsyncWriter(WriterBase):
     async def _send(self, batch: Batch) -> None:
         handle = self.handle
         assert handle is not None
-        call = calls.ApplyDeltas(handle, batch.deltas, batch.seq)
+        call = self._core.apply_call(handle, batch)
         try:
             counts = await self._transport.send(call, self._config.timeout)
         except Exception as exc:

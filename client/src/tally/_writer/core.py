@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import RetryPolicy
 from tally._types import ApplyCounts, Delta, OpenedWriter, WriterHealth
@@ -337,6 +338,11 @@ class WriterCore:
         self.phase = Phase.OPEN
         self.lease.granted(opened.lease_ttl_s)
         log_opened(opened, self.checkpoint, self.config.flush_interval_s)
+
+    def apply_call(self, handle: str, batch: Batch) -> calls.ApplyDeltas:
+        """The call that sends ``batch``: as columns when the coordinator said it reads them."""
+        columns = self.opened is not None and self.opened.delta_columns
+        return calls.ApplyDeltas(handle, batch.deltas, batch.seq, columns=columns)
 
     def require_handle(self, operation: str) -> str:
         if self.phase is Phase.NEW or self.opened is None:

@@ -224,7 +224,7 @@ class Writer(WriterBase):
     def _send(self, batch: Batch) -> None:
         handle = self.handle
         assert handle is not None
-        call = calls.ApplyDeltas(handle, batch.deltas, batch.seq)
+        call = self._core.apply_call(handle, batch)
         try:
             counts = self._transport.send(call, self._config.timeout)
         except Exception as exc:

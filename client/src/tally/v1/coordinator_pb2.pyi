@@ -52,18 +52,20 @@ class OpenWriterRequest(_message.Message):
     def __init__(self, checkpoint: _Optional[str] = ..., writer_id: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., on_mismatch: _Optional[_Union[OnMismatch, str]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class OpenWriterResponse(_message.Message):
-    __slots__ = ("handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms")
+    __slots__ = ("handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms", "accepts_delta_columns")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_COUNT_FIELD_NUMBER: _ClassVar[int]
     SETTLE_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_DELTA_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     handle: str
     writer_id: str
     lease_ttl_s: float
     completed_count: int
     settle_ms: int
-    def __init__(self, handle: _Optional[str] = ..., writer_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., completed_count: _Optional[int] = ..., settle_ms: _Optional[int] = ...) -> None: ...
+    accepts_delta_columns: bool
+    def __init__(self, handle: _Optional[str] = ..., writer_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., completed_count: _Optional[int] = ..., settle_ms: _Optional[int] = ..., accepts_delta_columns: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("handle",)
@@ -87,15 +89,27 @@ class Delta(_message.Message):
     delta: int
     def __init__(self, task_id: _Optional[str] = ..., source_id: _Optional[str] = ..., delta: _Optional[int] = ...) -> None: ...
 
+class DeltaColumns(_message.Message):
+    __slots__ = ("task_ids", "source_ids", "deltas")
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    deltas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ..., source_ids: _Optional[_Iterable[str]] = ..., deltas: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ApplyDeltasRequest(_message.Message):
-    __slots__ = ("handle", "deltas", "batch_seq")
+    __slots__ = ("handle", "deltas", "columns", "batch_seq")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SEQ_FIELD_NUMBER: _ClassVar[int]
     handle: str
     deltas: _containers.RepeatedCompositeFieldContainer[Delta]
+    columns: DeltaColumns
     batch_seq: int
-    def __init__(self, handle: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., batch_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, handle: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., columns: _Optional[_Union[DeltaColumns, _Mapping]] = ..., batch_seq: _Optional[int] = ...) -> None: ...
 
 class ApplyCounts(_message.Message):
     __slots__ = ("applied", "skipped", "rewritten", "anomalies", "completed")

@@ -10,6 +10,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server import auth
 from tally_server.domain import validation
+from tally_server.errors import InvalidArgument
 from tally_server.grpc_api import convert
 from tally_server.service import CoordinatorService
 
@@ -25,6 +26,10 @@ async def _unpack(items: Sequence[Any], unpack: Callable[[], T]) -> T:
     if len(items) > OFF_LOOP_ITEMS:
         return await asyncio.to_thread(unpack)
     return unpack()
+
+
+def _rows(deltas: Sequence[pb.Delta]) -> list[tuple[str, str, int]]:
+    return [(d.task_id, d.source_id, d.delta) for d in deltas]
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -62,12 +67,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ApplyDeltas(self, request: pb.ApplyDeltasRequest, context: Context) -> pb.ApplyDeltasResponse:
         """Apply a batch of deltas in order under the counting rules."""
         limits = self._service.limits
-        if len(request.deltas) > limits.max_deltas_per_call:  # before a tuple is built for any of them
-            raise validation.too_many_deltas(limits, len(request.deltas))
-        batch = await _unpack(
-            request.deltas,
-            lambda: validation.deltas([(d.task_id, d.source_id, d.delta) for d in request.deltas], limits),
-        )
+        if request.HasField("columns"):
+            if request.deltas:
+                raise InvalidArgument(
+                    f"the batch came both as {len(request.deltas)} deltas and as columns; send one of the two"
+                )
+            cols = request.columns
+            if len(cols.task_ids) > limits.max_deltas_per_call:  # before a tuple is built for any
+                raise validation.too_many_deltas(limits, len(cols.task_ids))
+            batch = await _unpack(
+                cols.task_ids,
+                lambda: validation.delta_columns(cols.task_ids, cols.source_ids, cols.deltas, limits),
+            )
+        else:
+            if len(request.deltas) > limits.max_deltas_per_call:  # before a tuple is built for any
+                raise validation.too_many_deltas(limits, len(request.deltas))
+            batch = await _unpack(
+                request.deltas,
+                lambda: validation.deltas(
+                    [(d.task_id, d.source_id, d.delta) for d in request.deltas], limits
+                ),
+            )
         counts = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
         return pb.ApplyDeltasResponse(counts=convert.counts(counts))
 

@@ -34,9 +34,11 @@ class GroupCommitter:
     A group commits the journal first (one synced transaction for every writer's entries), then
     the completion files (one synced transaction per file touched), never one per delta. If the
     journal cannot be written, nothing of the group is: a completion is never durable before the
-    journal entry that records it. Submitters are resumed in submission order, which is what keeps
-    live-set effects in commit order. Other file operations (a reset's move to the trash) go through
-    :meth:`run` on the same thread, so they never interleave with a commit.
+    journal entry that records it. The two stages run on two threads, so the next group's journal
+    is written while this group's files are committed; each stage keeps group order, so completion
+    submitters are resumed in submission order, which is what keeps live-set effects in commit
+    order. Other file operations (a reset's move to the trash) go through :meth:`run` on the
+    completion files' thread, so they never interleave with a commit of files.
     """
 
     def __init__(
@@ -53,7 +55,9 @@ class GroupCommitter:
         self._queue: list[tuple[Op, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._closing = False
+        # Completion files (and other file operations, see run) on one thread, the journal on another.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tally-commit")
+        self._journal_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-journal")
         self._task: asyncio.Task[None] | None = None
         # Retries come every few milliseconds while storage fails: log each cause once, for the
         # journal and the completion files apart (one may fail while the other works).
@@ -95,19 +99,31 @@ class GroupCommitter:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run(self) -> None:
+        files: asyncio.Task[None] | None = None  # the latest group's completion-file stage
         while True:
             await self._wake.wait()
             self._wake.clear()
             if not self._queue:
                 if self._closing:
+                    if files is not None:
+                        await files
                     return
                 continue
             group, self._queue = self._queue, []
-            await self._commit(group)
+            # Two stages on two threads, each in group order: this group's journal is written while
+            # the previous group's completion files are still being committed.
+            files = await self._commit(group, after=files)
             if self._queue:
                 self._wake.set()
 
-    async def _commit(self, group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:
+    async def _commit(
+        self, group: Sequence[tuple[Op, asyncio.Future[None]]], after: asyncio.Task[None] | None
+    ) -> asyncio.Task[None] | None:
+        """Write the group's journal entries and start committing its completion files.
+
+        Returns the task committing the files (it waits for the ``after`` stage first), or
+        ``after`` itself when the group has no files to commit or its journal failed.
+        """
         loop = asyncio.get_running_loop()
         journal = [(op, f) for op, f in group if not isinstance(op, PutCompleted | DeleteCompleted)]
         completions = [(op, f) for op, f in group if isinstance(op, PutCompleted | DeleteCompleted)]
@@ -115,15 +131,26 @@ class GroupCommitter:
         try:
             if journal:
                 entries = [op for op, _ in journal if not isinstance(op, PutCompleted | DeleteCompleted)]
-                await loop.run_in_executor(self._executor, self._journal.commit, entries)
+                await loop.run_in_executor(self._journal_executor, self._journal.commit, entries)
         except Exception as exc:
             self._fail(group, exc, self._journal_failures, "could not write the writers' journal")
-            return
+            return after
         if journal:
             self._journal_failures.succeeded()
         _resolve(journal)
         if not completions:
-            return
+            return after
+        return loop.create_task(self._commit_files(completions, after, started), name="tally-commit-files")
+
+    async def _commit_files(
+        self,
+        completions: Sequence[tuple[Op, asyncio.Future[None]]],
+        after: asyncio.Task[None] | None,
+        started: float,
+    ) -> None:
+        if after is not None:
+            await after  # never raises: failures resolve the futures instead
+        loop = asyncio.get_running_loop()
         try:
             changes = [op for op, _ in completions if isinstance(op, PutCompleted | DeleteCompleted)]
             report = await loop.run_in_executor(self._executor, self._store.commit, changes)
@@ -134,7 +161,7 @@ class GroupCommitter:
         for quarantined in report.quarantined:
             self._on_quarantined(quarantined)
         elapsed = time.perf_counter() - started
-        sources = sum(len(op.sources) for op, _ in completions)
+        sources = sum(len(op.sources) for op in changes)
         for observe in self._stats.commit_observers:
             observe(elapsed, len(completions), sources)
         _resolve(completions)
@@ -164,6 +191,7 @@ class GroupCommitter:
             await self._task
             self._task = None
         self._executor.shutdown(wait=True)
+        self._journal_executor.shutdown(wait=True)
 
 
 def _resolve(group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:

@@ -8,11 +8,15 @@ The folder below ``<data_dir>/checkpoints/<checkpoint>`` is exactly what NeMo Cu
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
@@ -46,6 +50,10 @@ DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 DEFAULT_MAX_OPEN_FILES = 256
 # A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
 TEMP_TAG = "coordinator"
+# How many files one commit writes side by side (each write ends in its own fsync).
+DEFAULT_COMMIT_THREADS = 8
+
+T = TypeVar("T")
 
 
 class LmdbCompletionStore:
@@ -85,6 +93,9 @@ class LmdbCompletionStore:
         # Keyed by resolved file path rather than (checkpoint, writer_id) so that two names that
         # reach the same file (a symlinked checkpoint folder) can never get two write handles.
         self._handles = HandleCache(max_open_files)
+        # Files being written cannot be evicted, so side-by-side writes stay well under the bound.
+        self._parallel = max(1, min(DEFAULT_COMMIT_THREADS, max_open_files // 8))
+        self._pool = ThreadPoolExecutor(self._parallel, thread_name_prefix="tally-file-commit")
 
     # ------------------------------------------------------------------ reads
 
@@ -157,6 +168,9 @@ class LmdbCompletionStore:
         targets = {(c, w): self._writer_file(folders[c], w) for c, w in puts}
         report = CommitReport()
 
+        # One job per file; each commits (and fsyncs) on its own, so files are written side by
+        # side: the fsyncs overlap instead of queueing one behind another.
+        jobs: list[Callable[[], QuarantinedFile | None]] = []
         for checkpoint, folder in folders.items():
             removed = deletes.get(checkpoint, set())
             own = {targets[c, w]: (w, changes) for (c, w), changes in puts.items() if c == checkpoint}
@@ -169,14 +183,30 @@ class LmdbCompletionStore:
                 # The checkpoint-wide deletes hit this file too, unless a later put re-adds the id.
                 merged = dict.fromkeys(removed, False)
                 merged.update(changes)
-                quarantined = self._write_own(checkpoint, writer_id, path, merged)
-                if quarantined is not None:
-                    report.quarantined.append(quarantined)
+                jobs.append(functools.partial(self._write_own, checkpoint, writer_id, path, merged))
             if removed and folder.is_dir():
                 for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
                     if path not in own:
-                        self._remove_from(checkpoint, path, removed)
+                        jobs.append(functools.partial(self._remove_from, checkpoint, path, removed))
+        report.quarantined.extend(q for q in self._run_jobs(jobs) if q is not None)
         return report
+
+    def _run_jobs(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
+        """Run per-file jobs side by side; every job runs to its end, then the first error raises.
+
+        A failed file leaves the others committed, as a sequential commit stopping at it would
+        have left the ones before it: the caller retries the whole group, and both puts and
+        deletes are idempotent.
+        """
+        if len(jobs) <= 1 or self._parallel <= 1:
+            return [job() for job in jobs]
+        futures = [self._pool.submit(job) for job in jobs]
+        concurrent.futures.wait(futures)
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+        return [future.result() for future in futures]
 
     def _write_own(
         self, checkpoint: str, writer_id: str, path: Path, changes: dict[bytes, bool]
@@ -309,6 +339,7 @@ class LmdbCompletionStore:
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
         self._handles.close()
+        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> LmdbCompletionStore:
         return self
