@@ -49,7 +49,9 @@ class ClientConfig:
         token: Bearer token sent with every call, or None.
         timeout: Seconds a call may take, retries included, before ``Unavailable`` is raised;
             also the default timeout of ``flush()`` and ``close()``.
-        max_batch: Most deltas sent in one ApplyDeltas call (the server's limit is higher).
+        max_batch: Most deltas sent in one ApplyDeltas call (the server's limit is higher). A
+            writer sends what has accumulated while its previous batch was out, up to this many:
+            fewer, larger calls cost the coordinator less CPU per delta.
         max_buffered: Deltas a writer buffers before ``apply_deltas`` blocks for room.
         flush_interval_s: Longest time a buffered delta waits before it is sent. Must stay well
             below the server's settle window (250 ms by default).
@@ -65,7 +67,7 @@ class ClientConfig:
     address: str = DEFAULT_ADDRESS
     token: str | None = None
     timeout: float = DEFAULT_TIMEOUT
-    max_batch: int = 1000
+    max_batch: int = 10_000
     max_buffered: int = 100_000
     flush_interval_s: float = 0.05
     retry_initial_s: float = 0.05
