@@ -121,12 +121,21 @@ def test_a_batch_sent_again_is_applied_once_and_answered_again(tmp_path: Path) -
         # Applied twice, x would stand at 2 after its four deltas; once, it is complete.
         done = stub.AreCompleted(pb.AreCompletedRequest(checkpoint="restart/seq", source_ids=["x"]))
         assert list(done.completed) == [True]
+        # A batch below the last one applied (resent out of turn, or overtaken by a later one) is
+        # refused, not answered as if applied: it changes nothing.
+        with pytest.raises(grpc.RpcError) as late:
+            grpc_send(1, ("z", "late", 1))
+        assert late.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "batch_seq 1 is below the last batch this writer applied (2)" in late.value.details()
+        grpc_send(3, ("z2", "late", 1))
+        pending = stub.GetCheckpoint(pb.GetCheckpointRequest(name="restart/seq")).pending_sources
+        assert pending == 1  # "late" once, from batch 3
 
         h = http.post("/v1/writers", json={"checkpoint": "restart/seq", "writer_id": "h"}).json()["handle"]
         body = {"batch_seq": 1, "deltas": [{"task_id": "e", "source_id": "y", "delta": 1}]}
         assert http.post(f"/v1/writers/{h}/deltas", json=body).json()["counts"]["applied"] == 1
         assert http.post(f"/v1/writers/{h}/deltas", json=body).json()["counts"]["applied"] == 1
-        assert http.get("/v1/checkpoints/restart/seq").json()["pending_sources"] == 1
+        assert http.get("/v1/checkpoints/restart/seq").json()["pending_sources"] == 2  # late, y
         metrics = http.get("/metrics").text
         assert "tally_batches_resent_total 2.0" in metrics
 

@@ -24,7 +24,7 @@ from tally_server.domain.journal import Applied
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
 from tally_server.domain.ports import CompletionOp, DeleteCompleted, PutCompleted
-from tally_server.errors import NotFound, Unavailable
+from tally_server.errors import FailedPrecondition, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.durability import Durability
@@ -89,7 +89,8 @@ class Writers:
         completion files).
 
         A batch sent again with the ``batch_seq`` of the last one applied (the client did not hear
-        the answer) is recognised and not applied twice; it gets the same answer.
+        the answer) is recognised and not applied twice; it gets the same answer. A numbered batch
+        below that is refused (FAILED_PRECONDITION): it was resent out of turn or overtaken.
         """
         core = self._core
         core.check_accepting()
@@ -100,11 +101,19 @@ class Writers:
         async with session.lock:
             session = self.session(handle)  # may have closed while we waited
             self.renew(session)
-            if batch_seq and batch_seq <= session.applied_seq:
+            if batch_seq and batch_seq < session.applied_seq:
+                # Either an old batch sent again or one overtaken by a later one: no way to tell,
+                # and applying it could count it twice. Say so rather than answer as if applied.
+                raise FailedPrecondition(
+                    f"batch_seq {batch_seq} is below the last batch this writer applied "
+                    f"({session.applied_seq}); nothing was applied. A writer's batches must be sent one "
+                    "at a time, in order, and only the last one may be sent again; if this batch was "
+                    "never answered before, its deltas are missing: close the writer and rerun its work"
+                )
+            if batch_seq and batch_seq == session.applied_seq:
                 core.stats.batches_resent += 1
                 await self.durability.commit(session)  # applied already; make sure it is durable
-                last = session.last_counts if batch_seq == session.applied_seq else ApplyCounts()
-                return replace(last)
+                return replace(session.last_counts)
             cp = self._checkpoints[session.checkpoint]
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())
             core.stats.count(effects.counts)
