@@ -343,7 +343,7 @@ class Writers:
             if effects.uncomplete:
                 uncomplete_durable(cp.ids(), effects.uncomplete)
             if effects.complete:
-                made_durable(cp.ids(), effects.complete)
+                made_durable(cp.ids(), effects.complete, session.writer_id)
                 self._persisted(session, effects.complete)
                 core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
@@ -445,7 +445,7 @@ class Writers:
             (result,) = await self._commit(session, [PutCompleted(cp.name, session.writer_id, sources)])
             if result is not None:
                 raise result
-            made_durable(cp.ids(), sources)
+            made_durable(cp.ids(), sources, session.writer_id)
             self._persisted(session, sources)
             self._core.stats.completions += len(sources)
         except Exception:
@@ -599,12 +599,15 @@ class Writers:
             redo = sorted(sid for sid in rebuilt.unconfirmed if sid not in completed)
             if redo:
                 await core.committer.submit(PutCompleted(cp.name, session.writer_id, redo))
-                made_durable(completed, redo)
+                made_durable(completed, redo, session.writer_id)
             if rebuilt.unconfirmed:
                 self._persisted(session, sorted(rebuilt.unconfirmed))
             # Un-completes of its anomalies may not have reached the files before the stop.
             ledger = rebuilt.ledger
-            stale = sorted((ledger.uncompleted - ledger.own_completed) & set(completed.sources()))
+            doubtful = sorted(ledger.uncompleted - ledger.own_completed)
+            stale = [
+                sid for sid, done in zip(doubtful, completed.contains_many(doubtful), strict=True) if done
+            ]
             if stale:
                 for sid in stale:
                     completed.discard(sid)

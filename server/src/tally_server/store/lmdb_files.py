@@ -13,7 +13,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import lmdb
@@ -28,17 +28,20 @@ from tally.integrations.nemo_format import (
     describe_error,
     fsync_dir,
 )
+from tally_server.domain.compact import Hasher
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
     CompletionWriteError,
     DeleteCompleted,
     LoadedCheckpoint,
+    LoadedIndex,
     PutCompleted,
     QuarantinedFile,
     UnreadableFile,
 )
 from tally_server.store.file_handles import HandleCache, OpenFile
+from tally_server.store.lmdb_reads import FileReads
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class LmdbCompletionStore:
         # Keyed by resolved file path rather than (checkpoint, writer_id) so that two names that
         # reach the same file (a symlinked checkpoint folder) can never get two write handles.
         self._handles = HandleCache(max_open_files)
+        self._reads = FileReads(self._handles, max_open_files)
 
     # ------------------------------------------------------------------ reads
 
@@ -151,6 +155,75 @@ class LmdbCompletionStore:
             # Never open a second handle on a file this process holds open for writing.
             return nemo_format.read_ids(cached.env, cached.db)
         return nemo_format.read_file(path)
+
+    def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
+        """The hashes of every id in each readable ``*.mdb`` of the checkpoint (see ``load``).
+
+        A file's origin is its name without ``.mdb`` (a writer's file is ``<writer_id>.mdb``).
+        """
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        result = LoadedIndex(origins=[], hashes=[], files=[], unreadable=[])
+        if not folder.is_dir():
+            return result
+        for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
+            try:
+                hashes = self._reads.hash_keys(path, hasher)
+            except READ_ERRORS as exc:
+                error = describe_error(exc, path)
+                logger.warning(
+                    "checkpoint %r: skipping unreadable completion file %s: %s", checkpoint, path, error
+                )
+                result.unreadable.append(UnreadableFile(path=str(path), error=error))
+                continue
+            result.origins.append(path.name[: -len(FILE_SUFFIX)])
+            result.hashes.append(hashes)
+            result.files.append(str(path))
+        return result
+
+    def contains(self, checkpoint: str, origin: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether ``<origin>.mdb`` of the checkpoint holds each key (a file that cannot be read,
+        or is missing, holds none)."""
+        self._handles.check_open()
+        return self._reads.contains(self._writer_file(self._folder(checkpoint), origin), keys)
+
+    def keys_after(
+        self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
+    ) -> tuple[list[bytes], bool]:
+        """Up to ``limit`` distinct keys of these files greater than ``after``, in key order, and
+        whether that is all of them."""
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        paths = [self._writer_file(folder, origin) for origin in origins]
+        per_file = max(64, 2 * limit // max(1, len(paths)) + 16)
+        out: list[bytes] = []
+        cursor = after
+        while True:
+            found: set[bytes] = set()
+            frontier: bytes | None = None
+            for path in paths:
+                keys, more = self._reads.keys_after(path, cursor, per_file)
+                found.update(keys)
+                if more and (frontier is None or keys[-1] < frontier):
+                    frontier = keys[-1]
+            chunk = sorted(k for k in found if frontier is None or k <= frontier)
+            out.extend(chunk)
+            if frontier is None:
+                return out[:limit], len(out) <= limit
+            if len(out) > limit:
+                return out[:limit], False
+            cursor = frontier
+
+    def keys_matching(
+        self, checkpoint: str, origins: Sequence[str], wanted: Callable[[bytes], bool]
+    ) -> list[bytes]:
+        """Every key of these files for which ``wanted`` is true (each file read in full)."""
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        found: list[bytes] = []
+        for origin in origins:
+            found += self._reads.keys_matching(self._writer_file(folder, origin), wanted)
+        return found
 
     # ----------------------------------------------------------------- writes
 
@@ -342,7 +415,9 @@ class LmdbCompletionStore:
         Not part of the ``CompletionStore`` port: a checkpoint reset must call it before moving
         the folder, or later puts would land in the moved files through the open handles.
         """
-        self._handles.drop_folder(self._folder(checkpoint))
+        folder = self._folder(checkpoint)
+        self._handles.drop_folder(folder)
+        self._reads.drop_folder(folder)
 
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
         """Move the checkpoint's metadata folder to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
@@ -367,6 +442,7 @@ class LmdbCompletionStore:
 
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
+        self._reads.close()
         self._handles.close()
 
     def __enter__(self) -> LmdbCompletionStore:
