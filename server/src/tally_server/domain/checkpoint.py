@@ -9,6 +9,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from tally_server.domain import compact
 from tally_server.domain.compact import CompactIndex, Hasher
 from tally_server.domain.ledger import WriterLedger
 
@@ -65,6 +66,7 @@ class CompletedSet:
         self._overlay: dict[str, int] = dict.fromkeys(initial, _NO_ORIGIN)
         self._mergeable = 0  # overlay ids with an origin
         self._tombstones: set[str] = set()
+        self._hidden = 0  # tombstones that hide an id of the index (the others hide a mere hash hit)
         self._id_chars = sum(map(len, self._overlay))
         self._tomb_chars = 0
 
@@ -79,24 +81,30 @@ class CompletedSet:
 
     def __len__(self) -> int:
         indexed = self._index.count if self._index is not None else 0
-        return indexed - len(self._tombstones) + len(self._overlay)
+        return indexed - self._hidden + len(self._overlay)
 
     @property
     def origins(self) -> list[str]:
         """The files (writer ids) whose ids this set holds."""
         return list(self._origins)
 
-    def _indexed_seq(self, source_id: str) -> int | None:
-        """The sequence of ``source_id`` in the index, confirmed in its file; None if absent."""
+    def _indexed_seq(self, source_id: str, skip_origin: int = -1) -> int | None:
+        """The sequence of ``source_id`` in the index, confirmed in its file; None if absent.
+
+        ``skip_origin``: an origin whose file just received the id (its entries prove nothing).
+        """
         index = self._index
         if index is None:
             return None
         h = self._hasher.of_id(source_id)
         key = b""
         for i in index.candidates(h):
+            origin = index.origin(i)
+            if origin == skip_origin:
+                continue
             key = key or source_id.encode()
             assert self._confirm is not None
-            if self._confirm(self._origins[index.origin(i)], [key])[0]:
+            if self._confirm(self._origins[origin], [key])[0]:
                 return index.seq(i)
         return None
 
@@ -152,7 +160,9 @@ class CompletedSet:
         for sid in sources:
             if sid in overlay:
                 continue
-            if sid not in tombstones and self._indexed_seq(sid) is not None:
+            # The id is in ``origin``'s file already (committed before it is added), so an entry
+            # of that file whose hash matches may be another id: only other files can tell.
+            if sid not in tombstones and self._indexed_seq(sid, skip_origin=tag) is not None:
                 continue
             overlay[sid] = value
             self._id_chars += len(sid)
@@ -165,13 +175,19 @@ class CompletedSet:
         value = self._overlay.pop(source_id, None)
         if value is not None:
             self._id_chars -= len(source_id)
-            if value & _NO_ORIGIN != _NO_ORIGIN and source_id not in self._tombstones:
-                self._mergeable -= 1
+            if source_id not in self._tombstones and self._confirm is not None:
+                if value & _NO_ORIGIN != _NO_ORIGIN:
+                    self._mergeable -= 1
+                # Its file may hold it until the delete is committed (or for good, if that
+                # fails), and an entry sharing its hash prefix would then confirm it: hide it.
+                self._tombstones.add(source_id)
+                self._tomb_chars += len(source_id)
             return True
         if source_id in self._tombstones or self._indexed_seq(source_id) is None:
             return False
         self._tombstones.add(source_id)
         self._tomb_chars += len(source_id)
+        self._hidden += 1
         return True
 
     def merge(self) -> None:
@@ -184,20 +200,35 @@ class CompletedSet:
         ]
         if not moving:
             return
+        if self._index is None:
+            self._index = CompactIndex.build([])
         hashes = self._hasher.of_ids([sid for sid, _ in moving])
+        # An id whose hash prefix another entry has already (or another id merged with it) stays
+        # in the overlay: entries must never leave open which one carries which sequence.
+        _, taken = self._index.first_many(hashes)
+        prefixes = hashes & np.uint64(compact.prefix_mask(self._index.origin_bits, len(self._origins)))
+        _, first, counts = np.unique(prefixes, return_index=True, return_counts=True)
+        alone = np.zeros(len(moving), dtype=bool)
+        alone[first[counts == 1]] = True
+        keep = alone & ~taken
+        if not keep.all():
+            moving = [m for m, k in zip(moving, keep.tolist(), strict=True) if k]
+            hashes = hashes[keep]
+            if not moving:
+                return
         values = np.fromiter((v for _, v in moving), dtype=np.uint64, count=len(moving))
         origins = (values & np.uint64(_NO_ORIGIN)).astype(np.uint32)
         seqs = values >> np.uint64(_SEQ_SHIFT)
         settled = min((v.cutoff for v in self._views), default=self._seq)
-        if self._index is None:
-            self._index = CompactIndex.build([])
         self._index = self._index.merged(
             hashes, origins, seqs, origin_count=len(self._origins), added=len(moving), settled=settled
         )
         for sid, _ in moving:
             del overlay[sid]
             self._id_chars -= len(sid)
-        self._mergeable = 0
+        self._mergeable = sum(
+            1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
+        )
         self._merge_at = max(self._merge_at, self._index.count // 32)
 
     def estimated_bytes(self) -> int:

@@ -67,6 +67,11 @@ def origin_bits_for(origins: int) -> int:
     return max(MIN_ORIGIN_BITS, (max(origins, 1) - 1).bit_length())
 
 
+def prefix_mask(origin_bits: int, origins: int) -> int:
+    """The hash bits an entry keeps once ``origins`` origins need room (never fewer than now)."""
+    return M64 ^ ((1 << max(origin_bits, origin_bits_for(origins))) - 1)
+
+
 class CompactIndex:
     """Immutable sorted entries (hash prefix | origin), with an optional sequence per entry.
 
@@ -92,10 +97,11 @@ class CompactIndex:
         tops = entries >> np.uint64(self._shift)
         self._dir = np.searchsorted(tops, np.arange((1 << k) + 1, dtype=np.uint64)).astype(np.uint32)
         self._steps = int(np.diff(self._dir).max()).bit_length() if n else 0
-        nbits = 1 << max(6, (8 * n).bit_length() - 1)  # 4 to 8 bits per id
-        self._bit_mask = nbits - 1
-        flags = np.zeros(nbits, dtype=bool)
-        flags[((entries >> np.uint64(origin_bits)) & np.uint64(self._bit_mask)).astype(np.intp)] = True
+        # 4 to 8 bits per id, indexed by the top hash bits: the entries set them in order.
+        log_bits = max(6, (8 * n).bit_length() - 1)
+        self._bit_shift = 64 - log_bits
+        flags = np.zeros(1 << log_bits, dtype=bool)
+        flags[(entries >> np.uint64(self._bit_shift)).astype(np.intp)] = True
         self._bitmap = np.packbits(flags, bitorder="little").tobytes()
         del flags
         self._entries_mv = entries.data
@@ -146,8 +152,7 @@ class CompactIndex:
 
     def candidates(self, h: int) -> Iterator[int]:
         """Indices of the entries whose hash prefix is that of ``h`` (usually none or one)."""
-        hb = h >> self.origin_bits
-        bit = hb & self._bit_mask
+        bit = h >> self._bit_shift
         if not (self._bitmap[bit >> 3] >> (bit & 7)) & 1:
             return
         p = h & self._prefix_mask

@@ -110,7 +110,7 @@ class Status:
         if cp is None:
             return [False] * len(source_ids)
         completed = await self._checkpoints.completed(cp)
-        return [sid in completed for sid in source_ids]
+        return completed.contains_many(source_ids)
 
     async def _written(self) -> None:
         """Let the registry's write-behind finish what it has, so a read sees what just happened

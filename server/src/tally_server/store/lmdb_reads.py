@@ -46,6 +46,30 @@ class FileReads:
         self._readers.drop_folder(folder)
 
     @contextlib.contextmanager
+    def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
+        """Like ``_txn``, but through a handle closed afterwards: a walk of every page must not
+        leave the file mapped (its pages would count as the server's resident memory)."""
+        with self._writes.lock(path):
+            handle = self._writes.get(path)
+            if handle is not None:
+                with handle.env.begin(db=handle.db) as txn:
+                    yield txn, handle.db
+                return
+            if not os.path.lexists(path):
+                yield None
+                return
+            env = nemo_format.open_env(path, write=False)
+            try:
+                db = nemo_format.open_completed_db(env)
+                if db is None:
+                    yield None
+                    return
+                with env.begin(db=db) as txn:
+                    yield txn, db
+            finally:
+                env.close()
+
+    @contextlib.contextmanager
     def _txn(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
         """A read transaction on ``path`` and its database, under the file's lock; None if the
         file is missing or holds no ``completed_sources`` database.
@@ -83,7 +107,7 @@ class FileReads:
         if cached is not None and self._inodes.get(path) == (st.st_dev, st.st_ino):
             return cached
         self._readers.forget(path)
-        env = nemo_format.open_env(path, write=False)
+        env = nemo_format.open_env(path, write=False, readahead=False)
         try:
             db = nemo_format.open_completed_db(env)
         except BaseException:
@@ -104,7 +128,7 @@ class FileReads:
             READ_ERRORS: the file cannot be read (a key that is not UTF-8 counts as damage).
         """
         parts: list[U64] = []
-        with self._txn(path) as opened:
+        with self._walk(path) as opened:
             if opened is None:
                 return np.empty(0, dtype=np.uint64)
             txn, db = opened
@@ -120,7 +144,7 @@ class FileReads:
     def keys_matching(self, path: Path, wanted: Callable[[bytes], bool]) -> list[bytes]:
         """The keys of the file for which ``wanted`` is true (unreadable file: none)."""
         try:
-            with self._txn(path) as opened:
+            with self._walk(path) as opened:
                 if opened is None:
                     return []
                 txn, db = opened
