@@ -94,8 +94,10 @@ class CompactIndex:
         n = len(entries)
         k = max(1, (n // 16).bit_length())  # buckets of 8 to 16 entries on average
         self._shift = 64 - k
-        tops = entries >> np.uint64(self._shift)
-        self._dir = np.searchsorted(tops, np.arange((1 << k) + 1, dtype=np.uint64)).astype(np.uint32)
+        tops = (entries >> np.uint64(self._shift)).astype(np.intp)
+        self._dir = np.zeros((1 << k) + 1, dtype=np.uint32)
+        np.cumsum(np.bincount(tops, minlength=1 << k), out=self._dir[1:])
+        del tops
         self._steps = int(np.diff(self._dir).max()).bit_length() if n else 0
         # 4 to 8 bits per id, indexed by the top hash bits: the entries set them in order.
         log_bits = max(6, (8 * n).bit_length() - 1)
@@ -109,7 +111,7 @@ class CompactIndex:
 
     @classmethod
     def build(cls, per_origin: Sequence[U64], origin_bits: int | None = None) -> CompactIndex:
-        """The index of ``per_origin[i]``, the full hashes of the ids origin ``i`` holds.
+        """The index of ``per_origin[i]``, the sorted full hashes of the ids origin ``i`` holds.
 
         ``count`` assumes that entries sharing a hash prefix are one id held by several origins;
         :meth:`shared_prefixes` lists them for a caller that can tell (see the store's loader).
@@ -119,7 +121,7 @@ class CompactIndex:
         parts = [(h & prefix) | np.uint64(i) for i, h in enumerate(per_origin)]
         entries = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
         del parts
-        entries.sort()
+        entries.sort(kind="stable")  # a merge of the sorted runs (tagging keeps each one sorted)
         n = len(entries)
         count = n
         if n > 1:

@@ -14,6 +14,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -28,7 +29,7 @@ from tally.integrations.nemo_format import (
     describe_error,
     fsync_dir,
 )
-from tally_server.domain.compact import Hasher
+from tally_server.domain.compact import U64, Hasher
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
@@ -51,6 +52,8 @@ DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 # Each writable LMDB handle costs two file descriptors and map_size of address space; with
 # thousands of writers (SLURM arrays) keeping all open would hit the usual 1024-fd limit.
 DEFAULT_MAX_OPEN_FILES = 256
+# Threads reading the files of one checkpoint being loaded.
+LOAD_WORKERS = 2
 # A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
 TEMP_TAG = "coordinator"
 
@@ -107,6 +110,7 @@ class LmdbCompletionStore:
         # reach the same file (a symlinked checkpoint folder) can never get two write handles.
         self._handles = HandleCache(max_open_files)
         self._reads = FileReads(self._handles, max_open_files)
+        self._lookup_paths: dict[tuple[str, str], Path] = {}  # (checkpoint, origin) -> file, for contains
 
     # ------------------------------------------------------------------ reads
 
@@ -157,19 +161,32 @@ class LmdbCompletionStore:
         return nemo_format.read_file(path)
 
     def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
-        """The hashes of every id in each readable ``*.mdb`` of the checkpoint (see ``load``).
+        """The sorted hashes of the ids in each readable ``*.mdb`` of the checkpoint (see ``load``).
 
         A file's origin is its name without ``.mdb`` (a writer's file is ``<writer_id>.mdb``).
+        Files are read by ``LOAD_WORKERS`` threads: LMDB and numpy's sort let go of the GIL, so
+        two threads read about 1.5 times as fast as one on two cores.
         """
         self._handles.check_open()
         folder = self._folder(checkpoint)
         result = LoadedIndex(origins=[], hashes=[], files=[], unreadable=[])
         if not folder.is_dir():
             return result
-        for path in sorted(folder.glob(f"*{FILE_SUFFIX}")):
+
+        def read(path: Path) -> U64 | BaseException:
             try:
                 hashes = self._reads.hash_keys(path, hasher)
+                hashes.sort()
+                return hashes
             except READ_ERRORS as exc:
+                return exc
+
+        paths = sorted(folder.glob(f"*{FILE_SUFFIX}"))
+        with ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tally-read") as workers:
+            outcomes = list(workers.map(read, paths))
+        for path, hashes in zip(paths, outcomes, strict=True):
+            if isinstance(hashes, BaseException):
+                exc = hashes
                 error = describe_error(exc, path)
                 logger.warning(
                     "checkpoint %r: skipping unreadable completion file %s: %s", checkpoint, path, error
@@ -185,7 +202,13 @@ class LmdbCompletionStore:
         """Whether ``<origin>.mdb`` of the checkpoint holds each key (a file that cannot be read,
         or is missing, holds none)."""
         self._handles.check_open()
-        return self._reads.contains(self._writer_file(self._folder(checkpoint), origin), keys)
+        path = self._lookup_paths.get((checkpoint, origin))
+        if path is None:  # resolving the folder costs more than the lookups it serves
+            if len(self._lookup_paths) >= 4096:
+                self._lookup_paths.clear()
+            path = self._writer_file(self._folder(checkpoint), origin)
+            self._lookup_paths[checkpoint, origin] = path
+        return self._reads.contains(path, keys)
 
     def keys_after(
         self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
@@ -416,6 +439,7 @@ class LmdbCompletionStore:
         the folder, or later puts would land in the moved files through the open handles.
         """
         folder = self._folder(checkpoint)
+        self._lookup_paths.clear()
         self._handles.drop_folder(folder)
         self._reads.drop_folder(folder)
 
