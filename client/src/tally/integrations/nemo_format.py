@@ -152,7 +152,7 @@ def _open_for_writing(path: Path, map_size: int) -> Any:
     )
 
 
-def open_env(path: Path, *, write: bool, map_size: int = NEMO_MAP_SIZE) -> Any:
+def open_env(path: Path, *, write: bool, map_size: int = NEMO_MAP_SIZE, readahead: bool = True) -> Any:
     """Open an existing completion file with NeMo Curator's flags, after checking it is whole.
 
     LMDB's inter-process lock table is off, as in NeMo Curator: one process owns each file.
@@ -169,7 +169,8 @@ def open_env(path: Path, *, write: bool, map_size: int = NEMO_MAP_SIZE) -> Any:
     if write:
         env = _open_for_writing(path, map_size)
     else:
-        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
+        # readahead=False for handles kept open for lookups: each reads a few pages, no more.
+        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1, readahead=readahead)
     try:
         after = os.lstat(path)
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):

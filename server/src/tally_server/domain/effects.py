@@ -51,9 +51,10 @@ def settle_all(ledger: WriterLedger) -> list[str]:
     return ledger.mark_completing(ledger.take_all_settling())
 
 
-def made_durable(completed: CompletedSet, sources: Iterable[str]) -> None:
-    """The commit of ``sources`` is durable: from now on everyone sees them completed."""
-    completed.add(sources)
+def made_durable(completed: CompletedSet, sources: Iterable[str], origin: str | None = None) -> None:
+    """The commit of ``sources`` (to ``origin``'s file) is durable: from now on everyone sees them
+    completed."""
+    completed.add(sources, origin)
 
 
 def commit_failed(ledger: WriterLedger, sources: Iterable[str], now: float) -> None:

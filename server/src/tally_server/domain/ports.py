@@ -5,10 +5,11 @@ Implemented in ``tally_server.store``; blocking calls, run by the service off th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tally_server.domain.compact import U64, Hasher
 from tally_server.domain.journal import Entry, JournaledWriter, Opened
 
 
@@ -25,6 +26,19 @@ class LoadedCheckpoint:
     """The union of a checkpoint folder's ``*.mdb`` files."""
 
     completed: set[str]
+    unreadable: list[UnreadableFile]
+
+
+@dataclass
+class LoadedIndex:
+    """The hashes of a checkpoint folder's ids, file by file (what a compact index is built from).
+
+    ``origins[i]`` is the name of the file ``hashes[i]`` came from, without ``.mdb``.
+    """
+
+    origins: list[str]
+    hashes: list[U64]
+    files: list[str]
     unreadable: list[UnreadableFile]
 
 
@@ -99,6 +113,27 @@ class CompletionStore(Protocol):
 
     def load(self, checkpoint: str) -> LoadedCheckpoint:
         """Union of every ``*.mdb`` in the checkpoint folder; unreadable files are listed, not counted."""
+        ...
+
+    def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
+        """``load``, as hashes of the ids per file (the same files readable, the same unreadable)."""
+        ...
+
+    def contains(self, checkpoint: str, origin: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the file ``<origin>.mdb`` holds each key (UTF-8 id); unreadable or missing: no."""
+        ...
+
+    def keys_after(
+        self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
+    ) -> tuple[list[bytes], bool]:
+        """Up to ``limit`` distinct keys of these files after ``after`` in key order; and whether
+        those are the last."""
+        ...
+
+    def keys_matching(
+        self, checkpoint: str, origins: Sequence[str], wanted: Callable[[bytes], bool]
+    ) -> list[bytes]:
+        """Every key of these files for which ``wanted`` is true."""
         ...
 
     def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tally_server.domain import validation
 from tally_server.domain.admission import check_reset
-from tally_server.domain.checkpoint import CompletedSet, WriterState
+from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.ports import CheckpointRecord, PutCompleted
 from tally_server.errors import AlreadyExists, NotFound, Unavailable
@@ -46,10 +46,13 @@ class Admin:
             completed = await self._checkpoints.completed(cp)
             if not source_ids:
                 return ImportResult(0, len(completed))
-            new = [sid for sid in dict.fromkeys(source_ids) if sid not in completed]
+            offered = list(dict.fromkeys(source_ids))
+            new = [
+                sid for sid, done in zip(offered, completed.contains_many(offered), strict=True) if not done
+            ]
             if new:
                 await core.committer.submit(PutCompleted(cp.name, import_id, new))
-                completed.add(new)
+                completed.add(new, import_id)
                 core.stats.completions += len(new)
         finally:
             cp.pins -= 1
@@ -87,7 +90,7 @@ class Admin:
                     pass
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(core.wall())) + f"-{uuid.uuid4().hex[:6]}"
             moved_to, files = await core.committer.run(core.completions.trash, name, stamp)
-            cp.completed = CompletedSet()
+            cp.completed = self._checkpoints.empty_set(name)
             cp.known_count = 0
             cp.anomalies = 0
             cp.unreadable_files = []

@@ -9,23 +9,44 @@ ones exceed the memory budget. Status never loads anything.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint, CompletedSet, choose_unloads
+from tally_server.domain.compact import CompactIndex, Hasher, distinct_count
 from tally_server.domain.events import EventKind
-from tally_server.domain.ports import CheckpointRecord, LoadedCheckpoint, ProgressRecord, QuarantinedFile
+from tally_server.domain.ports import CheckpointRecord, LoadedIndex, ProgressRecord, QuarantinedFile
 from tally_server.errors import NotFound, Unavailable
 from tally_server.service.core import Core
 
 log = logging.getLogger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Give the heap a load freed back to the system (glibc keeps it otherwise: the keys read
+    while hashing would stay resident, several times the index itself)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+try:
+    _malloc_trim: Callable[[int], int] | None = ctypes.CDLL(
+        ctypes.util.find_library("c") or "libc.so.6"
+    ).malloc_trim
+except (OSError, AttributeError):  # not glibc
+    _malloc_trim = None
 T = TypeVar("T")
 
 # An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).
 UNLOAD_IDLE_S = 2.0
+# Loads run beside the event loop; more than one, so that a small checkpoint never waits for a big one.
+LOAD_THREADS = 4
 
 
 class CheckpointTable:
@@ -37,7 +58,8 @@ class CheckpointTable:
         self.known: dict[str, Checkpoint] = {}
         self.resetting: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="tally-load")
+        self._load_executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tally-load")
+        self.hasher = Hasher()
         # Completed count last written as a progress sample, per checkpoint.
         self._sampled: dict[str, int] = {}
 
@@ -79,7 +101,7 @@ class CheckpointTable:
             if not on_disk and not create:
                 return None
             now = core.wall()
-            loaded = await self._in_load_thread(core.completions.load, name) if on_disk else None
+            loaded = await self._in_load_thread(self._read_index, name) if on_disk else None
             record = CheckpointRecord(name, created_at=now, last_activity_at=now)
             await core.registry_write(lambda: core.registry.write_batch(checkpoints=[record]))
             cp = Checkpoint(name=name, created_at=now, last_activity_at=now, last_used=core.real_clock())
@@ -109,17 +131,45 @@ class CheckpointTable:
             return cp.completed
         async with self._locks.setdefault(cp.name, asyncio.Lock()):
             if cp.completed is None:
-                self._take_loaded(cp, await self._in_load_thread(self._core.completions.load, cp.name))
+                self._take_loaded(cp, await self._in_load_thread(self._read_index, cp.name))
                 self.unload_idle()
             completed = cp.ids()
         if use:
             cp.last_used = self._core.real_clock()
         return completed
 
-    def _take_loaded(self, cp: Checkpoint, loaded: LoadedCheckpoint) -> None:
+    def _read_index(self, name: str) -> tuple[LoadedIndex, CompactIndex]:
+        """Read the checkpoint's files into a compact index (in a load thread, never the loop's)."""
+        store, hasher = self._core.completions, self.hasher
+        loaded = store.load_index(name, hasher)
+        index = CompactIndex.build(loaded.hashes)
+        loaded.hashes = []
+        release_freed_memory()
+        shared = set(index.shared_prefixes().tolist())
+        if shared:  # ids in several files (or hash collisions): count the distinct ones exactly
+            keys = store.keys_matching(
+                name, loaded.origins, lambda k: index.prefix(hasher.of_key(k)) in shared
+            )
+            index.count = distinct_count(index, hasher, keys)
+        return loaded, index
+
+    def empty_set(self, name: str) -> CompletedSet:
+        """An empty completed set of checkpoint ``name`` (after a reset)."""
+        return self._new_set(name, CompactIndex.build([]), [])
+
+    def _new_set(self, name: str, index: CompactIndex, origins: list[str]) -> CompletedSet:
+        confirm = functools.partial(self._core.completions.contains, name)
+        return CompletedSet(index=index, origins=origins, confirm=confirm, hasher=self.hasher)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking reads of the completion files in a load thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._load_executor, fn, *args)
+
+    def _take_loaded(self, cp: Checkpoint, read: tuple[LoadedIndex, CompactIndex]) -> None:
         """Install what the store read; unreadable files not reported before become events."""
+        loaded, index = read
         reported = set(cp.unreadable_files)
-        cp.completed = CompletedSet(loaded.completed)
+        cp.completed = self._new_set(cp.name, index, loaded.origins)
         cp.known_count = len(cp.completed)
         cp.unreadable_files = [u.path for u in loaded.unreadable]
         for bad in loaded.unreadable:

@@ -160,7 +160,7 @@ class Durability:
             (result,) = await self.commit(session, [PutCompleted(cp.name, session.writer_id, sources)])
             if result is not None:
                 raise result
-            made_durable(cp.ids(), sources)
+            made_durable(cp.ids(), sources, session.writer_id)
             self.persisted(session, sources)
             self._core.stats.completions += len(sources)
         except Exception:

@@ -236,12 +236,15 @@ class Opening:
             redo = sorted(sid for sid in rebuilt.unconfirmed if sid not in completed)
             if redo:
                 await core.committer.submit(PutCompleted(cp.name, session.writer_id, redo))
-                made_durable(completed, redo)
+                made_durable(completed, redo, session.writer_id)
             if rebuilt.unconfirmed:
                 self._durability.persisted(session, sorted(rebuilt.unconfirmed))
             # Un-completes of its anomalies may not have reached the files before the stop.
             ledger = rebuilt.ledger
-            stale = sorted((ledger.uncompleted - ledger.own_completed) & set(completed.sources()))
+            doubtful = sorted(ledger.uncompleted - ledger.own_completed)
+            stale = [
+                sid for sid, done in zip(doubtful, completed.contains_many(doubtful), strict=True) if done
+            ]
             if stale:
                 for sid in stale:
                     completed.discard(sid)

@@ -99,7 +99,7 @@ class Status:
         if cp is None:
             return [False] * len(source_ids)
         completed = await self._checkpoints.completed(cp)
-        return [sid in completed for sid in source_ids]
+        return completed.contains_many(source_ids)
 
     async def _written(self) -> None:
         """Let the registry's write-behind finish what it has, so a read sees what just happened.
@@ -203,8 +203,30 @@ class Status:
             raise InvalidArgument(
                 f"limit {limit} is out of range; ask for 1 to {most} ids per page (setting max_ids_per_query)"
             )
-        ordered = (await self._checkpoints.completed(cp)).in_byte_order()
-        start = bisect.bisect_right(ordered, after.encode()) if after else 0
-        page = [sid.decode() for sid in ordered[start : start + limit]]
-        more = start + limit < len(ordered)
+        completed = await self._checkpoints.completed(cp)
+        origins = completed.origins
+        if not origins:  # a set held in memory only
+            ordered = completed.in_byte_order()
+            start = bisect.bisect_right(ordered, after.encode()) if after else 0
+            page = [sid.decode() for sid in ordered[start : start + limit]]
+            more = start + limit < len(ordered)
+            return CompletedPage(page, page[-1] if more and page else "")
+        # The ids are in the files: read them in key order there, keep those the live set holds.
+        page = []
+        cursor = after.encode()
+        cp.pins += 1
+        try:
+            while len(page) <= limit:
+                keys, last = await self._checkpoints.run(
+                    self._core.completions.keys_after, cp.name, origins, cursor, limit + 1 - len(page)
+                )
+                ids = [k.decode(errors="replace") for k in keys]
+                page += [sid for sid, done in zip(ids, completed.contains_many(ids), strict=True) if done]
+                if last or not keys:
+                    break
+                cursor = keys[-1]
+        finally:
+            cp.pins -= 1
+        more = len(page) > limit
+        page = page[:limit]
         return CompletedPage(page, page[-1] if more and page else "")

@@ -147,7 +147,7 @@ class Writers:
             if effects.uncomplete:
                 uncomplete_durable(cp.ids(), effects.uncomplete)
             if effects.complete:
-                made_durable(cp.ids(), effects.complete)
+                made_durable(cp.ids(), effects.complete, session.writer_id)
                 self.durability.persisted(session, effects.complete)
                 core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)

@@ -27,8 +27,10 @@ class HandleCache:
     therefore runs under that file's lock (``lock(path)``), and a handle is closed only under it.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, locks: HandleCache | None = None) -> None:
         self._capacity = max(1, capacity)
+        # Another cache whose per-file locks this one shares (read handles beside write handles).
+        self._locks_from = locks
         self._lock = threading.Lock()  # guards the three fields below, never held during I/O
         # Insertion order is use order: the first entry is the least recently used.
         self._handles: dict[Path, OpenFile] = {}
@@ -47,6 +49,8 @@ class HandleCache:
 
     def lock(self, path: Path) -> threading.Lock:
         """The lock every transaction on ``path`` holds."""
+        if self._locks_from is not None:
+            return self._locks_from.lock(path)
         with self._lock:
             lock = self._file_locks.get(path)
             if lock is None:

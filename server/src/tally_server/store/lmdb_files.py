@@ -29,17 +29,20 @@ from tally.integrations.nemo_format import (
     READ_ERRORS,
     describe_error,
 )
+from tally_server.domain.compact import U64, Hasher
 from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
     DeleteCompleted,
     LoadedCheckpoint,
+    LoadedIndex,
     PutCompleted,
     QuarantinedFile,
     UnreadableFile,
 )
 from tally_server.store.disk import make_dirs, move_to_trash, quarantine, write_error
 from tally_server.store.file_handles import HandleCache, OpenFile
+from tally_server.store.lmdb_reads import FileReads
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ DEFAULT_MAP_SIZE = NEMO_MAP_SIZE
 # Each writable LMDB handle costs two file descriptors and map_size of address space; with
 # thousands of writers (SLURM arrays) keeping all open would hit the usual 1024-fd limit.
 DEFAULT_MAX_OPEN_FILES = 256
+# Threads reading the files of one checkpoint being loaded.
+LOAD_WORKERS = 2
 # A new writer file is built as `.<writer_id>.mdb.tmp-coordinator` (see _create).
 TEMP_TAG = "coordinator"
 # How many files one commit writes side by side (each write ends in its own fsync).
@@ -96,6 +101,8 @@ class LmdbCompletionStore:
         # Files being written cannot be evicted, so side-by-side writes stay well under the bound.
         self._parallel = max(1, min(DEFAULT_COMMIT_THREADS, max_open_files // 8))
         self._pool = ThreadPoolExecutor(self._parallel, thread_name_prefix="tally-file-commit")
+        self._reads = FileReads(self._handles, max_open_files)
+        self._lookup_paths: dict[tuple[str, str], Path] = {}  # (checkpoint, origin) -> file, for contains
 
     # ------------------------------------------------------------------ reads
 
@@ -142,6 +149,94 @@ class LmdbCompletionStore:
             # Never open a second handle on a file this process holds open for writing.
             return nemo_format.read_ids(cached.env, cached.db)
         return nemo_format.read_file(path)
+
+    def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
+        """The sorted hashes of the ids in each readable ``*.mdb`` of the checkpoint (see ``load``).
+
+        A file's origin is its name without ``.mdb`` (a writer's file is ``<writer_id>.mdb``).
+        Files are read by ``LOAD_WORKERS`` threads: LMDB and numpy's sort let go of the GIL, so
+        two threads read about 1.5 times as fast as one on two cores.
+        """
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        result = LoadedIndex(origins=[], hashes=[], files=[], unreadable=[])
+        if not folder.is_dir():
+            return result
+
+        def read(path: Path) -> U64 | BaseException:
+            try:
+                hashes = self._reads.hash_keys(path, hasher)
+                hashes.sort()
+                return hashes
+            except READ_ERRORS as exc:
+                return exc
+
+        paths = sorted(folder.glob(f"*{FILE_SUFFIX}"))
+        with ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="tally-read") as workers:
+            outcomes = list(workers.map(read, paths))
+        for path, hashes in zip(paths, outcomes, strict=True):
+            if isinstance(hashes, BaseException):
+                exc = hashes
+                error = describe_error(exc, path)
+                logger.warning(
+                    "checkpoint %r: skipping unreadable completion file %s: %s", checkpoint, path, error
+                )
+                result.unreadable.append(UnreadableFile(path=str(path), error=error))
+                continue
+            result.origins.append(path.name[: -len(FILE_SUFFIX)])
+            result.hashes.append(hashes)
+            result.files.append(str(path))
+        return result
+
+    def contains(self, checkpoint: str, origin: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether ``<origin>.mdb`` of the checkpoint holds each key (a file that cannot be read,
+        or is missing, holds none)."""
+        self._handles.check_open()
+        path = self._lookup_paths.get((checkpoint, origin))
+        if path is None:  # resolving the folder costs more than the lookups it serves
+            if len(self._lookup_paths) >= 4096:
+                self._lookup_paths.clear()
+            path = self._writer_file(self._folder(checkpoint), origin)
+            self._lookup_paths[checkpoint, origin] = path
+        return self._reads.contains(path, keys)
+
+    def keys_after(
+        self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
+    ) -> tuple[list[bytes], bool]:
+        """Up to ``limit`` distinct keys of these files greater than ``after``, in key order, and
+        whether that is all of them."""
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        paths = [self._writer_file(folder, origin) for origin in origins]
+        per_file = max(64, 2 * limit // max(1, len(paths)) + 16)
+        out: list[bytes] = []
+        cursor = after
+        while True:
+            found: set[bytes] = set()
+            frontier: bytes | None = None
+            for path in paths:
+                keys, more = self._reads.keys_after(path, cursor, per_file)
+                found.update(keys)
+                if more and (frontier is None or keys[-1] < frontier):
+                    frontier = keys[-1]
+            chunk = sorted(k for k in found if frontier is None or k <= frontier)
+            out.extend(chunk)
+            if frontier is None:
+                return out[:limit], len(out) <= limit
+            if len(out) > limit:
+                return out[:limit], False
+            cursor = frontier
+
+    def keys_matching(
+        self, checkpoint: str, origins: Sequence[str], wanted: Callable[[bytes], bool]
+    ) -> list[bytes]:
+        """Every key of these files for which ``wanted`` is true (each file read in full)."""
+        self._handles.check_open()
+        folder = self._folder(checkpoint)
+        found: list[bytes] = []
+        for origin in origins:
+            found += self._reads.keys_matching(self._writer_file(folder, origin), wanted)
+        return found
 
     # ----------------------------------------------------------------- writes
 
@@ -322,7 +417,10 @@ class LmdbCompletionStore:
         ``trash`` calls it before moving the folder, or later puts would land in the moved files
         through the open handles.
         """
-        self._handles.drop_folder(self._folder(checkpoint))
+        folder = self._folder(checkpoint)
+        self._lookup_paths.clear()
+        self._handles.drop_folder(folder)
+        self._reads.drop_folder(folder)
 
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
         """Move the checkpoint's metadata folder to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
@@ -338,6 +436,7 @@ class LmdbCompletionStore:
 
     def close(self) -> None:
         """Close every cached file handle; the store refuses further calls. Idempotent."""
+        self._reads.close()
         self._handles.close()
         self._pool.shutdown(wait=True)
 

@@ -1,0 +1,242 @@
+"""A compact index of completed ids: sorted 64-bit hashes, each tagged with the file holding its id.
+
+About 10 bytes per id instead of a Python ``str`` in a ``dict`` (about 100). A hash says "maybe";
+only a lookup of the id itself in the file the entry names says "yes" (the caller's job, see
+:class:`tally_server.domain.checkpoint.CompletedSet`), so a collision never completes anything.
+
+Layout: one sorted ``uint64`` array; each entry is the top ``64 - origin_bits`` bits of the id's
+hash with the index of its file (its *origin*) in the low ``origin_bits``. Sorting that one array
+sorts hashes and keeps their origins beside them for free. Two small helpers make lookups cheap:
+
+- a directory of where each run of the top ``k`` hash bits starts (about 0.5 byte per id), so a
+  batch lookup is a few vectorised bisection steps inside a bucket of a dozen entries, all in cache;
+- a bitmap of the hash bits (at most 1 byte per id) answering most single misses in a few
+  hundred nanoseconds without touching the big array (a writer's ledger asks one id at a time).
+
+The hash is Python's own ``hash()`` of the id's UTF-8 bytes: the fastest one at hand (C, and cached
+on ``str`` objects), salted per process, which is fine because the index never leaves memory.
+For an ASCII ``str``, CPython hashes the same bytes as for the equal ``bytes``, so asking about an
+ASCII id needs no encoding (checked once at import; otherwise every id is encoded first).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+M64 = (1 << 64) - 1
+# Origins the entry layout has room for before it grows (the bits come out of the hash).
+MIN_ORIGIN_BITS = 8
+_STR_HASH_IS_BYTES_HASH = hash("tally-ascii-id") == hash(b"tally-ascii-id")
+
+
+class Hasher:
+    """Hashes ids (``str``) and file keys (their UTF-8 ``bytes``) alike, to 64 bits.
+
+    ``key_hash`` replaces Python's ``hash`` (tests inject one that collides on purpose).
+    """
+
+    def __init__(self, key_hash: Callable[[bytes], int] | None = None) -> None:
+        self._custom = key_hash
+        self._fast_str = key_hash is None and _STR_HASH_IS_BYTES_HASH
+
+    def of_key(self, key: bytes) -> int:
+        return (hash(key) if self._custom is None else self._custom(key)) & M64
+
+    def of_id(self, source_id: str) -> int:
+        if self._fast_str and source_id.isascii():
+            return hash(source_id) & M64
+        return self.of_key(source_id.encode())
+
+    def of_keys(self, keys: Iterable[bytes], count: int = -1) -> U64:
+        if self._custom is None:
+            return np.fromiter(map(hash, keys), dtype=np.int64, count=count).view(np.uint64)
+        return np.fromiter(map(self.of_key, keys), dtype=np.uint64, count=count)
+
+    def of_ids(self, ids: Sequence[str]) -> U64:
+        if self._fast_str and all(map(str.isascii, ids)):
+            return np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids)).view(np.uint64)
+        return np.fromiter(map(self.of_id, ids), dtype=np.uint64, count=len(ids))
+
+
+def origin_bits_for(origins: int) -> int:
+    return max(MIN_ORIGIN_BITS, (max(origins, 1) - 1).bit_length())
+
+
+def prefix_mask(origin_bits: int, origins: int) -> int:
+    """The hash bits an entry keeps once ``origins`` origins need room (never fewer than now)."""
+    return M64 ^ ((1 << max(origin_bits, origin_bits_for(origins))) - 1)
+
+
+class CompactIndex:
+    """Immutable sorted entries (hash prefix | origin), with an optional sequence per entry.
+
+    Args:
+        entries: sorted ``uint64`` entries.
+        origin_bits: how many low bits of an entry name its origin.
+        seqs: the completion sequence of each entry (None: all 0, which is what a load gives).
+        count: how many distinct ids the entries stand for (an id in two files has two entries).
+    """
+
+    def __init__(
+        self, entries: U64, origin_bits: int, seqs: npt.NDArray[np.uint32] | None, count: int
+    ) -> None:
+        self.entries = entries
+        self.origin_bits = origin_bits
+        self.seqs = seqs
+        self.count = count
+        self._mask = (1 << origin_bits) - 1
+        self._prefix_mask = M64 ^ self._mask
+        n = len(entries)
+        k = max(1, (n // 16).bit_length())  # buckets of 8 to 16 entries on average
+        self._shift = 64 - k
+        tops = (entries >> np.uint64(self._shift)).astype(np.intp)
+        self._dir = np.zeros((1 << k) + 1, dtype=np.uint32)
+        np.cumsum(np.bincount(tops, minlength=1 << k), out=self._dir[1:])
+        del tops
+        self._steps = int(np.diff(self._dir).max()).bit_length() if n else 0
+        # 4 to 8 bits per id, indexed by the top hash bits: the entries set them in order.
+        log_bits = max(6, (8 * n).bit_length() - 1)
+        self._bit_shift = 64 - log_bits
+        flags = np.zeros(1 << log_bits, dtype=bool)
+        flags[(entries >> np.uint64(self._bit_shift)).astype(np.intp)] = True
+        self._bitmap = np.packbits(flags, bitorder="little").tobytes()
+        del flags
+        self._entries_mv = entries.data
+        self._dir_mv = self._dir.data
+
+    @classmethod
+    def build(cls, per_origin: Sequence[U64], origin_bits: int | None = None) -> CompactIndex:
+        """The index of ``per_origin[i]``, the sorted full hashes of the ids origin ``i`` holds.
+
+        ``count`` assumes that entries sharing a hash prefix are one id held by several origins;
+        :meth:`shared_prefixes` lists them for a caller that can tell (see the store's loader).
+        """
+        bits = origin_bits_for(len(per_origin)) if origin_bits is None else origin_bits
+        prefix = np.uint64(M64 ^ ((1 << bits) - 1))
+        parts = [(h & prefix) | np.uint64(i) for i, h in enumerate(per_origin)]
+        entries = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+        del parts
+        entries.sort(kind="stable")  # a merge of the sorted runs (tagging keeps each one sorted)
+        n = len(entries)
+        count = n
+        if n > 1:
+            prefixes = entries & prefix
+            count = int(np.count_nonzero(prefixes[1:] != prefixes[:-1])) + 1
+        return cls(entries, bits, None, count)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        seqs = self.seqs.nbytes if self.seqs is not None else 0
+        return self.entries.nbytes + self._dir.nbytes + len(self._bitmap) + seqs
+
+    def shared_prefixes(self) -> U64:
+        """Hash prefixes held by more than one entry (an id in several files, or a collision)."""
+        prefixes = self.entries & np.uint64(self._prefix_mask)
+        same = prefixes[1:] == prefixes[:-1]
+        return np.unique(prefixes[1:][same])
+
+    def prefix(self, h: int) -> int:
+        return h & self._prefix_mask
+
+    def origin(self, i: int) -> int:
+        return int(self._entries_mv[i]) & self._mask
+
+    def seq(self, i: int) -> int:
+        return 0 if self.seqs is None else int(self.seqs[i])
+
+    def candidates(self, h: int) -> Iterator[int]:
+        """Indices of the entries whose hash prefix is that of ``h`` (usually none or one)."""
+        bit = h >> self._bit_shift
+        if not (self._bitmap[bit >> 3] >> (bit & 7)) & 1:
+            return
+        p = h & self._prefix_mask
+        top = p >> self._shift
+        entries = self._entries_mv
+        i = bisect.bisect_left(entries, p, self._dir_mv[top], self._dir_mv[top + 1])
+        n = len(entries)
+        while i < n and entries[i] & self._prefix_mask == p:
+            yield i
+            i += 1
+
+    def first_many(self, hashes: U64) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+        """For each hash: the index of the first entry with its prefix, and whether there is one."""
+        n = len(self.entries)
+        if n == 0 or len(hashes) == 0:
+            return np.zeros(len(hashes), dtype=np.intp), np.zeros(len(hashes), dtype=bool)
+        p = hashes & np.uint64(self._prefix_mask)
+        top = (p >> np.uint64(self._shift)).astype(np.intp)
+        lo = self._dir[top].astype(np.intp)
+        hi = self._dir[top + 1].astype(np.intp)
+        entries = self.entries
+        for _ in range(self._steps):
+            active = lo < hi
+            mid = (lo + hi) >> 1
+            right = entries[np.minimum(mid, n - 1)] < p
+            lo = np.where(active & right, mid + 1, lo)
+            hi = np.where(active & ~right, mid, hi)
+        at = np.minimum(lo, n - 1)
+        found = (lo < n) & ((entries[at] & np.uint64(self._prefix_mask)) == p)
+        return at, found
+
+    def merged(
+        self,
+        hashes: U64,
+        origins: npt.NDArray[np.uint32],
+        seqs: npt.NDArray[np.uint64],
+        *,
+        origin_count: int,
+        added: int,
+        settled: int,
+    ) -> CompactIndex:
+        """A new index with these entries added (``added`` new distinct ids).
+
+        Sequences at or below ``settled`` (no view can tell them apart any more) are stored as 0;
+        when all are, no sequence array is kept at all.
+        """
+        bits = max(self.origin_bits, origin_bits_for(origin_count))
+        entries, old_seqs = self.entries, self.seqs
+        if bits != self.origin_bits:  # more origins than the layout had room for: repack
+            low = entries & np.uint64(self._mask)
+            entries = (entries >> np.uint64(bits) << np.uint64(bits)) | low
+            order = np.argsort(entries, kind="stable")
+            entries = entries[order]
+            old_seqs = old_seqs[order] if old_seqs is not None else None
+        prefix = np.uint64(M64 ^ ((1 << bits) - 1))
+        new = (hashes & prefix) | origins.astype(np.uint64)
+        order = np.argsort(new, kind="stable")
+        new, seqs = new[order], seqs[order]
+        at = np.searchsorted(entries, new)
+        out = np.insert(entries, at, new)
+        seqs = np.where(seqs <= settled, 0, seqs)
+        out_seqs: npt.NDArray[np.uint32] | None = None
+        if old_seqs is not None:
+            old_seqs = np.where(old_seqs <= settled, 0, old_seqs)
+        if (old_seqs is not None and old_seqs.any()) or seqs.any():
+            width = (
+                np.uint32
+                if max(int(seqs.max(initial=0)), int(old_seqs.max(initial=0)) if old_seqs is not None else 0)
+                < 1 << 32
+                else np.uint64
+            )
+            base = old_seqs if old_seqs is not None else np.zeros(len(entries), dtype=width)
+            out_seqs = np.insert(base.astype(width), at, seqs.astype(width))
+        return CompactIndex(out, bits, out_seqs, self.count + added)
+
+
+def distinct_count(index: CompactIndex, hasher: Hasher, keys: Iterable[bytes]) -> int:
+    """``index.count`` corrected with ``keys``: every key whose hash prefix several entries share.
+
+    ``build`` counts one id per prefix; two different ids under one prefix (a collision) are two.
+    """
+    seen: dict[int, set[bytes]] = {}
+    for key in keys:
+        seen.setdefault(index.prefix(hasher.of_key(key)), set()).add(key)
+    return index.count + sum(len(ids) - 1 for ids in seen.values())

@@ -1,0 +1,186 @@
+"""Reads of completion files that the compact index needs: hashing every key of a file (a load),
+looking ids up (confirming a hash hit), and listing keys in order (export pages).
+
+Every transaction on a file runs under that file's lock (see ``HandleCache``) and goes through the
+file's write handle when this process holds one open. Otherwise a read-only handle is kept open
+(least recently used first out), reopened when the file at that path changed (a quarantined file
+replaced by a fresh one) or grew past its map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from tally.integrations import nemo_format
+from tally.integrations.nemo_format import READ_ERRORS, describe_error
+from tally_server.domain.compact import U64, Hasher
+from tally_server.store.file_handles import HandleCache, OpenFile
+
+logger = logging.getLogger(__name__)
+
+# Keys hashed per step of a load: a step is also where another thread may take the GIL.
+_LOAD_CHUNK = 1 << 15
+
+
+class FileReads:
+    """Read access to completion files beside the store's write handles."""
+
+    def __init__(self, writes: HandleCache, max_open_files: int) -> None:
+        self._writes = writes
+        self._readers = HandleCache(max_open_files, locks=writes)
+        self._inodes: dict[Path, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        self._readers.close()
+
+    def drop_folder(self, folder: Path) -> None:
+        self._readers.drop_folder(folder)
+
+    @contextlib.contextmanager
+    def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
+        """Like ``_txn``, but through a handle closed afterwards: a walk of every page must not
+        leave the file mapped (its pages would count as the server's resident memory)."""
+        with self._writes.lock(path):
+            handle = self._writes.get(path)
+            if handle is not None:
+                with handle.env.begin(db=handle.db) as txn:
+                    yield txn, handle.db
+                return
+            if not os.path.lexists(path):
+                yield None
+                return
+            env = nemo_format.open_env(path, write=False)
+            try:
+                db = nemo_format.open_completed_db(env)
+                if db is None:
+                    yield None
+                    return
+                with env.begin(db=db) as txn:
+                    yield txn, db
+            finally:
+                env.close()
+
+    @contextlib.contextmanager
+    def _txn(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
+        """A read transaction on ``path`` and its database, under the file's lock; None if the
+        file is missing or holds no ``completed_sources`` database.
+
+        Raises:
+            READ_ERRORS: the file cannot be read.
+        """
+        with self._writes.lock(path):
+            handle = self._writes.get(path)
+            if handle is None:
+                handle = self._reader(path)
+            if handle is None:
+                yield None
+                return
+            try:
+                txn = handle.env.begin(db=handle.db)
+            except lmdb.MapResizedError:  # the file grew past this read handle's map
+                self._readers.forget(path)
+                handle = self._reader(path)
+                if handle is None:
+                    yield None
+                    return
+                txn = handle.env.begin(db=handle.db)
+            with txn:
+                yield txn, handle.db
+
+    def _reader(self, path: Path) -> OpenFile | None:
+        """The read-only handle of ``path`` (the caller holds its lock), opened if needed."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self._readers.forget(path)
+            return None
+        cached = self._readers.get(path)
+        if cached is not None and self._inodes.get(path) == (st.st_dev, st.st_ino):
+            return cached
+        self._readers.forget(path)
+        env = nemo_format.open_env(path, write=False, readahead=False)
+        try:
+            db = nemo_format.open_completed_db(env)
+        except BaseException:
+            env.close()
+            raise
+        if db is None:
+            env.close()
+            return None
+        handle = OpenFile(env=env, db=db)
+        self._inodes[path] = (st.st_dev, st.st_ino)
+        self._readers.put(path, handle)
+        return handle
+
+    def hash_keys(self, path: Path, hasher: Hasher) -> U64:
+        """The hash of every key in the file: a full cursor walk, so damaged pages raise here.
+
+        Raises:
+            READ_ERRORS: the file cannot be read (a key that is not UTF-8 counts as damage).
+        """
+        parts: list[U64] = []
+        with self._walk(path) as opened:
+            if opened is None:
+                return np.empty(0, dtype=np.uint64)
+            txn, db = opened
+            with txn.cursor(db=db) as cursor:
+                keys = cursor.iternext(keys=True, values=False)
+                while chunk := list(itertools.islice(keys, _LOAD_CHUNK)):
+                    if not b"".join(chunk).isascii():
+                        for key in chunk:
+                            key.decode()
+                    parts.append(hasher.of_keys(chunk, len(chunk)))
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+
+    def keys_matching(self, path: Path, wanted: Callable[[bytes], bool]) -> list[bytes]:
+        """The keys of the file for which ``wanted`` is true (unreadable file: none)."""
+        try:
+            with self._walk(path) as opened:
+                if opened is None:
+                    return []
+                txn, db = opened
+                with txn.cursor(db=db) as cursor:
+                    return [k for k in cursor.iternext(keys=True, values=False) if wanted(k)]
+        except READ_ERRORS as exc:
+            logger.warning("cannot read completion file %s: %s", path, describe_error(exc, path))
+            return []
+
+    def contains(self, path: Path, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the file holds each key; a file that cannot be read holds none."""
+        try:
+            with self._txn(path) as opened:
+                if opened is None:
+                    return [False] * len(keys)
+                txn, db = opened
+                return [txn.get(key, db=db) is not None for key in keys]
+        except READ_ERRORS as exc:
+            logger.warning("cannot read completion file %s: %s", path, describe_error(exc, path))
+            return [False] * len(keys)
+
+    def keys_after(self, path: Path, after: bytes, limit: int) -> tuple[list[bytes], bool]:
+        """Up to ``limit`` keys greater than ``after`` in key order, and whether more follow."""
+        try:
+            with self._txn(path) as opened:
+                if opened is None:
+                    return [], False
+                txn, db = opened
+                with txn.cursor(db=db) as cursor:
+                    if not cursor.set_range(after):
+                        return [], False
+                    keys = cursor.iternext(keys=True, values=False)
+                    out = list(itertools.islice(keys, limit + 2))
+        except READ_ERRORS as exc:
+            logger.warning("cannot read completion file %s: %s", path, describe_error(exc, path))
+            return [], False
+        if out and out[0] == after:
+            del out[0]
+        return out[:limit], len(out) > limit

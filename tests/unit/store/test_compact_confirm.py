@@ -1,0 +1,63 @@
+"""Hash hits are confirmed in the files: with a hash under which every id collides, nothing that is
+not in a completion file is ever reported completed, and the count stays exact."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from tally_server.domain.checkpoint import CompletedSet
+from tally_server.domain.compact import CompactIndex, Hasher, distinct_count
+from tally_server.domain.ports import DeleteCompleted, PutCompleted
+from tally_server.store.lmdb_files import LmdbCompletionStore
+
+EVERYTHING_COLLIDES = Hasher(lambda key: 0x5EED)
+
+
+def loaded(store: LmdbCompletionStore, name: str, hasher: Hasher) -> CompletedSet:
+    """What the service does when it loads a checkpoint (CheckpointTable._read_index)."""
+    found = store.load_index(name, hasher)
+    index = CompactIndex.build(found.hashes)
+    shared = set(index.shared_prefixes().tolist())
+    keys = store.keys_matching(name, found.origins, lambda k: index.prefix(hasher.of_key(k)) in shared)
+    index.count = distinct_count(index, hasher, keys)
+    return CompletedSet(
+        index=index, origins=found.origins, confirm=functools.partial(store.contains, name), hasher=hasher
+    )
+
+
+def test_a_colliding_hash_never_completes_a_source_no_file_holds(tmp_path: Path) -> None:
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", "w1", ["a", "b"]), PutCompleted("run", "w2", ["c", "a"])])
+        completed = loaded(store, "run", EVERYTHING_COLLIDES)
+        asked = ["a", "b", "c", "x", "é", "w1"]
+        assert completed.contains_many(asked) == [True, True, True, False, False, False]
+        assert [sid in completed for sid in asked] == [True, True, True, False, False, False]
+        assert len(completed) == 3  # "a" is in two files and counts once
+        before = completed.as_of_now()
+        assert [before(sid) for sid in asked] == [True, True, True, False, False, False]
+
+        # A completion committed to w1 (whose entries all share its hash) joins once made durable,
+        # invisible to the view taken before it, as with any other hash.
+        store.commit([PutCompleted("run", "w1", ["x"])])
+        completed.add(["x"], "w1")
+        completed.merge()
+        assert "x" in completed and not before("x")
+        assert len(completed) == 4
+
+        # Un-completed: gone at once, and for good once the delete reached the files.
+        assert completed.discard("b")
+        store.commit([DeleteCompleted("run", ["b"])])
+        completed.merge()
+        assert completed.contains_many(asked) == [True, False, True, True, False, False]
+        assert len(completed) == 3
+
+
+def test_a_reload_under_a_colliding_hash_gives_the_same_answers(tmp_path: Path) -> None:
+    ids = [f"source-{i}" for i in range(50)]
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", f"w{i % 3}", ids[i::3]) for i in range(3)])
+        for hasher in (Hasher(), EVERYTHING_COLLIDES):
+            completed = loaded(store, "run", hasher)
+            assert len(completed) == len(ids)
+            assert completed.contains_many([*ids, "source-50", "nope"]) == [True] * len(ids) + [False, False]
