@@ -383,3 +383,16 @@ def test_load_runs_concurrently_with_commit(store: LmdbCompletionStore) -> None:
     assert errors == []
     assert seen == sorted(seen)  # each load reads every file later than the one before
     assert store.load("run").completed == {sid for batch in batches for sid in batch}
+
+
+def test_a_file_looked_up_after_a_restart_can_be_written_again(data_dir: Path) -> None:
+    # A lookup (confirming a hash hit) opens the file read-only; a later commit to the same file
+    # must not fail with LMDB's "already open in this process" (it did after a restart: the
+    # restored writer's file was looked up before the writer's next completion).
+    with LmdbCompletionStore(data_dir) as before:
+        before.commit([PutCompleted("run", "w", ["a"])])
+    with LmdbCompletionStore(data_dir) as after:  # a new process: no write handle open yet
+        assert after.contains("run", "w", [b"a", b"b"]) == [True, False]
+        after.commit([PutCompleted("run", "w", ["b"])])
+        assert after.contains("run", "w", [b"a", b"b"]) == [True, True]
+        assert after.load("run").completed == {"a", "b"}

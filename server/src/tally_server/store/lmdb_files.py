@@ -365,6 +365,9 @@ class LmdbCompletionStore:
             if not create:
                 return None
             self._create(path)
+        # LMDB refuses a second handle on a file this process has open: a read-only handle kept
+        # for lookups goes first (reads go through the write handle from now on).
+        self._reads.forget(path)
         env = nemo_format.open_env(path, write=True, map_size=self._map_size)
         try:
             db = nemo_format.open_completed_db(env, create=create)

@@ -43,7 +43,12 @@ class FileReads:
         self._readers.close()
 
     def drop_folder(self, folder: Path) -> None:
+        """Close every read handle of a file in ``folder`` (before the folder is moved)."""
         self._readers.drop_folder(folder)
+
+    def forget(self, path: Path) -> None:
+        """Close the read handle of ``path``, if one is open; the caller holds the file's lock."""
+        self._readers.forget(path)
 
     @contextlib.contextmanager
     def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
