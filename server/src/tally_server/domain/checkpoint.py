@@ -233,8 +233,10 @@ class CompletedSet:
         self._merge_at = max(self._merge_at, self._index.count // 32)
 
     def estimated_bytes(self) -> int:
-        """Roughly what the set holds in memory: the compact index, and each id of the overlay and
-        the tombstones as a str in its dict or set."""
+        """Roughly how many bytes the set holds in memory.
+
+        The compact index, and each id of the overlay and the tombstones as a str in its dict or set.
+        """
         size = self._index.nbytes if self._index is not None else 0
         size += len(self._overlay) * _BYTES_PER_OVERLAY_ID + self._id_chars
         size += len(self._tombstones) * _BYTES_PER_TOMBSTONE + self._tomb_chars

@@ -45,25 +45,30 @@ class Hasher:
         self._fast_str = key_hash is None and _STR_HASH_IS_BYTES_HASH
 
     def of_key(self, key: bytes) -> int:
+        """The 64-bit hash of one id's UTF-8 bytes."""
         return (hash(key) if self._custom is None else self._custom(key)) & M64
 
     def of_id(self, source_id: str) -> int:
+        """The hash of one id, equal to ``of_key`` of its UTF-8 bytes (without encoding ASCII)."""
         if self._fast_str and source_id.isascii():
             return hash(source_id) & M64
         return self.of_key(source_id.encode())
 
     def of_keys(self, keys: Iterable[bytes], count: int = -1) -> U64:
+        """The hashes of many UTF-8 ids, as an array (``count``: how many, if known)."""
         if self._custom is None:
             return np.fromiter(map(hash, keys), dtype=np.int64, count=count).view(np.uint64)
         return np.fromiter(map(self.of_key, keys), dtype=np.uint64, count=count)
 
     def of_ids(self, ids: Sequence[str]) -> U64:
+        """The hashes of many ids, as an array (the same values as ``of_keys``)."""
         if self._fast_str and all(map(str.isascii, ids)):
             return np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids)).view(np.uint64)
         return np.fromiter(map(self.of_id, ids), dtype=np.uint64, count=len(ids))
 
 
 def origin_bits_for(origins: int) -> int:
+    """How many low bits of an entry name its file, for ``origins`` files."""
     return max(MIN_ORIGIN_BITS, (max(origins, 1) - 1).bit_length())
 
 
@@ -134,6 +139,7 @@ class CompactIndex:
 
     @property
     def nbytes(self) -> int:
+        """The memory the index's arrays take."""
         seqs = self.seqs.nbytes if self.seqs is not None else 0
         return self.entries.nbytes + self._dir.nbytes + len(self._bitmap) + seqs
 
@@ -144,12 +150,15 @@ class CompactIndex:
         return np.unique(prefixes[1:][same])
 
     def prefix(self, h: int) -> int:
+        """The part of hash ``h`` the index keeps (the rest of an entry names its file)."""
         return h & self._prefix_mask
 
     def origin(self, i: int) -> int:
+        """The file (origin number) of entry ``i``."""
         return int(self._entries_mv[i]) & self._mask
 
     def seq(self, i: int) -> int:
+        """The completion sequence of entry ``i`` (0: loaded from the files)."""
         return 0 if self.seqs is None else int(self.seqs[i])
 
     def candidates(self, h: int) -> Iterator[int]:

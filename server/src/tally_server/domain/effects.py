@@ -52,8 +52,7 @@ def settle_all(ledger: WriterLedger) -> list[str]:
 
 
 def made_durable(completed: CompletedSet, sources: Iterable[str], origin: str | None = None) -> None:
-    """The commit of ``sources`` (to ``origin``'s file) is durable: from now on everyone sees them
-    completed."""
+    """The commit of ``sources`` (to ``origin``'s file) is durable: everyone sees them completed."""
     completed.add(sources, origin)
 
 

@@ -126,8 +126,10 @@ class CompletionStore(Protocol):
     def keys_after(
         self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
     ) -> tuple[list[bytes], bool]:
-        """Up to ``limit`` distinct keys of these files after ``after`` in key order; and whether
-        those are the last."""
+        """Up to ``limit`` distinct keys of these files after ``after``, in key order.
+
+        Also says whether those are the last.
+        """
         ...
 
     def keys_matching(

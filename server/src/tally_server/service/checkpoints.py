@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def release_freed_memory() -> None:
-    """Give the heap a load freed back to the system (glibc keeps it otherwise: the keys read
-    while hashing would stay resident, several times the index itself)."""
+    """Give the heap a load freed back to the system.
+
+    glibc keeps it otherwise: the keys read while hashing would stay resident, several times the
+    index itself.
+    """
     if _malloc_trim is not None:
         _malloc_trim(0)
 

@@ -189,8 +189,10 @@ class LmdbCompletionStore:
         return result
 
     def contains(self, checkpoint: str, origin: str, keys: Sequence[bytes]) -> list[bool]:
-        """Whether ``<origin>.mdb`` of the checkpoint holds each key (a file that cannot be read,
-        or is missing, holds none)."""
+        """Whether ``<origin>.mdb`` of the checkpoint holds each key.
+
+        A file that cannot be read, or is missing, holds none.
+        """
         self._handles.check_open()
         path = self._lookup_paths.get((checkpoint, origin))
         if path is None:  # resolving the folder costs more than the lookups it serves
@@ -203,8 +205,10 @@ class LmdbCompletionStore:
     def keys_after(
         self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
     ) -> tuple[list[bytes], bool]:
-        """Up to ``limit`` distinct keys of these files greater than ``after``, in key order, and
-        whether that is all of them."""
+        """Up to ``limit`` distinct keys of these files greater than ``after``, in key order.
+
+        Also says whether that is all of them.
+        """
         self._handles.check_open()
         folder = self._folder(checkpoint)
         paths = [self._writer_file(folder, origin) for origin in origins]

@@ -1,5 +1,7 @@
-"""Reads of completion files that the compact index needs: hashing every key of a file (a load),
-looking ids up (confirming a hash hit), and listing keys in order (export pages).
+"""Reads of completion files that the compact index needs.
+
+Hashing every key of a file (a load), looking ids up (confirming a hash hit), and listing keys in
+order (export pages).
 
 Every transaction on a file runs under that file's lock (see ``HandleCache``) and goes through the
 file's write handle when this process holds one open. Otherwise a read-only handle is kept open
@@ -40,6 +42,7 @@ class FileReads:
         self._inodes: dict[Path, tuple[int, int]] = {}
 
     def close(self) -> None:
+        """Close every read handle."""
         self._readers.close()
 
     def drop_folder(self, folder: Path) -> None:
@@ -52,8 +55,11 @@ class FileReads:
 
     @contextlib.contextmanager
     def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
-        """Like ``_txn``, but through a handle closed afterwards: a walk of every page must not
-        leave the file mapped (its pages would count as the server's resident memory)."""
+        """Like ``_txn``, but through a handle closed afterwards.
+
+        A walk of every page must not leave the file mapped (its pages would count as the server's
+        resident memory).
+        """
         with self._writes.lock(path):
             handle = self._writes.get(path)
             if handle is not None:
@@ -76,8 +82,9 @@ class FileReads:
 
     @contextlib.contextmanager
     def _txn(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
-        """A read transaction on ``path`` and its database, under the file's lock; None if the
-        file is missing or holds no ``completed_sources`` database.
+        """A read transaction on ``path`` and its database, under the file's lock.
+
+        None if the file is missing or holds no ``completed_sources`` database.
 
         Raises:
             READ_ERRORS: the file cannot be read.
