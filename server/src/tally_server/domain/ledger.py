@@ -115,6 +115,8 @@ class WriterLedger:
         result = BatchResult()
         counts = result.counts
         pending, applied, settling = self.pending, self.applied, self.settling
+        own_completed, uncompleted = self.own_completed, self.uncompleted
+        before_open = self._completed_before_open
         # Insertion-ordered set of sources whose count must be re-examined at the end of the batch.
         recheck: dict[str, None] = {}
         for task_id, sid, d in batch:
@@ -122,24 +124,22 @@ class WriterLedger:
                 del settling[sid]  # any delta cancels the settle; re-examined below
                 recheck[sid] = None
             existing = applied.get(task_id)
-            if existing is not None:
-                if existing == d:
-                    counts.skipped += 1
-                    continue
-                if self.is_completed(sid):
-                    self._anomaly(result, task_id, sid, existing, d)
-                    continue
-                applied[task_id] = d
-                pending[sid] = pending.get(sid, 0) - existing + d
-                counts.rewritten += 1
-            else:
-                if self.is_completed(sid):
-                    self._anomaly(result, task_id, sid, None, d)
-                    continue
-                applied[task_id] = d
-                pending[sid] = pending.get(sid, 0) + d
+            if existing == d:
+                counts.skipped += 1
+                continue
+            # self.is_completed(sid), spelled out: it runs for every delta.
+            if sid in own_completed or (sid not in uncompleted and before_open(sid)):
+                self._anomaly(result, task_id, sid, existing, d)
+                continue
+            applied[task_id] = d
+            if existing is None:
+                count = pending.get(sid, 0) + d
                 counts.applied += 1
-            if pending[sid] == 0:
+            else:
+                count = pending.get(sid, 0) - existing + d
+                counts.rewritten += 1
+            pending[sid] = count
+            if not count:
                 recheck[sid] = None
         # The anchor completes a source that touched zero anywhere in the batch, even if a later
         # delta of the same batch moved it again (and then loses that count). Tally completes only

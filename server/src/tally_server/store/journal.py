@@ -160,7 +160,8 @@ def encode_entry(entry: Entry) -> bytes:
     out = bytearray()
     if isinstance(entry, Applied):
         out += b"A" + _SEQ.pack(entry.seq)
-        tasks, sources, deltas = zip(*entry.deltas, strict=True) if entry.deltas else ((), (), ())
+        rows = entry.deltas
+        tasks, sources, deltas = [t for t, _, _ in rows], [s for _, s, _ in rows], [d for _, _, d in rows]
         _pack_strs(out, tasks)
         _pack_strs(out, sources)
         _pack_ints(out, deltas)
@@ -220,9 +221,16 @@ def _pack_counts(counts: ApplyCounts) -> bytes:
 
 
 def _pack_strs(out: bytearray, values: Iterable[str]) -> None:
-    encoded = [v.encode() for v in values]
-    lengths = array("I", map(len, encoded))
-    out += struct.pack("<I", len(lengths)) + lengths.tobytes() + b"".join(encoded)
+    values = values if isinstance(values, list | tuple) else list(values)
+    joined = "".join(values)
+    if joined.isascii():  # one character, one byte: no need to encode each string on its own
+        lengths = array("I", map(len, values))
+        blob = joined.encode()
+    else:
+        encoded = [v.encode() for v in values]
+        lengths = array("I", map(len, encoded))
+        blob = b"".join(encoded)
+    out += struct.pack("<I", len(lengths)) + lengths.tobytes() + blob
 
 
 def _pack_ints(out: bytearray, values: Sequence[int]) -> None:
