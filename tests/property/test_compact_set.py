@@ -111,7 +111,9 @@ class CompactSetMachine(RuleBasedStateMachine):
         assert [sid in self.compact for sid in IDS] == live
         assert self.compact.contains_many(IDS) == live
         for compact_view, model_view in self.views:
-            assert [compact_view(sid) for sid in IDS] == [model_view(sid) for sid in IDS]
+            expected = [model_view(sid) for sid in IDS]
+            assert [compact_view(sid) for sid in IDS] == expected
+            assert compact_view.many(IDS) == expected  # type: ignore[attr-defined]
 
 
 TestCompactSet = CompactSetMachine.TestCase

@@ -283,6 +283,16 @@ class _View:
         seq = s._indexed_seq(source_id)
         return seq is not None and seq <= self.cutoff
 
+    def many(self, source_ids: Sequence[str]) -> list[bool]:
+        """``[self(sid) for sid in source_ids]``, vectorised over the index.
+
+        Only ids in the set now can have counted at ``cutoff`` (a discard hides an id from every
+        view), so the set's vectorised membership test decides the rest; the few members are asked
+        one by one for their sequence.
+        """
+        members = self._set.contains_many(source_ids)
+        return [member and self(sid) for sid, member in zip(source_ids, members, strict=True)]
+
 
 class WriterState(StrEnum):
     """Where a writer is in its life (the wire carries the value)."""
