@@ -61,3 +61,19 @@ def test_a_reload_under_a_colliding_hash_gives_the_same_answers(tmp_path: Path) 
             completed = loaded(store, "run", hasher)
             assert len(completed) == len(ids)
             assert completed.contains_many([*ids, "source-50", "nope"]) == [True] * len(ids) + [False, False]
+
+
+def test_files_read_for_lookups_can_still_be_written_and_loaded(tmp_path: Path) -> None:
+    """LMDB opens a file once per process: a handle kept for lookups must give way."""
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", "w1", ["a"])])
+    with LmdbCompletionStore(tmp_path) as store:  # a restarted coordinator: no write handle yet
+        assert store.contains("run", "w1", [b"a", b"b"]) == [True, False]
+        store.commit([PutCompleted("run", "w1", ["b"])])
+        assert store.contains("run", "w1", [b"a", b"b"]) == [True, True]
+    with LmdbCompletionStore(tmp_path) as store:
+        assert store.contains("run", "w1", [b"b"]) == [True]
+        assert store.load("run").completed == {"a", "b"}
+        assert len(loaded(store, "run", Hasher())) == 2
+        store.commit([DeleteCompleted("run", ["a"])])
+        assert store.contains("run", "w1", [b"a", b"b"]) == [False, True]

@@ -158,6 +158,7 @@ class LmdbCompletionStore:
         if cached is not None:
             # Never open a second handle on a file this process holds open for writing.
             return nemo_format.read_ids(cached.env, cached.db)
+        self._reads.forget(path)  # LMDB opens a file once per process
         return nemo_format.read_file(path)
 
     def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
@@ -386,6 +387,7 @@ class LmdbCompletionStore:
             if not create:
                 return None
             self._create(path)
+        self._reads.forget(path)  # LMDB opens a file once per process: the write handle serves reads
         env = nemo_format.open_env(path, write=True, map_size=self._map_size)
         try:
             db = nemo_format.open_completed_db(env, create=create)

@@ -45,6 +45,12 @@ class FileReads:
     def drop_folder(self, folder: Path) -> None:
         self._readers.drop_folder(folder)
 
+    def forget(self, path: Path) -> None:
+        """Close the read handle of ``path`` (the caller holds its lock): LMDB refuses to open a
+        file a second time in one process, so this comes before any other handle on it opens."""
+        self._readers.forget(path)
+        self._inodes.pop(path, None)
+
     @contextlib.contextmanager
     def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
         """Like ``_txn``, but through a handle closed afterwards: a walk of every page must not
@@ -58,6 +64,7 @@ class FileReads:
             if not os.path.lexists(path):
                 yield None
                 return
+            self.forget(path)
             env = nemo_format.open_env(path, write=False)
             try:
                 db = nemo_format.open_completed_db(env)
