@@ -77,3 +77,18 @@ def test_files_read_for_lookups_can_still_be_written_and_loaded(tmp_path: Path) 
         assert len(loaded(store, "run", Hasher())) == 2
         store.commit([DeleteCompleted("run", ["a"])])
         assert store.contains("run", "w1", [b"a", b"b"]) == [False, True]
+
+
+def test_keys_page_through_several_files_in_key_order(tmp_path: Path) -> None:
+    ids = {f"id-{i * 7919 % 1000:04d}" for i in range(300)} | {"é", "a"}
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", f"w{i}", sorted(ids)[i::4] + ["a"]) for i in range(4)])
+        origins = [f"w{i}" for i in range(4)]
+        pages: list[bytes] = []
+        after, last = b"", False
+        while not last:
+            keys, last = store.keys_after("run", origins, after, 7)
+            assert len(keys) <= 7 and (last or len(keys) == 7)
+            pages += keys
+            after = keys[-1] if keys else after
+        assert pages == sorted(s.encode() for s in ids)
