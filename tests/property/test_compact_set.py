@@ -102,6 +102,16 @@ class CompactSetMachine(RuleBasedStateMachine):
     def merge(self) -> None:
         self.compact.merge()
 
+    @rule(sid=st.sampled_from(IDS), reaches_files=st.booleans(), origin=st.sampled_from(ORIGINS))
+    def merge_beside_changes(self, sid: str, reaches_files: bool, origin: str) -> None:
+        # The service builds a merge in a load thread while the set goes on changing.
+        plan = self.compact.plan_merge()
+        self.discard(sid, reaches_files)
+        self.add([sid], origin)
+        self.view()
+        if plan is not None:
+            self.compact.finish_merge(plan, plan.build())
+
     @invariant()
     def agrees(self) -> None:
         if not hasattr(self, "compact"):

@@ -71,3 +71,35 @@ def test_a_call_on_another_checkpoint_answers_while_a_big_one_loads(tmp_path: Pa
             await service.shutdown()
 
     asyncio.run(main())
+
+
+def test_completions_move_into_the_compact_index_in_a_load_thread(tmp_path: Path) -> None:
+    async def main() -> None:
+        service = CoordinatorService(
+            completions=LmdbCompletionStore(tmp_path),
+            journal=LmdbJournal(tmp_path),
+            registry=SqlRegistry(default_sqlite_url(tmp_path)),
+            limits=Limits(),
+            settle_ms=0,
+            lease_ttl_s=10.0,
+            sleep=never,
+        )
+        await service.start()
+        try:
+            await service.import_completed("run", ["a", "b"], import_id="first")
+            table = service._checkpoints
+            completed = table["run"].ids()
+            completed._merge_at = 2  # as if the overlay had grown to 1/32 of a big index
+            view = completed.as_of_now()
+            await service.import_completed("run", ["c", "d"], import_id="second")
+            assert completed.merge_due  # add() leaves the merge to the service
+            await table.merge_overlays()
+            assert not completed.merge_due
+            assert completed.estimated_bytes() < 200  # no id left as a str in the overlay
+            assert await service.are_completed("run", ["a", "b", "c", "d", "e"]) == [True] * 4 + [False]
+            assert [view(s) for s in "abcd"] == [True, True, False, False]  # sequences survived
+            assert (await service.get_checkpoint("run")).completed_count == 4
+        finally:
+            await service.shutdown()
+
+    asyncio.run(main())

@@ -61,3 +61,34 @@ def test_a_reload_under_a_colliding_hash_gives_the_same_answers(tmp_path: Path) 
             completed = loaded(store, "run", hasher)
             assert len(completed) == len(ids)
             assert completed.contains_many([*ids, "source-50", "nope"]) == [True] * len(ids) + [False, False]
+
+
+def test_files_read_for_lookups_can_still_be_written_and_loaded(tmp_path: Path) -> None:
+    """LMDB opens a file once per process: a handle kept for lookups must give way."""
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", "w1", ["a"])])
+    with LmdbCompletionStore(tmp_path) as store:  # a restarted coordinator: no write handle yet
+        assert store.contains("run", "w1", [b"a", b"b"]) == [True, False]
+        store.commit([PutCompleted("run", "w1", ["b"])])
+        assert store.contains("run", "w1", [b"a", b"b"]) == [True, True]
+    with LmdbCompletionStore(tmp_path) as store:
+        assert store.contains("run", "w1", [b"b"]) == [True]
+        assert store.load("run").completed == {"a", "b"}
+        assert len(loaded(store, "run", Hasher())) == 2
+        store.commit([DeleteCompleted("run", ["a"])])
+        assert store.contains("run", "w1", [b"a", b"b"]) == [False, True]
+
+
+def test_keys_page_through_several_files_in_key_order(tmp_path: Path) -> None:
+    ids = {f"id-{i * 7919 % 1000:04d}" for i in range(300)} | {"é", "a"}
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", f"w{i}", sorted(ids)[i::4] + ["a"]) for i in range(4)])
+        origins = [f"w{i}" for i in range(4)]
+        pages: list[bytes] = []
+        after, last = b"", False
+        while not last:
+            keys, last = store.keys_after("run", origins, after, 7)
+            assert len(keys) <= 7 and (last or len(keys) == 7)
+            pages += keys
+            after = keys[-1] if keys else after
+        assert pages == sorted(s.encode() for s in ids)

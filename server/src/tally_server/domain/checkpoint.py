@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
+import numpy.typing as npt
 
 from tally_server.domain import compact
 from tally_server.domain.compact import CompactIndex, Hasher
@@ -65,6 +66,8 @@ class CompletedSet:
         self._merge_at = merge_at or max(50_000, (index.count if index is not None else 0) // 32)
         self._overlay: dict[str, int] = dict.fromkeys(initial, _NO_ORIGIN)
         self._mergeable = 0  # overlay ids with an origin
+        # Set by the service: it runs merges in a load thread (see ``plan_merge``), not in ``add``.
+        self.background_merges = False
         self._tombstones: set[str] = set()
         self._hidden = 0  # tombstones that hide an id of the index (the others hide a mere hash hit)
         self._id_chars = sum(map(len, self._overlay))
@@ -168,7 +171,7 @@ class CompletedSet:
             self._id_chars += len(sid)
             if tag != _NO_ORIGIN and sid not in tombstones:
                 self._mergeable += 1
-        if self._mergeable >= self._merge_at and self._confirm is not None:
+        if self.merge_due and not self.background_merges:
             self.merge()
 
     def discard(self, source_id: str) -> bool:
@@ -191,16 +194,31 @@ class CompletedSet:
         self._hidden += 1
         return True
 
+    @property
+    def merge_due(self) -> bool:
+        """The overlay holds enough ids with a file to merge them into the index."""
+        return self._confirm is not None and self._mergeable >= self._merge_at
+
     def merge(self) -> None:
-        """Move the overlay's ids that have a file into the compact index."""
+        """Move the overlay's ids that have a file into the compact index (at once)."""
+        plan = self.plan_merge()
+        if plan is not None:
+            self.finish_merge(plan, plan.build())
+
+    def plan_merge(self) -> MergePlan | None:
+        """What a merge moves, as it stands now.
+
+        ``MergePlan.build`` (the costly part: a copy of the whole index) may run in another thread
+        while this set goes on changing; then ``finish_merge`` installs the result.
+        """
         overlay, tombstones = self._overlay, self._tombstones
         if self._confirm is None:
-            return  # without files to confirm in, the ids stay as they are
+            return None  # without files to confirm in, the ids stay as they are
         moving = [
             (sid, v) for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
         ]
         if not moving:
-            return
+            return None
         if self._index is None:
             self._index = CompactIndex.build([])
         hashes = self._hasher.of_ids([sid for sid, _ in moving])
@@ -216,17 +234,25 @@ class CompletedSet:
             moving = [m for m, k in zip(moving, keep.tolist(), strict=True) if k]
             hashes = hashes[keep]
             if not moving:
-                return
+                return None
         values = np.fromiter((v for _, v in moving), dtype=np.uint64, count=len(moving))
         origins = (values & np.uint64(_NO_ORIGIN)).astype(np.uint32)
         seqs = values >> np.uint64(_SEQ_SHIFT)
         settled = min((v.cutoff for v in self._views), default=self._seq)
-        self._index = self._index.merged(
-            hashes, origins, seqs, origin_count=len(self._origins), added=len(moving), settled=settled
-        )
-        for sid, _ in moving:
-            del overlay[sid]
-            self._id_chars -= len(sid)
+        return MergePlan(self._index, moving, hashes, origins, seqs, len(self._origins), settled)
+
+    def finish_merge(self, plan: MergePlan, merged: CompactIndex) -> None:
+        """Install ``merged`` (``plan.build()``); the moved ids leave the overlay."""
+        if self._index is not plan.index:
+            return  # another merge came first: this one is moot, its ids are still in the overlay
+        self._index = merged
+        overlay, tombstones = self._overlay, self._tombstones
+        for sid, value in plan.moving:
+            if overlay.get(sid) == value:
+                del overlay[sid]
+                self._id_chars -= len(sid)
+            elif sid in tombstones:
+                self._hidden += 1  # discarded while the merge was built: now it hides an entry
         self._mergeable = sum(
             1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
         )
@@ -262,6 +288,30 @@ class CompletedSet:
     def in_byte_order(self) -> list[bytes]:
         """Every id as UTF-8 in LMDB's key order; only for a set without an index."""
         return sorted(sid.encode() for sid in self.sources())
+
+
+@dataclass
+class MergePlan:
+    """Ids of the overlay on their way into the compact index (see ``CompletedSet.plan_merge``)."""
+
+    index: CompactIndex
+    moving: list[tuple[str, int]]
+    hashes: npt.NDArray[np.uint64]
+    origins: npt.NDArray[np.uint32]
+    seqs: npt.NDArray[np.uint64]
+    origin_count: int
+    settled: int
+
+    def build(self) -> CompactIndex:
+        """The index with the ids added: a copy of it, the costly part (any thread)."""
+        return self.index.merged(
+            self.hashes,
+            self.origins,
+            self.seqs,
+            origin_count=self.origin_count,
+            added=len(self.moving),
+            settled=self.settled,
+        )
 
 
 class _View:

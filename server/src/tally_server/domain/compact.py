@@ -111,6 +111,7 @@ class CompactIndex:
         flags[(entries >> np.uint64(self._bit_shift)).astype(np.intp)] = True
         self._bitmap = np.packbits(flags, bitorder="little").tobytes()
         del flags
+        self._shared: U64 = np.empty(0, dtype=np.uint64)
         self._entries_mv = entries.data
         self._dir_mv = self._dir.data
 
@@ -127,12 +128,13 @@ class CompactIndex:
         entries = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
         del parts
         entries.sort(kind="stable")  # a merge of the sorted runs (tagging keeps each one sorted)
-        n = len(entries)
-        count = n
-        if n > 1:
+        index = cls(entries, bits, None, len(entries))
+        if len(entries) > 1:
             prefixes = entries & prefix
-            count = int(np.count_nonzero(prefixes[1:] != prefixes[:-1])) + 1
-        return cls(entries, bits, None, count)
+            same = prefixes[1:] == prefixes[:-1]
+            index.count -= int(np.count_nonzero(same))
+            index._shared = np.unique(prefixes[1:][same])
+        return index
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -144,10 +146,11 @@ class CompactIndex:
         return self.entries.nbytes + self._dir.nbytes + len(self._bitmap) + seqs
 
     def shared_prefixes(self) -> U64:
-        """Hash prefixes held by more than one entry (an id in several files, or a collision)."""
-        prefixes = self.entries & np.uint64(self._prefix_mask)
-        same = prefixes[1:] == prefixes[:-1]
-        return np.unique(prefixes[1:][same])
+        """Hash prefixes held by more than one entry of a built index.
+
+        An id in several files, or a collision.
+        """
+        return self._shared
 
     def prefix(self, h: int) -> int:
         """The part of hash ``h`` the index keeps (the rest of an entry names its file)."""

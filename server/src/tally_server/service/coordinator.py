@@ -270,6 +270,7 @@ class CoordinatorService:
 
     async def _progress_step(self) -> None:
         self._checkpoints.sample_progress()
+        await self._checkpoints.merge_overlays()
         self._checkpoints.unload_idle()
 
     async def _probe_storage(self) -> None:
