@@ -245,11 +245,13 @@ class CompletedSet:
         self._index = merged
         overlay, tombstones = self._overlay, self._tombstones
         for sid, value in plan.moving:
-            if overlay.get(sid) == value:
+            if sid in tombstones:
+                # Discarded while the merge was built (and maybe completed again since, which
+                # keeps it in the overlay): its tombstone now hides an entry of the index.
+                self._hidden += 1
+            elif overlay.get(sid) == value:
                 del overlay[sid]
                 self._id_chars -= len(sid)
-            elif sid in tombstones:
-                self._hidden += 1  # discarded while the merge was built: now it hides an entry
         self._mergeable = sum(
             1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
         )
