@@ -41,6 +41,12 @@ class CompletedSet:
 
     ``add`` takes the origin (the writer file) the ids were committed to; ids added without one
     (a set built in memory) stay in the overlay.
+
+    Two corners the hashes leave, both needing a 56-bit hash collision with an id of the same
+    file: an id committed but not yet added may read as completed a moment early (it is durable
+    already); and ``add`` cannot tell an id that file held before from a new one, so it relies on
+    writers never completing again into their own file what it holds (the ledger makes that an
+    anomaly), or it would count the id twice.
     """
 
     def __init__(
