@@ -41,6 +41,12 @@ class CompletedSet:
 
     ``add`` takes the origin (the writer file) the ids were committed to; ids added without one
     (a set built in memory) stay in the overlay.
+
+    Two corners the hashes leave, both needing a 56-bit hash collision with an id of the same
+    file: an id committed but not yet added may read as completed a moment early (it is durable
+    already); and ``add`` cannot tell an id that file held before from a new one, so it relies on
+    writers never completing again into their own file what it holds (the ledger makes that an
+    anomaly), or it would count the id twice.
     """
 
     def __init__(
@@ -248,11 +254,13 @@ class CompletedSet:
         self._index = merged
         overlay, tombstones = self._overlay, self._tombstones
         for sid, value in plan.moving:
-            if overlay.get(sid) == value:
+            if sid in tombstones:
+                # Discarded while the merge was built (and maybe completed again since, which
+                # keeps it in the overlay): its tombstone now hides an entry of the index.
+                self._hidden += 1
+            elif overlay.get(sid) == value:
                 del overlay[sid]
                 self._id_chars -= len(sid)
-            elif sid in tombstones:
-                self._hidden += 1  # discarded while the merge was built: now it hides an entry
         self._mergeable = sum(
             1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
         )
