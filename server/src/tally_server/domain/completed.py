@@ -1,0 +1,350 @@
+"""The live completed set of a checkpoint: a compact index of what its files hold, plus what changed since."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from tally_server.domain import compact
+from tally_server.domain.compact import CompactIndex, Hasher
+
+# Measured with tracemalloc on CPython 3.11: a str object is 49 bytes plus its characters, its dict
+# slot about 31, the int beside it about 32; a set slot about 40.
+_BYTES_PER_OVERLAY_ID = 49 + 31 + 32
+_BYTES_PER_TOMBSTONE = 49 + 40
+_SEQ_SHIFT = 32  # an overlay value is (seq << 32) | origin index (_NO_ORIGIN: none)
+_NO_ORIGIN = (1 << 32) - 1
+# Confirms ids: (origin, their UTF-8 keys) -> whether that origin's file holds each (blocking).
+Confirm = Callable[[str, Sequence[bytes]], list[bool]]
+
+
+class CompletedSet:
+    """The live completed set of one checkpoint (§2.4), with a sequence number per completion.
+
+    The sequence lets each writer see "the completed set as it stood when it opened" without
+    copying it: a source counts for that writer if it was completed at or before its open sequence.
+
+    Three parts, so that 10 M ids take about 100 MB rather than 1 GB:
+
+    - ``index``, a :class:`CompactIndex` of what was loaded from the files (and merged since):
+      hashes only, so every hit is confirmed by ``confirm`` looking the id up in the file its entry
+      names; a hash collision therefore never makes a source completed;
+    - an overlay ``dict`` of ids completed since (with their sequence and file), merged into the
+      index once it holds ``merge_at`` ids;
+    - tombstones: ids of the index discarded since (un-completed by an anomaly).
+
+    ``add`` takes the origin (the writer file) the ids were committed to; ids added without one
+    (a set built in memory) stay in the overlay.
+
+    Two corners the hashes leave, both needing a 56-bit hash collision with an id of the same
+    file: an id committed but not yet added may read as completed a moment early (it is durable
+    already); and ``add`` cannot tell an id that file held before from a new one, so it relies on
+    writers never completing again into their own file what it holds (the ledger makes that an
+    anomaly), or it would count the id twice.
+    """
+
+    def __init__(
+        self,
+        initial: Iterable[str] = (),
+        *,
+        index: CompactIndex | None = None,
+        origins: Sequence[str] = (),
+        confirm: Confirm | None = None,
+        hasher: Hasher | None = None,
+        merge_at: int = 0,
+    ) -> None:
+        if index is not None and confirm is None:
+            raise ValueError("an index needs a confirm port")
+        self._seq = 0
+        self._viewed = False  # a view was taken at the current sequence
+        self._views: weakref.WeakSet[_View] = weakref.WeakSet()
+        self._index = index
+        self._origins = list(origins)
+        self._origin_ids = {name: i for i, name in enumerate(self._origins)}
+        self._confirm = confirm
+        self._hasher = hasher or Hasher()
+        self._merge_at = merge_at or max(50_000, (index.count if index is not None else 0) // 32)
+        self._overlay: dict[str, int] = dict.fromkeys(initial, _NO_ORIGIN)
+        self._mergeable = 0  # overlay ids with an origin
+        # Set by the service: it runs merges in a load thread (see ``plan_merge``), not in ``add``.
+        self.background_merges = False
+        self._tombstones: set[str] = set()
+        self._hidden = 0  # tombstones that hide an id of the index (the others hide a mere hash hit)
+        self._id_chars = sum(map(len, self._overlay))
+        self._tomb_chars = 0
+
+    def __contains__(self, source_id: object) -> bool:
+        if not isinstance(source_id, str):
+            return False
+        if source_id in self._overlay:
+            return True
+        if source_id in self._tombstones:
+            return False
+        return self._indexed_seq(source_id) is not None
+
+    def __len__(self) -> int:
+        indexed = self._index.count if self._index is not None else 0
+        return indexed - self._hidden + len(self._overlay)
+
+    @property
+    def origins(self) -> list[str]:
+        """The files (writer ids) whose ids this set holds."""
+        return list(self._origins)
+
+    def _indexed_seq(self, source_id: str, skip_origin: int = -1) -> int | None:
+        """The sequence of ``source_id`` in the index, confirmed in its file; None if absent.
+
+        ``skip_origin``: an origin whose file just received the id (its entries prove nothing).
+        """
+        index = self._index
+        if index is None:
+            return None
+        h = self._hasher.of_id(source_id)
+        key = b""
+        for i in index.candidates(h):
+            origin = index.origin(i)
+            if origin == skip_origin:
+                continue
+            key = key or source_id.encode()
+            assert self._confirm is not None
+            if self._confirm(self._origins[origin], [key])[0]:
+                return index.seq(i)
+        return None
+
+    def contains_many(self, source_ids: Sequence[str]) -> list[bool]:
+        """``[sid in self for sid in source_ids]``, vectorised over the index."""
+        out = [False] * len(source_ids)
+        overlay, tombstones = self._overlay, self._tombstones
+        if overlay or tombstones:
+            rest = []
+            for i, sid in enumerate(source_ids):
+                if sid in overlay:
+                    out[i] = True
+                elif sid not in tombstones:
+                    rest.append(i)
+        else:
+            rest = list(range(len(source_ids)))
+        index = self._index
+        if index is None or not rest or not len(index):
+            return out
+        assert self._confirm is not None
+        asked = [source_ids[i] for i in rest]
+        at, found = index.first_many(self._hasher.of_ids(asked))
+        hits = np.flatnonzero(found)
+        if not len(hits):
+            return out
+        origins = (index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)).tolist()
+        by_origin: dict[int, list[int]] = {}
+        for k, origin in zip(hits.tolist(), origins, strict=True):
+            by_origin.setdefault(origin, []).append(k)
+        for origin, ks in by_origin.items():
+            keys = [asked[k].encode() for k in ks]
+            for k, ok in zip(ks, self._confirm(self._origins[origin], keys), strict=True):
+                if ok:
+                    out[rest[k]] = True
+                else:  # another entry with the same hash prefix may hold it (rare)
+                    out[rest[k]] = self._indexed_seq(asked[k]) is not None
+        return out
+
+    def add(self, sources: Iterable[str], origin: str | None = None) -> None:
+        """``sources`` were committed to ``origin``'s file: they are completed from now on."""
+        if self._viewed:
+            self._seq += 1
+            self._viewed = False
+        if origin is None:
+            tag = _NO_ORIGIN
+        else:
+            tag = self._origin_ids.get(origin, -1)
+            if tag < 0:
+                tag = self._origin_ids[origin] = len(self._origins)
+                self._origins.append(origin)
+        value = (self._seq << _SEQ_SHIFT) | tag
+        overlay, tombstones = self._overlay, self._tombstones
+        for sid in sources:
+            if sid in overlay:
+                continue
+            # The id is in ``origin``'s file already (committed before it is added), so an entry
+            # of that file whose hash matches may be another id: only other files can tell.
+            if sid not in tombstones and self._indexed_seq(sid, skip_origin=tag) is not None:
+                continue
+            overlay[sid] = value
+            self._id_chars += len(sid)
+            if tag != _NO_ORIGIN and sid not in tombstones:
+                self._mergeable += 1
+        if self.merge_due and not self.background_merges:
+            self.merge()
+
+    def discard(self, source_id: str) -> bool:
+        """Drop one completion (an un-complete); returns whether the source was completed."""
+        value = self._overlay.pop(source_id, None)
+        if value is not None:
+            self._id_chars -= len(source_id)
+            if source_id not in self._tombstones and self._confirm is not None:
+                if value & _NO_ORIGIN != _NO_ORIGIN:
+                    self._mergeable -= 1
+                # Its file may hold it until the delete is committed (or for good, if that
+                # fails), and an entry sharing its hash prefix would then confirm it: hide it.
+                self._tombstones.add(source_id)
+                self._tomb_chars += len(source_id)
+            return True
+        if source_id in self._tombstones or self._indexed_seq(source_id) is None:
+            return False
+        self._tombstones.add(source_id)
+        self._tomb_chars += len(source_id)
+        self._hidden += 1
+        return True
+
+    @property
+    def merge_due(self) -> bool:
+        """The overlay holds enough ids with a file to merge them into the index."""
+        return self._confirm is not None and self._mergeable >= self._merge_at
+
+    def merge(self) -> None:
+        """Move the overlay's ids that have a file into the compact index (at once)."""
+        plan = self.plan_merge()
+        if plan is not None:
+            self.finish_merge(plan, plan.build())
+
+    def plan_merge(self) -> MergePlan | None:
+        """What a merge moves, as it stands now.
+
+        ``MergePlan.build`` (the costly part: a copy of the whole index) may run in another thread
+        while this set goes on changing; then ``finish_merge`` installs the result.
+        """
+        overlay, tombstones = self._overlay, self._tombstones
+        if self._confirm is None:
+            return None  # without files to confirm in, the ids stay as they are
+        moving = [
+            (sid, v) for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
+        ]
+        if not moving:
+            return None
+        if self._index is None:
+            self._index = CompactIndex.build([])
+        hashes = self._hasher.of_ids([sid for sid, _ in moving])
+        # An id whose hash prefix another entry has already (or another id merged with it) stays
+        # in the overlay: entries must never leave open which one carries which sequence.
+        _, taken = self._index.first_many(hashes)
+        prefixes = hashes & np.uint64(compact.prefix_mask(self._index.origin_bits, len(self._origins)))
+        _, first, counts = np.unique(prefixes, return_index=True, return_counts=True)
+        alone = np.zeros(len(moving), dtype=bool)
+        alone[first[counts == 1]] = True
+        keep = alone & ~taken
+        if not keep.all():
+            moving = [m for m, k in zip(moving, keep.tolist(), strict=True) if k]
+            hashes = hashes[keep]
+            if not moving:
+                return None
+        values = np.fromiter((v for _, v in moving), dtype=np.uint64, count=len(moving))
+        origins = (values & np.uint64(_NO_ORIGIN)).astype(np.uint32)
+        seqs = values >> np.uint64(_SEQ_SHIFT)
+        settled = min((v.cutoff for v in self._views), default=self._seq)
+        return MergePlan(self._index, moving, hashes, origins, seqs, len(self._origins), settled)
+
+    def finish_merge(self, plan: MergePlan, merged: CompactIndex) -> None:
+        """Install ``merged`` (``plan.build()``); the moved ids leave the overlay."""
+        if self._index is not plan.index:
+            return  # another merge came first: this one is moot, its ids are still in the overlay
+        self._index = merged
+        overlay, tombstones = self._overlay, self._tombstones
+        for sid, value in plan.moving:
+            if sid in tombstones:
+                # Discarded while the merge was built (and maybe completed again since, which
+                # keeps it in the overlay): its tombstone now hides an entry of the index.
+                self._hidden += 1
+            elif overlay.get(sid) == value:
+                del overlay[sid]
+                self._id_chars -= len(sid)
+        self._mergeable = sum(
+            1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
+        )
+        self._merge_at = max(self._merge_at, self._index.count // 32)
+
+    def estimated_bytes(self) -> int:
+        """Roughly how many bytes the set holds in memory.
+
+        The compact index, and each id of the overlay and the tombstones as a str in its dict or set.
+        """
+        size = self._index.nbytes if self._index is not None else 0
+        size += len(self._overlay) * _BYTES_PER_OVERLAY_ID + self._id_chars
+        size += len(self._tombstones) * _BYTES_PER_TOMBSTONE + self._tomb_chars
+        return size
+
+    def as_of_now(self) -> Callable[[str], bool]:
+        """A view of the set frozen at this moment (later additions are invisible to it)."""
+        self._viewed = True
+        view = _View(self, self._seq)
+        self._views.add(view)
+        return view
+
+    def overlay_in_byte_order(self) -> list[bytes]:
+        """The overlay's ids as UTF-8, sorted (what a page of ids merges with the files' keys)."""
+        return sorted(sid.encode() for sid in self._overlay)
+
+    def sources(self) -> list[str]:
+        """Every id; only for a set without an index (built in memory)."""
+        if self._index is not None and len(self._index):
+            raise RuntimeError("the ids of an indexed set are in its files; page through them there")
+        return [sid for sid in self._overlay if sid not in self._tombstones]
+
+    def in_byte_order(self) -> list[bytes]:
+        """Every id as UTF-8 in LMDB's key order; only for a set without an index."""
+        return sorted(sid.encode() for sid in self.sources())
+
+
+@dataclass
+class MergePlan:
+    """Ids of the overlay on their way into the compact index (see ``CompletedSet.plan_merge``)."""
+
+    index: CompactIndex
+    moving: list[tuple[str, int]]
+    hashes: npt.NDArray[np.uint64]
+    origins: npt.NDArray[np.uint32]
+    seqs: npt.NDArray[np.uint64]
+    origin_count: int
+    settled: int
+
+    def build(self) -> CompactIndex:
+        """The index with the ids added: a copy of it, the costly part (any thread)."""
+        return self.index.merged(
+            self.hashes,
+            self.origins,
+            self.seqs,
+            origin_count=self.origin_count,
+            added=len(self.moving),
+            settled=self.settled,
+        )
+
+
+class _View:
+    """``CompletedSet.as_of_now()``: what counted as completed at ``cutoff``."""
+
+    __slots__ = ("__weakref__", "_set", "cutoff")
+
+    def __init__(self, completed: CompletedSet, cutoff: int) -> None:
+        self._set = completed
+        self.cutoff = cutoff
+
+    def __call__(self, source_id: str) -> bool:
+        s = self._set
+        value = s._overlay.get(source_id)
+        if value is not None:
+            return value >> _SEQ_SHIFT <= self.cutoff
+        if source_id in s._tombstones:
+            return False
+        seq = s._indexed_seq(source_id)
+        return seq is not None and seq <= self.cutoff
+
+    def many(self, source_ids: Sequence[str]) -> list[bool]:
+        """``[self(sid) for sid in source_ids]``, vectorised over the index.
+
+        Only ids in the set now can have counted at ``cutoff`` (a discard hides an id from every
+        view), so the set's vectorised membership test decides the rest; the few members are asked
+        one by one for their sequence.
+        """
+        members = self._set.contains_many(source_ids)
+        return [member and self(sid) for sid, member in zip(source_ids, members, strict=True)]
