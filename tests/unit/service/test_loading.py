@@ -36,6 +36,19 @@ async def never(seconds: float) -> None:
     await asyncio.Event().wait()
 
 
+def _service(tmp_path: Path, store: LmdbCompletionStore) -> CoordinatorService:
+    """A coordinator on ``store`` whose background loops never run (the test drives it)."""
+    return CoordinatorService(
+        completions=store,
+        journal=LmdbJournal(tmp_path),
+        registry=SqlRegistry(default_sqlite_url(tmp_path)),
+        limits=Limits(),
+        settle_ms=0,
+        lease_ttl_s=10.0,
+        sleep=never,
+    )
+
+
 def test_a_call_on_another_checkpoint_answers_while_a_big_one_loads(tmp_path: Path) -> None:
     with LmdbCompletionStore(tmp_path) as files:  # what a previous run left on disk
         files.commit(
@@ -47,15 +60,7 @@ def test_a_call_on_another_checkpoint_answers_while_a_big_one_loads(tmp_path: Pa
 
     async def main() -> None:
         store = HeldStore(tmp_path)
-        service = CoordinatorService(
-            completions=store,
-            journal=LmdbJournal(tmp_path),
-            registry=SqlRegistry(default_sqlite_url(tmp_path)),
-            limits=Limits(),
-            settle_ms=0,
-            lease_ttl_s=10.0,
-            sleep=never,
-        )
+        service = _service(tmp_path, store)
         await service.start()
         try:
             big = asyncio.ensure_future(service.are_completed("big", ["b7", "nope"]))
@@ -75,15 +80,7 @@ def test_a_call_on_another_checkpoint_answers_while_a_big_one_loads(tmp_path: Pa
 
 def test_completions_move_into_the_compact_index_in_a_load_thread(tmp_path: Path) -> None:
     async def main() -> None:
-        service = CoordinatorService(
-            completions=LmdbCompletionStore(tmp_path),
-            journal=LmdbJournal(tmp_path),
-            registry=SqlRegistry(default_sqlite_url(tmp_path)),
-            limits=Limits(),
-            settle_ms=0,
-            lease_ttl_s=10.0,
-            sleep=never,
-        )
+        service = _service(tmp_path, LmdbCompletionStore(tmp_path))
         await service.start()
         try:
             await service.import_completed("run", ["a", "b"], import_id="first")
