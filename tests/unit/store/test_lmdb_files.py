@@ -197,7 +197,7 @@ def test_unreadable_files_are_listed_and_skipped(
     (folder / "empty.mdb").write_bytes(b"")
     nemo_write(folder / "zz-other.mdb", ["z"])
 
-    with caplog.at_level(logging.WARNING, logger="tally_server.store.lmdb_files"):
+    with caplog.at_level(logging.WARNING, logger="tally_server.store"):
         loaded = store.load("run")
 
     assert loaded.completed == {"a", "z"} | {f"source-{i:05d}" for i in range(5000)}
@@ -219,7 +219,7 @@ def test_delete_skips_unreadable_files_without_touching_them(
     store.commit([PutCompleted("run", "w1", ["a", "b"])])
     (folder / "garbage.mdb").write_bytes(GARBAGE)
 
-    with caplog.at_level(logging.WARNING, logger="tally_server.store.lmdb_files"):
+    with caplog.at_level(logging.WARNING, logger="tally_server.store"):
         store.commit([DeleteCompleted("run", ["a"])])
 
     assert store.load("run").completed == {"b"}
