@@ -4,13 +4,15 @@ refused the same way when it is wrong, and what the SDK sends when the coordinat
 from __future__ import annotations
 
 from collections.abc import Iterator
+from unittest.mock import ANY
 
 import grpc
+import httpx
 import pytest
 
 import tally
 from tally import _calls as calls
-from tally._transport import grpc_convert
+from tally._transport import grpc_convert, http_convert
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer
@@ -143,3 +145,75 @@ def test_the_sdk_sends_columns_only_to_a_coordinator_that_reads_them(server: Run
         writer.apply_deltas(BATCH)
         writer.flush()
         assert client.are_completed("cols/sdk", ["a", "b"]) == [True, False]
+
+
+# --- over HTTP ------------------------------------------------------------------------------------
+
+
+def http_columns(batch: list[tuple[str, str, int]]) -> dict[str, list[object]]:
+    task_ids, source_ids, deltas = (list(c) for c in zip(*batch, strict=True))
+    return {"task_ids": task_ids, "source_ids": source_ids, "deltas": deltas}
+
+
+def test_over_http_columns_count_exactly_as_objects(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        opened = http.post("/v1/writers", json={"checkpoint": "hcols/cols", "writer_id": "w"}).json()
+        assert opened["accepts_delta_columns"] is True
+        rows = http.post("/v1/writers", json={"checkpoint": "hcols/rows", "writer_id": "w"}).json()["handle"]
+        objects = [{"task_id": t, "source_id": s, "delta": d} for t, s, d in BATCH]
+        by_rows = http.post(f"/v1/writers/{rows}/deltas", json={"deltas": objects, "batch_seq": 1})
+        by_cols = http.post(
+            f"/v1/writers/{opened['handle']}/deltas", json={"columns": http_columns(BATCH), "batch_seq": 1}
+        )
+        assert by_rows.status_code == by_cols.status_code == 200
+        assert by_cols.json()["counts"] == by_rows.json()["counts"]
+        http.post(f"/v1/writers/{opened['handle']}/flush").raise_for_status()
+        done = http.post("/v1/are-completed", json={"checkpoint": "hcols/cols", "source_ids": ["a", "b"]})
+        assert done.json()["completed"] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"columns": http_columns(BATCH[:2]), "deltas": []}, 400, "either 'deltas' or 'columns'"),
+        ({"batch_seq": 1}, 400, "either 'deltas' or 'columns'"),
+        (
+            {"columns": {"task_ids": ["0_a", "0_b"], "source_ids": ["a"], "deltas": [1, 1]}},
+            400,
+            "columns differ in length (2 task_ids, 1 source_ids, 2 deltas)",
+        ),
+        (
+            {"columns": {"task_ids": ["0_a"], "source_ids": ["a"], "deltas": [True]}},
+            400,
+            "body.columns.deltas.0",
+        ),
+        (
+            {"columns": {"task_ids": [""], "source_ids": ["a"], "deltas": [1]}},
+            400,
+            "deltas[0].task_id is empty",
+        ),
+    ],
+    ids=["both", "neither", "lengths", "bool", "empty-id"],
+)
+def test_over_http_a_bad_batch_of_columns_is_refused_and_changes_nothing(
+    server: RunningServer, body: dict[str, object], status: int, says: str
+) -> None:
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        handle = http.post("/v1/writers", json={"checkpoint": "hcols/bad", "writer_id": "w"}).json()["handle"]
+        reply = http.post(f"/v1/writers/{handle}/deltas", json=body)
+        assert reply.status_code == status, reply.text
+        assert says in reply.text
+        counts = http.post(f"/v1/writers/{handle}/deltas", json={"columns": http_columns(BATCH[:4])}).json()
+        assert (counts["counts"]["applied"], counts["counts"]["skipped"]) == (4, 0)
+
+
+def test_the_sdk_sends_columns_over_http_too(server: RunningServer) -> None:
+    body = http_convert.apply_deltas_body(BATCH, 3, columns=True)
+    assert body == {"columns": {"task_ids": ANY, "source_ids": ANY, "deltas": ANY}, "batch_seq": 3}
+    assert "deltas" in http_convert.apply_deltas_body(BATCH, 3)  # to an older coordinator
+
+    with tally.Client(server.http_url) as client, client.writer("hcols/sdk", writer_id="w") as writer:
+        assert writer._core.opened is not None and writer._core.opened.delta_columns
+        writer.apply_deltas(BATCH)
+        writer.flush()
+        assert client.are_completed("hcols/sdk", ["a", "b"]) == [True, False]

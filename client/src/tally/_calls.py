@@ -84,7 +84,7 @@ class ApplyDeltas(Call[ApplyCounts]):
     handle: str
     deltas: Sequence[Delta]
     batch_seq: int
-    # Send the batch as columns (the coordinator said it reads them; gRPC only).
+    # Send the batch as columns (the coordinator said it reads them).
     columns: bool = False
 
     @property

@@ -299,5 +299,5 @@ class OpenedWriter:
     lease_ttl_s: float
     completed_count: int
     settle_ms: int
-    # The coordinator reads a batch sent as columns (gRPC); an older one does not.
+    # The coordinator reads a batch sent as columns (gRPC and HTTP); an older one does not.
     delta_columns: bool = False

@@ -52,8 +52,16 @@ async def test_a_writer_from_open_to_close(served: InProcess) -> None:
     http = served.http
     body = {"checkpoint": "res/run", "writer_id": "w", "labels": {"k": "v"}, "host": "h", "pid": 7}
     opened = await ok(await http.post("/v1/writers", json=body))
-    assert set(opened) == {"handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms"}
+    assert set(opened) == {
+        "handle",
+        "writer_id",
+        "lease_ttl_s",
+        "completed_count",
+        "settle_ms",
+        "accepts_delta_columns",
+    }
     assert (opened["writer_id"], opened["completed_count"], opened["settle_ms"]) == ("w", 0, 0)
+    assert opened["accepts_delta_columns"] is True
     handle = opened["handle"]
 
     assert set(await ok(await http.post(f"/v1/writers/{handle}/keepalive"))) == {"lease_ttl_s"}

@@ -84,7 +84,12 @@ def open_writer_body(spec: WriterSpec) -> dict[str, Any]:
     return body
 
 
-def apply_deltas_body(deltas: Sequence[Delta], batch_seq: int) -> dict[str, Any]:
+def apply_deltas_body(deltas: Sequence[Delta], batch_seq: int, columns: bool = False) -> dict[str, Any]:
+    if columns and deltas:
+        # Three parallel columns: half the bytes of one object per delta, and cheaper on both sides.
+        task_ids, source_ids, values = zip(*deltas, strict=True)
+        batch = {"task_ids": task_ids, "source_ids": source_ids, "deltas": values}
+        return {"columns": batch, "batch_seq": batch_seq}
     return {
         "deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas],
         "batch_seq": batch_seq,
@@ -164,6 +169,7 @@ def opened_from_json(body: Any) -> OpenedWriter:
         lease_ttl_s=float(obj.get("lease_ttl_s", 0.0)),
         completed_count=int(obj.get("completed_count", 0)),
         settle_ms=int(obj.get("settle_ms", 0)),
+        delta_columns=obj.get("accepts_delta_columns") is True,
     )
 
 
@@ -321,7 +327,7 @@ _add(
     "POST",
     lambda c: writer_path(c.handle, "deltas"),
     apply_counts_from_json,
-    lambda c: apply_deltas_body(c.deltas, c.batch_seq),
+    lambda c: apply_deltas_body(c.deltas, c.batch_seq, c.columns),
 )
 _add(
     calls.AreCompleted,

@@ -55,7 +55,7 @@ def opened_writer(o: OpenedWriter) -> pb.OpenWriterResponse:
         lease_ttl_s=o.lease_ttl_s,
         completed_count=o.completed_count,
         settle_ms=o.settle_ms,
-        accepts_delta_columns=True,
+        accepts_delta_columns=o.accepts_delta_columns,
     )
 
 

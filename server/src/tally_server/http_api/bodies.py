@@ -170,6 +170,13 @@ def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
         )
     except TooMany:
         raise validation.too_many_deltas(limits) from None
+    columns = body.get("columns") if isinstance(body, dict) else None
+    if type(columns) is dict and "deltas" not in body:
+        task_ids, source_ids, values = (columns.get(k) for k in ("task_ids", "source_ids", "deltas"))
+        if _all(task_ids, str) and _all(source_ids, str) and _all(values, int):
+            assert task_ids is not None and source_ids is not None and values is not None
+            head = _model(s.ApplyDeltasBody, {**body, "columns": _NO_COLUMNS})  # all but the batch
+            return validation.delta_columns(task_ids, source_ids, values, limits), head.batch_seq
     items = body.get("deltas") if isinstance(body, dict) else None
     if not isinstance(items, list):
         whole = _model(s.ApplyDeltasBody, body)
@@ -186,6 +193,14 @@ def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
         checked = _model(s.DeltaBody, item, "deltas", i)
         batch.append((checked.task_id, checked.source_id, checked.delta))
     return validation.deltas(batch, limits), head.batch_seq
+
+
+_NO_COLUMNS: dict[str, list[Any]] = {"task_ids": [], "source_ids": [], "deltas": []}
+
+
+def _all(values: Any, kind: type) -> bool:
+    """Whether ``values`` is a list of exactly ``kind`` items (not a subclass: no bool for int)."""
+    return type(values) is list and set(map(type, values)) <= {kind}
 
 
 def source_ids(model: type[WithIds], raw: bytes, limits: Limits) -> tuple[WithIds, CheckedIds]:

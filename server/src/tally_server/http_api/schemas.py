@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tally_server.domain.validation import MAX_PID
 
@@ -47,15 +47,43 @@ class DeltaBody(RequestBody):
     delta: int
 
 
-class ApplyDeltasBody(RequestBody):
-    """A batch of deltas, applied in order; ``batch_seq`` numbers it so a resent batch is recognised."""
+class DeltaColumnsBody(RequestBody):
+    """A batch as three parallel columns: delta i is (task_ids[i], source_ids[i], deltas[i])."""
 
-    deltas: list[DeltaBody]
+    task_ids: list[str]
+    source_ids: list[str]
+    deltas: list[int]
+
+
+class ApplyDeltasBody(RequestBody):
+    """A batch of deltas, applied in order; ``batch_seq`` numbers it so a resent batch is recognised.
+
+    The batch comes as ``deltas`` (one object per delta) or as ``columns`` (half the bytes, and
+    parsed in less than half the time), never both.
+    """
+
+    deltas: list[DeltaBody] | None = None
+    columns: DeltaColumnsBody | None = None
     batch_seq: int = Field(default=0, ge=0, lt=2**64)
 
+    @model_validator(mode="after")
+    def _one_form(self) -> ApplyDeltasBody:
+        if (self.deltas is None) == (self.columns is None):
+            raise ValueError("send the batch as either 'deltas' or 'columns' (exactly one of them)")
+        c = self.columns
+        if c is not None and not len(c.task_ids) == len(c.source_ids) == len(c.deltas):
+            raise ValueError(
+                f"the batch's columns differ in length ({len(c.task_ids)} task_ids, {len(c.source_ids)} "
+                f"source_ids, {len(c.deltas)} deltas); send one task id, source id and delta per delta"
+            )
+        return self
+
     def batch(self) -> list[tuple[str, str, int]]:
-        """The deltas as ``(task_id, source_id, delta)`` tuples."""
-        return [(d.task_id, d.source_id, d.delta) for d in self.deltas]
+        """The deltas as ``(task_id, source_id, delta)`` tuples (columns of unequal length: an error)."""
+        if self.columns is not None:
+            c = self.columns
+            return list(zip(c.task_ids, c.source_ids, c.deltas, strict=True))
+        return [(d.task_id, d.source_id, d.delta) for d in self.deltas or ()]
 
 
 class AreCompletedBody(RequestBody):

@@ -25,6 +25,8 @@ class OpenedWriter:
     lease_ttl_s: float
     completed_count: int
     settle_ms: int
+    # The batch of an ApplyDeltas may come as columns (gRPC DeltaColumns, HTTP "columns").
+    accepts_delta_columns: bool = True
 
 
 @dataclass(frozen=True)
