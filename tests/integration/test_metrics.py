@@ -87,6 +87,15 @@ def test_request_latency_is_observed_for_both_transports_with_route_templates(
     with tally.Client(server.http_url) as client, client.writer("metrics/http") as w:
         w.apply_deltas(tree("a"))
         w.flush()
+    # The SDK's flush sends no Flush when the last answer said everything is durable (settle 0):
+    # flush by hand on both transports.
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        stub.Flush(
+            pb.FlushRequest(handle=stub.OpenWriter(pb.OpenWriterRequest(checkpoint="metrics/f")).handle)
+        )
+    opened = httpx.post(f"{server.http_url}/v1/writers", json={"checkpoint": "metrics/f", "writer_id": "h"})
+    assert httpx.post(f"{server.http_url}/v1/writers/{opened.json()['handle']}/flush").status_code == 200
     with grpc.insecure_channel(server.grpc_address) as channel:
         with pytest.raises(grpc.RpcError) as caught:
             pb_grpc.CoordinatorStub(channel).KeepAlive(pb.KeepAliveRequest(handle="no-such-handle"))

@@ -78,7 +78,19 @@ class KeepAlive(Call[float]):
 
 
 @dataclass(frozen=True)
-class ApplyDeltas(Call[ApplyCounts]):
+class BatchAnswer:
+    """A batch's counts, and whether the coordinator said the writer is settled.
+
+    ``settled``: everything the writer applied was durable as the answer left, so a flush right
+    after needs no call of its own (older coordinators never say so).
+    """
+
+    counts: ApplyCounts
+    settled: bool = False
+
+
+@dataclass(frozen=True)
+class ApplyDeltas(Call[BatchAnswer]):
     """``batch_seq`` numbers the writer's batches; a resent batch carries its first number."""
 
     handle: str

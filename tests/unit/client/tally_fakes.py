@@ -68,6 +68,8 @@ class FakeTransport:
     def __init__(self, *, lease_ttl_s: float = 30.0, settle_ms: int = 250) -> None:
         self.lease_ttl_s = lease_ttl_s
         self.settle_ms = settle_ms
+        # What ApplyDeltas answers say of the writer: True lets a flush end without a call.
+        self.settled = False
         self._cond = threading.Condition()
         self.calls: list[str] = []  # method names, in call order
         self.attempts: list[tuple[int, list[Delta]]] = []  # every ApplyDeltas attempt
@@ -166,13 +168,13 @@ class FakeTransport:
 
     def apply_deltas(
         self, handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float
-    ) -> ApplyCounts:
+    ) -> calls.BatchAnswer:
         with self._cond:
             self.attempts.append((batch_seq, list(deltas)))
         self._enter("apply_deltas")
         with self._cond:
             self.applied.extend(deltas)
-        return ApplyCounts(applied=len(deltas))
+        return calls.BatchAnswer(ApplyCounts(applied=len(deltas)), settled=self.settled)
 
     def are_completed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> list[bool]:
         self._enter("are_completed")

@@ -45,6 +45,23 @@ def test_async_ordering_batching_and_flush(fake: FakeTransport) -> None:
     assert fake.calls[-2:] == ["flush", "close_writer"]
 
 
+def test_async_flush_sends_no_call_when_the_last_answer_said_settled(fake: FakeTransport) -> None:
+    fake.settled = True
+
+    async def body(client: tally.AsyncClient) -> None:
+        async with client.writer("cp") as w:
+            w.apply_deltas(deltas(3))
+            await w.flush()
+            assert fake.count("flush") == 0
+            fake.settled = False
+            w.apply_deltas(deltas(2))
+            await w.flush()
+            assert fake.count("flush") == 1
+
+    run(body, fake)
+    assert fake.applied == deltas(3) + deltas(2)
+
+
 def test_async_retry_resends_the_same_batch(fake: FakeTransport) -> None:
     fake.fail("apply_deltas", tally.Unavailable("reset"), tally.Unavailable("reset"))
 

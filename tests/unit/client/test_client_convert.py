@@ -18,7 +18,11 @@ def test_empty_messages_read_as_zero_values() -> None:
     assert status == tally.CheckpointStatus("", 0, 0, 0, 0, 0, 0, 0.0, 0.0, (), {})
     assert grpc_convert.close_result_from_pb(pb.CloseWriterResponse()) == tally.CloseResult()
     apply, completed = grpc_convert.ROUTES[calls.ApplyDeltas], grpc_convert.ROUTES[calls.AreCompleted]
-    assert apply.read(pb.ApplyDeltasResponse()) == tally.ApplyCounts()
+    # An answer without ``settled`` (an older coordinator) never lets a flush skip its call.
+    assert apply.read(pb.ApplyDeltasResponse()) == calls.BatchAnswer(tally.ApplyCounts(), settled=False)
+    assert apply.read(pb.ApplyDeltasResponse(settled=True)).settled is True
+    assert http_convert.batch_answer_from_json({"counts": {}}) == calls.BatchAnswer(tally.ApplyCounts())
+    assert http_convert.batch_answer_from_json({"counts": {}, "settled": True}).settled is True
     assert completed.read(pb.AreCompletedResponse()) == []
 
 
@@ -46,7 +50,7 @@ def test_sparse_json_reads_as_defaults() -> None:
         (http_convert.opened_from_json, []),
         (http_convert.completed_from_json, {"completed": [1, 0]}),
         (http_convert.checkpoint_from_json, {"name": "x", "completed_count": "many"}),
-        (http_convert.apply_counts_from_json, {"counts": "all"}),
+        (http_convert.batch_answer_from_json, {"counts": "all"}),
     ],
 )
 def test_malformed_json_raises(parse: object, body: object) -> None:

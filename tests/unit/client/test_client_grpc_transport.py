@@ -52,7 +52,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if any(not d.task_id for d in request.deltas):
             context.set_trailing_metadata(((DETAILS_METADATA_KEY, json.dumps({"field": "task_id"})),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "deltas[0].task_id is empty")
-        return pb.ApplyDeltasResponse(counts=pb.ApplyCounts(applied=len(request.deltas), completed=1))
+        counts = pb.ApplyCounts(applied=len(request.deltas), completed=1)
+        return pb.ApplyDeltasResponse(counts=counts, settled=request.batch_seq == 3)
 
     def AreCompleted(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._record("AreCompleted", request, context)
@@ -199,7 +200,7 @@ def test_requests_and_responses_convert_both_ways(grpc_server: tuple[str, Servic
         assert opened.settle_ms == 250
         assert transport.send(calls.KeepAlive("h1"), 5) == 9.0
         counts = transport.send(calls.ApplyDeltas("h1", [("t1", "s1", 1), ("t2", "s1", -1)], 3), 5)
-        assert counts == tally.ApplyCounts(applied=2, completed=1)
+        assert counts == calls.BatchAnswer(tally.ApplyCounts(applied=2, completed=1), settled=True)
         assert transport.send(calls.AreCompleted("cp/a", ["done1", "x"]), 5) == [True, False]
         assert transport.send(calls.Flush("h1"), 5) == 7
         closed = transport.send(calls.CloseWriter("h1"), 5)
@@ -298,9 +299,8 @@ def test_async_transport_converts_and_maps_errors(grpc_server: tuple[str, Servic
             opened = await transport.send(calls.OpenWriter(SPEC), 5)
             assert opened.handle == "h1"
             assert await transport.send(calls.KeepAlive("h1"), 5) == 9.0
-            assert await transport.send(calls.ApplyDeltas("h1", [("t", "s", 1)], 1), 5) == tally.ApplyCounts(
-                1, 0, 0, 0, 1
-            )
+            answer = await transport.send(calls.ApplyDeltas("h1", [("t", "s", 1)], 1), 5)
+            assert answer == calls.BatchAnswer(tally.ApplyCounts(1, 0, 0, 0, 1), settled=False)
             assert await transport.send(calls.AreCompleted("cp", ["done", "no"]), 5) == [True, False]
             assert await transport.send(calls.Flush("h1"), 5) == 7
             assert (await transport.send(calls.CloseWriter("h1"), 5)).incomplete_count == 5

@@ -206,7 +206,7 @@ def test_requests_follow_the_json_contract(http_server: tuple[str, Recorder]) ->
     assert transport.send(calls.KeepAlive("h/1"), 5) == 9.0
     assert transport.send(
         calls.ApplyDeltas("h/1", [("t1", "s1", 1), ("t2", "s1", -1)], 5), 5
-    ) == tally.ApplyCounts(applied=2, completed=1)
+    ) == calls.BatchAnswer(tally.ApplyCounts(applied=2, completed=1), settled=False)
     assert transport.send(calls.AreCompleted("cp", ["a", "b"]), 5) == [True, False]
     assert transport.send(calls.Flush("h/1"), 5) == 7
     assert transport.send(calls.CloseWriter("h/1"), 5) == tally.CloseResult(
@@ -299,7 +299,7 @@ def test_async_http_transport_runs_the_sync_one_in_threads(http_server: tuple[st
         transport = AsyncHttpTransport(HttpTransport(base))
         assert (await transport.send(calls.OpenWriter(SPEC), 5)).handle == "h/1"
         assert await transport.send(calls.KeepAlive("h/1"), 5) == 9.0
-        assert (await transport.send(calls.ApplyDeltas("h/1", [("t", "s", 1)], 1), 5)).applied == 2
+        assert (await transport.send(calls.ApplyDeltas("h/1", [("t", "s", 1)], 1), 5)).counts.applied == 2
         assert await transport.send(calls.AreCompleted("cp", ["a", "b"]), 5) == [True, False]
         assert await transport.send(calls.Flush("h/1"), 5) == 7
         assert (await transport.send(calls.CloseWriter("h/1"), 5)).incomplete_count == 1

@@ -93,6 +93,18 @@ def test_flush_waits_for_acknowledgement_and_times_out_as_unavailable(
     assert fake.applied == [("t", "s", 1)]
 
 
+def test_flush_sends_no_call_when_the_last_answer_said_settled(client: Client, fake: FakeTransport) -> None:
+    fake.settled = True
+    with client.writer("cp") as w:
+        w.apply_deltas(deltas(3))
+        w.flush()
+        assert fake.count("apply_deltas") == 1 and fake.count("flush") == 0
+        fake.settled = False  # e.g. a source settling: the coordinator must be asked
+        w.apply_deltas(deltas(2))
+        w.flush()
+        assert fake.count("flush") == 1
+
+
 def test_flush_barrier_covers_only_deltas_given_before_it(client: Client, fake: FakeTransport) -> None:
     with client.writer("cp") as w:
         w.apply_deltas(deltas(3))

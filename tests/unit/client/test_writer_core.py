@@ -7,6 +7,7 @@ import pytest
 import tally
 from tally._config import ClientConfig
 from tally._retry import RetryPolicy
+from tally._calls import BatchAnswer
 from tally._types import ApplyCounts, OpenedWriter
 from tally._writer.core import Batch, Wait, WriterCore
 from tests.unit.client.tally_fakes import deltas
@@ -65,9 +66,9 @@ def test_a_full_batch_goes_at_once_and_seqs_count_up() -> None:
     core = open_core(Clock())
     core.accept(deltas(25), 0, may_wait=True)
     first = take(core)
-    core.batch_ok(first, ApplyCounts(applied=10))
+    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10)))
     second = take(core)
-    core.batch_ok(second, ApplyCounts(applied=10))
+    core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10)))
     assert [len(first.deltas), len(second.deltas)] == [10, 10] and (first.seq, second.seq) == (1, 2)
     assert isinstance(core.next_send(), Wait)  # 5 left: they linger
     assert core.health().buffered == 5 and core.health().batches_sent == 2
@@ -86,7 +87,7 @@ def test_an_unavailable_batch_is_resent_unchanged_with_its_seq_after_the_backoff
         again = take(core)
         assert again is batch and again.seq == 1 and again.deltas == deltas(10, "a")
         assert core.retries == attempt
-    core.batch_ok(batch, ApplyCounts(applied=10))
+    core.batch_ok(batch, BatchAnswer(ApplyCounts(applied=10)))
     later = take(core)
     assert (later.seq, later.deltas) == (2, deltas(10, "b"))
     assert core.last_error == "UNAVAILABLE: connection refused"
@@ -99,9 +100,31 @@ def test_flush_ends_the_linger_and_its_barrier_counts_acknowledged_deltas() -> N
     assert target == 3 and not core.barrier_reached(target)
     batch = take(core)  # no linger: a flush is waiting
     assert not core.barrier_reached(target)
-    core.batch_ok(batch, ApplyCounts(applied=3))
+    core.batch_ok(batch, BatchAnswer(ApplyCounts(applied=3)))
     assert core.barrier_reached(target)
     core.raise_if_stopped()  # nothing went wrong
+
+
+def test_a_flush_needs_no_call_only_when_the_latest_answer_covers_its_barrier() -> None:
+    core = open_core(Clock())
+    core.accept(deltas(3), 0, may_wait=True)
+    target = core.begin_flush()
+    assert not core.settled_through(target)  # nothing answered yet
+    core.batch_ok(take(core), BatchAnswer(ApplyCounts(applied=3), settled=True))
+    assert core.barrier_reached(target) and core.settled_through(target)
+    # A later answer that is not settled (a source settling, a commit in flight) takes it back,
+    # even for the earlier barrier: the coordinator must be asked.
+    core.accept(deltas(2), 0, may_wait=True)
+    later = core.begin_flush()
+    core.batch_ok(take(core), BatchAnswer(ApplyCounts(applied=2), settled=False))
+    assert not core.settled_through(target) and not core.settled_through(later)
+    core.accept(deltas(1), 0, may_wait=True)
+    last = core.begin_flush()
+    core.batch_ok(take(core), BatchAnswer(ApplyCounts(applied=1), settled=True))
+    assert core.settled_through(last)
+    # Deltas accepted after that answer are not covered until their own answer says so.
+    core.accept(deltas(1), 0, may_wait=True)
+    assert not core.settled_through(core.begin_flush())
 
 
 def test_not_found_on_a_batch_loses_the_lease_and_stops_everything() -> None:
@@ -126,7 +149,7 @@ def test_a_refused_batch_stops_the_writer_but_earlier_batches_stand() -> None:
     core = open_core(Clock())
     core.accept(deltas(20), 0, may_wait=True)
     first = take(core)
-    core.batch_ok(first, ApplyCounts(applied=10))
+    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10)))
     second = take(core)
     core.batch_failed(second, tally.InvalidArgument("task id too long"))
     assert not core.lease_lost and core.dropped == 10 and core.batches_sent == 1

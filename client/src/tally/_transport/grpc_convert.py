@@ -238,7 +238,7 @@ _add(
     calls.ApplyDeltas,
     lambda stub: stub.ApplyDeltas,
     apply_deltas_request,
-    lambda r: counts_from_pb(r.counts),
+    lambda r: calls.BatchAnswer(counts_from_pb(r.counts), r.settled),
 )
 _add(
     calls.AreCompleted,

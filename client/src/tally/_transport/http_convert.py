@@ -188,8 +188,9 @@ def counts_from_json(body: Any) -> ApplyCounts:
     )
 
 
-def apply_counts_from_json(body: Any) -> ApplyCounts:
-    return counts_from_json(_obj(body).get("counts"))
+def batch_answer_from_json(body: Any) -> calls.BatchAnswer:
+    obj = _obj(body)
+    return calls.BatchAnswer(counts_from_json(obj.get("counts")), obj.get("settled") is True)
 
 
 def completed_from_json(body: Any) -> list[bool]:
@@ -326,7 +327,7 @@ _add(
     calls.ApplyDeltas,
     "POST",
     lambda c: writer_path(c.handle, "deltas"),
-    apply_counts_from_json,
+    batch_answer_from_json,
     lambda c: apply_deltas_body(c.deltas, c.batch_seq, c.columns),
 )
 _add(

@@ -155,6 +155,8 @@ class AsyncWriter(WriterBase):
                 raise self._core.barrier_timeout(target, deadline.timeout, "flush")
         with self._lock:
             self._core.raise_if_stopped()
+            if self._core.settled_through(target):
+                return  # the answer to the last batch said all of it is durable
         await self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
 
     async def close(self, timeout: float | None = None) -> CloseResult:
@@ -248,14 +250,14 @@ class AsyncWriter(WriterBase):
         assert handle is not None
         call = self._core.apply_call(handle, batch)
         try:
-            counts = await self._transport.send(call, self._config.timeout)
+            answer = await self._transport.send(call, self._config.timeout)
         except Exception as exc:
             with self._lock:
                 self._core.batch_failed(batch, as_tally_error(exc))
                 self._notify_locked()
         else:
             with self._lock:
-                self._core.batch_ok(batch, counts)
+                self._core.batch_ok(batch, answer)
                 self._notify_locked()
 
     async def _heartbeat_loop(self) -> None:

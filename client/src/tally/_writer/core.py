@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import RetryPolicy
-from tally._types import ApplyCounts, Delta, OpenedWriter, WriterHealth
+from tally._types import Delta, OpenedWriter, WriterHealth
 from tally._writer.lease import Lease
 from tally._writer.support import (
     describe,
@@ -105,6 +105,9 @@ class WriterCore:
         self.accepted = 0  # deltas accepted so far
         self._taken = 0  # deltas moved into batches
         self.done = 0  # deltas acknowledged or discarded: the flush barrier's counter
+        # ``done`` when the latest answer said the writer was settled (everything applied durable),
+        # else -1: a flush whose barrier this covers needs no Flush call.
+        self._settled_done = -1
         self._flush_target = 0  # the sender skips lingering until _taken reaches this
         self._next_seq = 1
         self._accepting = True
@@ -248,11 +251,12 @@ class WriterCore:
         # Leftovers keep the old timestamp: they are at least that old, so they go out next.
         return batch
 
-    def batch_ok(self, batch: Batch, counts: ApplyCounts) -> None:
+    def batch_ok(self, batch: Batch, answer: calls.BatchAnswer) -> None:
         if self.inflight is not batch:  # discarded meanwhile (lease lost)
             return
         self.inflight = None
         self.done += len(batch.deltas)
+        self._settled_done = self.done if answer.settled else -1
         self.batches_sent += 1
         if self._send_failures:
             logger.info(
@@ -363,6 +367,14 @@ class WriterCore:
 
     def barrier_reached(self, target: int) -> bool:
         return self.done >= target or self.lease_lost
+
+    def settled_through(self, target: int) -> bool:
+        """Whether the latest answer said every delta up to ``target`` is durable already.
+
+        Then the flush ends there; otherwise it asks the coordinator (Flush), which waits for
+        settling sources and commits in flight.
+        """
+        return self._settled_done >= target and self.stop_error is None
 
     def raise_if_stopped(self) -> None:
         if self.stop_error is not None:

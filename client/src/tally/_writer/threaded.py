@@ -118,6 +118,8 @@ class Writer(WriterBase):
             if not self._changed.wait_for(lambda: self._core.barrier_reached(target), deadline.remaining()):
                 raise self._core.barrier_timeout(target, deadline.timeout, "flush")
             self._core.raise_if_stopped()
+            if self._core.settled_through(target):
+                return  # the answer to the last batch said all of it is durable
         self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
 
     def close(self, timeout: float | None = None) -> CloseResult:
@@ -226,14 +228,14 @@ class Writer(WriterBase):
         assert handle is not None
         call = self._core.apply_call(handle, batch)
         try:
-            counts = self._transport.send(call, self._config.timeout)
+            answer = self._transport.send(call, self._config.timeout)
         except Exception as exc:
             with self._lock:
                 self._core.batch_failed(batch, as_tally_error(exc))
                 self._notify_locked()
         else:
             with self._lock:
-                self._core.batch_ok(batch, counts)
+                self._core.batch_ok(batch, answer)
                 self._notify_locked()
 
     def _heartbeat_loop(self) -> None:

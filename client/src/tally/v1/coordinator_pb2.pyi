@@ -126,10 +126,12 @@ class ApplyCounts(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., skipped: _Optional[int] = ..., rewritten: _Optional[int] = ..., anomalies: _Optional[int] = ..., completed: _Optional[int] = ...) -> None: ...
 
 class ApplyDeltasResponse(_message.Message):
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "settled")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     counts: ApplyCounts
-    def __init__(self, counts: _Optional[_Union[ApplyCounts, _Mapping]] = ...) -> None: ...
+    settled: bool
+    def __init__(self, counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class AreCompletedRequest(_message.Message):
     __slots__ = ("checkpoint", "source_ids")

@@ -88,8 +88,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     [(d.task_id, d.source_id, d.delta) for d in request.deltas], limits
                 ),
             )
-        counts = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
-        return pb.ApplyDeltasResponse(counts=convert.counts(counts))
+        applied = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
+        return pb.ApplyDeltasResponse(counts=convert.counts(applied.counts), settled=applied.settled)
 
     async def AreCompleted(
         self, request: pb.AreCompletedRequest, context: Context

@@ -21,9 +21,14 @@ class KeepAliveReply:
 
 @dataclass(frozen=True)
 class ApplyDeltasReply:
-    """What the counting rules did with the batch."""
+    """What the counting rules did with the batch.
+
+    ``settled``: everything the writer applied was durable as this answer left (nothing settling,
+    no commit in flight), so a flush now would return at once.
+    """
 
     counts: ApplyCounts
+    settled: bool = False
 
 
 @dataclass(frozen=True)

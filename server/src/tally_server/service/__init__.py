@@ -7,6 +7,7 @@ commit to the completion store, ``views`` the records it answers with, ``stats``
 from tally_server.service.coordinator import CoordinatorService
 from tally_server.service.stats import ServiceStats
 from tally_server.service.views import (
+    AppliedBatch,
     CheckpointView,
     ClosedWriter,
     CompletedPage,
@@ -20,6 +21,7 @@ from tally_server.service.views import (
 )
 
 __all__ = [
+    "AppliedBatch",
     "CheckpointView",
     "ClosedWriter",
     "CompletedPage",

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
-from tally_server.domain.ledger import ApplyCounts, Delta
+from tally_server.domain.ledger import Delta
 from tally_server.domain.ports import CompletionStore, Journal, Registry
 from tally_server.domain.validation import Limits
 from tally_server.service.admin import Admin
@@ -35,6 +35,7 @@ from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.stats import ServiceStats
 from tally_server.service.status import CheckpointGauges, Status
 from tally_server.service.views import (
+    AppliedBatch,
     CheckpointView,
     ClosedWriter,
     CompletedPage,
@@ -314,13 +315,14 @@ class CoordinatorService:
         """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
         return await self._writers.keep_alive(handle)
 
-    async def apply_deltas(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
+    async def apply_deltas(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> AppliedBatch:
         """Apply ``(task_id, source_id, delta)`` in order under the counting rules.
 
         A batch resent with the ``batch_seq`` of the last one applied is recognised and answered
-        again.
+        again. The answer says whether the writer is settled (a flush would return at once).
         """
-        return await self._writers.apply(handle, batch, batch_seq)
+        counts = await self._writers.apply(handle, batch, batch_seq)
+        return AppliedBatch(counts, self._writers.settled(handle))  # no await since the answer
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""

@@ -30,6 +30,18 @@ class OpenedWriter:
 
 
 @dataclass(frozen=True)
+class AppliedBatch:
+    """What the counting rules did with a batch, and whether the writer is settled.
+
+    ``settled``: as the answer left, everything the writer applied was durable (nothing settling,
+    no commit in flight), so a flush now would return at once; False when that is not certain.
+    """
+
+    counts: ApplyCounts
+    settled: bool
+
+
+@dataclass(frozen=True)
 class ClosedWriter:
     """A writer's totals at close, and the sources it left incomplete (they replay next run)."""
 

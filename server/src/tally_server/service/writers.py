@@ -20,7 +20,7 @@ from tally_server.domain.effects import (
     uncomplete_durable,
 )
 from tally_server.domain.events import EventKind
-from tally_server.domain.journal import Applied
+from tally_server.domain.journal import Applied, Persisted
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
 from tally_server.domain.ports import CompletionOp, DeleteCompleted, PutCompleted
@@ -170,6 +170,24 @@ class Writers:
                 old_delta=a.old_delta,
                 new_delta=a.new_delta,
             )
+
+    def settled(self, handle: str) -> bool:
+        """Whether everything the writer applied is durable now: nothing settling or being committed.
+
+        Asked right after :meth:`apply` answers (no await in between), it tells the client that a
+        flush would return at once. False when unsure: the flush then asks. Journal entries still
+        queued may only be ``Persisted`` ones: bookkeeping written behind (a replay checks the
+        completion files for what they would have said), never something a flush waits for.
+        """
+        session = self._core.sessions.get(handle)
+        return (
+            session is not None
+            and session.state == WriterState.OPEN
+            and session.commits_in_flight == 0
+            and not session.ledger.settling
+            and all(isinstance(entry, Persisted) for entry in session.journal_queue)
+            and not session.journal_lock.locked()
+        )
 
     async def flush(self, handle: str) -> int:
         """Return once every completion resulting from deltas applied so far is durable.

@@ -70,7 +70,8 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     async def apply_deltas(handle: str, request: Request) -> r.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
         batch, batch_seq = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
-        return r.ApplyDeltasReply(counts=await service.apply_deltas(handle, batch, batch_seq))
+        applied = await service.apply_deltas(handle, batch, batch_seq)
+        return r.ApplyDeltasReply(counts=applied.counts, settled=applied.settled)
 
     @app.post(
         "/v1/writers/{handle}/flush",
