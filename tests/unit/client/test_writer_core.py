@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import tally
+from tally._calls import BatchAnswer
 from tally._config import ClientConfig
 from tally._retry import RetryPolicy
-from tally._calls import BatchAnswer
 from tally._types import ApplyCounts, OpenedWriter
 from tally._writer.core import Batch, Wait, WriterCore
 from tests.unit.client.tally_fakes import deltas
