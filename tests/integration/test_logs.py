@@ -48,7 +48,7 @@ def open_over_grpc(server: RunningServer, checkpoint: str, metadata: tuple[tuple
         _, call = stub.OpenWriter.with_call(
             pb.OpenWriterRequest(checkpoint=checkpoint, writer_id="w"), metadata=metadata
         )
-        echoed = dict(call.initial_metadata())
+        echoed = dict(call.trailing_metadata())  # a unary call's id comes back with its status
     return str(echoed["x-request-id"])
 
 
@@ -118,3 +118,18 @@ def test_text_format_is_the_default_and_carries_the_request_id(server: RunningSe
     assert "[text-789]" in lines[0]
     with pytest.raises(json.JSONDecodeError):
         json.loads(lines[0])
+
+
+def test_a_refused_grpc_call_echoes_its_request_id_beside_the_error_details(server: RunningServer) -> None:
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        first = pb.OpenWriterRequest(checkpoint="logs/fp", writer_id="a", fingerprint={"model": "v1"})
+        stub.CloseWriter(pb.CloseWriterRequest(handle=stub.OpenWriter(first).handle))
+        other = pb.OpenWriterRequest(checkpoint="logs/fp", writer_id="b", fingerprint={"model": "v2"})
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.OpenWriter(other, metadata=(("x-request-id", "refused-1"),))
+    err = caught.value
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    trailing = dict(err.trailing_metadata())  # type: ignore[attr-defined]
+    assert trailing["x-request-id"] == "refused-1"
+    assert json.loads(trailing["tally-error-details"])["differing"] == ["model"]

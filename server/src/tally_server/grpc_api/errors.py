@@ -62,7 +62,9 @@ async def _abort(context: Any, exc: TallyServerError) -> None:
     details = bounded_details(exc.details)
     if details:
         # The SDK reads these back into TallyError.details (HTTP carries them in the body).
-        context.set_trailing_metadata(((DETAILS_KEY, json.dumps(details, default=str)),))
+        # Kept beside what is set already (the request id of a unary call).
+        kept = tuple(context.trailing_metadata() or ())
+        context.set_trailing_metadata((*kept, (DETAILS_KEY, json.dumps(details, default=str))))
     await context.abort(STATUS[exc.code], bounded_message(exc.message))
 
 
