@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,6 +34,14 @@ _DISK_FULL = "53100"
 # The advisory lock key of a store (one store per database): "tallystr" as a big-endian bigint.
 STORE_LOCK_KEY = int.from_bytes(b"tallystr", "big")
 _CONNECT_TIMEOUT_S = 10
+_LOCK_WAIT_S = 2.0
+_TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
+_LOCK_SESSION = (
+    "SET tcp_keepalives_idle = 10",
+    "SET tcp_keepalives_interval = 5",
+    "SET tcp_keepalives_count = 3",
+    "SET idle_in_transaction_session_timeout = 0",
+)
 
 
 def store_url(url: str) -> sa.URL:
@@ -189,8 +198,11 @@ class StoreLock:
         self._engine: Engine | None = None
         self._conn: Connection | None = None
 
-    def acquire(self) -> None:
-        """Take the lock.
+    def acquire(self, wait_s: float = _LOCK_WAIT_S) -> None:
+        """Take the lock, waiting up to ``wait_s`` for a holder that is going away.
+
+        A coordinator killed a moment ago may still hold it: PostgreSQL ends its session as soon
+        as it sees the connection closed, which takes a few milliseconds.
 
         Raises:
             StoreInUse: another session holds it.
@@ -202,12 +214,15 @@ class StoreLock:
         try:
             conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             try:
-                taken = conn.execute(
-                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": STORE_LOCK_KEY}
-                ).scalar()
-                if not taken:
-                    holder = self._holder(conn)
-                    raise StoreInUse(self.url, holder)
+                # If this host vanishes, the server notices within about half a minute (its TCP
+                # keepalives), ends the session and frees the lock for a coordinator elsewhere.
+                for setting in _LOCK_SESSION:
+                    conn.execute(sa.text(setting))
+                deadline = time.monotonic() + wait_s
+                while not conn.execute(_TRY_LOCK, {"k": STORE_LOCK_KEY}).scalar():
+                    if time.monotonic() >= deadline:
+                        raise StoreInUse(self.url, self._holder(conn))
+                    time.sleep(0.1)
             except BaseException:
                 conn.close()
                 raise
