@@ -27,6 +27,7 @@ from tally_server.store.postgres import STORE_LOCK_KEY
 from tally_server.testing import RunningServer, running_server
 from tests.conftest import load_trace
 from tests.integration.workload import nemo_read, tree
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -235,3 +236,64 @@ def test_a_bad_or_unreachable_store_is_a_one_line_startup_error(tmp_path: Path) 
         wrong.stderr.replace("│", " ").split()
     )
     assert "Traceback" not in wrong.stderr
+
+
+def lock_holder(url: str) -> int | None:
+    held = sql(
+        url,
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid::bigint = :hi AND objid::bigint = :lo",
+        hi=STORE_LOCK_KEY >> 32,
+        lo=STORE_LOCK_KEY & 0xFFFFFFFF,
+    )
+    return int(held[0][0]) if held else None
+
+
+def test_connections_cut_as_by_a_database_restart_change_nothing_for_writers(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with (
+        running_server(tmp_path / "data", settle_ms=0, store=postgres_url) as server,
+        tally.Client(server.grpc_address, timeout=30) as client,
+    ):
+        w = client.writer("pg/cut", writer_id="w")
+        w.open()
+        w.apply_deltas(tree("a"))
+        w.flush()
+        first_holder = lock_holder(postgres_url)
+        assert first_holder is not None
+        cut = sql(
+            postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        assert len(cut) >= 2  # the lock's session and at least one pooled connection
+        w.apply_deltas(tree("b"))
+        w.flush()
+        assert client.are_completed("pg/cut", ["a", "b"]) == [True, True]
+        wait_until(
+            lambda: lock_holder(postgres_url) not in (None, first_holder),
+            timeout=30,
+            what="the coordinator took the store's lock again on a new session",
+        )
+        assert w.close().incomplete_count == 0
+        assert server.process.poll() is None
+    assert "taking the lock again" in server.log()
+
+
+def test_a_coordinator_that_lost_the_lock_to_another_stops(tmp_path: Path, postgres_url: str) -> None:
+    engine = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        with (
+            running_server(tmp_path / "data", settle_ms=0, store=postgres_url) as server,
+            engine.connect() as thief,
+        ):
+            holder = lock_holder(postgres_url)
+            thief.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": holder})
+            # Queued behind the ended session, so this gets the lock before the coordinator retries.
+            thief.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": STORE_LOCK_KEY})
+            wait_until(lambda: server.process.poll() is not None, timeout=30, what="the coordinator stopped")
+            assert "lost the store's lock" in server.log()
+            assert "is in use by another tally serve" in server.log()
+    finally:
+        engine.dispose()

@@ -33,7 +33,7 @@ from tally_server.store.journal import LmdbJournal, NoJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
-from tally_server.store.postgres import StoreLock, display, store_url
+from tally_server.store.postgres import StoreInUse, StoreLock, StoreUnreachable, display, store_url
 from tally_server.store.registry import SqlRegistry
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,28 @@ async def _mirror_readiness(service: CoordinatorService, health: HealthServicer)
         await asyncio.sleep(0.5)
 
 
+# How often the store's lock is checked (and taken again after its session ended).
+_STORE_LOCK_CHECK_S = 2.0
+
+
+async def _keep_store_lock(lock: StoreLock, stop: asyncio.Event) -> None:
+    """Check the store's lock now and then; stop serving if another coordinator took it."""
+    while True:
+        await asyncio.sleep(_STORE_LOCK_CHECK_S)
+        try:
+            await asyncio.to_thread(lock.check)
+        except StoreInUse as exc:
+            log.error(
+                "this coordinator lost the store's lock (its database session ended) and another took it "
+                "meanwhile: %s; stopping this one",
+                exc,
+            )
+            stop.set()
+            return
+        except StoreUnreachable as exc:
+            log.warning("cannot take the store's lock again yet: %s", exc)
+
+
 class _HttpThread:
     """uvicorn on a thread and event loop of its own.
 
@@ -256,6 +278,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
 
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
+    lock_task = (
+        loop.create_task(_keep_store_lock(store_lock, stop), name="tally-store-lock") if store_lock else None
+    )
     await http.start()
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
@@ -274,6 +299,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
     health_task.cancel()
+    if lock_task is not None:
+        lock_task.cancel()
     await health.enter_graceful_shutdown()
     await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()

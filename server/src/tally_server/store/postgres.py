@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -197,6 +198,9 @@ class StoreLock:
         self.url = url
         self._engine: Engine | None = None
         self._conn: Connection | None = None
+        # check() runs on a worker thread while release() may run at shutdown.
+        self._mutex = threading.RLock()
+        self._released = False
 
     def acquire(self, wait_s: float = _LOCK_WAIT_S) -> None:
         """Take the lock, waiting up to ``wait_s`` for a holder that is going away.
@@ -208,6 +212,10 @@ class StoreLock:
             StoreInUse: another session holds it.
             StoreUnreachable: the database cannot be reached.
         """
+        with self._mutex:
+            self._acquire(wait_s)
+
+    def _acquire(self, wait_s: float) -> None:
         if self._conn is not None:
             return
         engine = create_engine(self.url, pooled=False)
@@ -249,8 +257,44 @@ class StoreLock:
         ).first()
         return dict(row._mapping) if row is not None else {}
 
+    def check(self) -> None:
+        """Make sure the lock is still held, taking it again if its session ended.
+
+        A database restart (or an administrator's ``pg_terminate_backend``) ends the lock's session
+        and frees the lock: this takes it again on a new session as soon as the database answers.
+
+        Raises:
+            StoreInUse: another coordinator took the lock meanwhile; this one must stop.
+            StoreUnreachable: the database cannot be reached (try again later).
+        """
+        with self._mutex:
+            self._check()
+
+    def _check(self) -> None:
+        if self._released:
+            return
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.execute(sa.text("SELECT 1"))
+                return
+            except TRANSIENT as exc:
+                logger.warning(
+                    "the session holding the lock of store %s ended (%s); taking the lock again",
+                    display(self.url),
+                    cause(exc),
+                )
+                self._release()
+        self._acquire(0)
+        logger.info("holding the lock of store %s again", display(self.url))
+
     def release(self) -> None:
         """Give the lock up (closing its session releases it). Idempotent."""
+        with self._mutex:
+            self._released = True
+            self._release()
+
+    def _release(self) -> None:
         conn, engine = self._conn, self._engine
         self._conn = self._engine = None
         if conn is not None:
