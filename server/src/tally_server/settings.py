@@ -74,7 +74,8 @@ class Settings(BaseSettings):
     )
     journal: bool = Field(
         default=True,
-        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb), so that a "
+        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb, or in the "
+        "store's database with store), so that a "
         "restart, crash or upgrade of the coordinator loses none of their pending state and they carry "
         "on. Off: writers open at a restart are lost and their unfinished sources replay (faster; for "
         "measuring what the journal costs).",
