@@ -253,3 +253,19 @@ def test_store_urls_are_normalised_to_psycopg_and_others_refused() -> None:
     for bad in ("mysql://u@h/db", "postgresql+psycopg2://u@h/db", "postgresql://u@h", "not a url"):
         with pytest.raises(ValueError):
             Settings(store=bad)
+
+
+def test_a_full_disk_says_so_and_what_to_do() -> None:
+    from tally_server.store.postgres import write_error
+
+    class DiskFull(Exception):
+        sqlstate = "53100"
+
+    refused = sa.exc.OperationalError(
+        "COMMIT", {}, DiskFull("could not extend file: No space left on device")
+    )
+    error = write_error(store_url("postgresql://tally:secret@db/tally"), refused, "completions")
+    assert error.disk_full
+    assert "the disk of the PostgreSQL store postgresql+psycopg://tally:***@db/tally is full" in str(error)
+    assert "free space or grow its volume — Tally retries by itself" in str(error)
+    assert "secret" not in str(error) and "secret" not in error.path
