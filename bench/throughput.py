@@ -1,10 +1,11 @@
 """Throughput of durable completions through gRPC: 4 concurrent writers, batches of 1,000 deltas.
 
-    .venv/bin/python bench/throughput.py [--sources-per-writer N] [--writers W]
+    .venv/bin/python bench/throughput.py [--sources-per-writer N] [--writers W] [--store URL]
 
 Prints Tally's figures and, from the same run, a baseline: the same deltas through the same counting
 rules and the same LMDB store in one process with no network and no service (one synced commit per
-batch). The gap between the two is what the service layer costs.
+batch). The gap between the two is what the service layer costs. ``--store postgresql://...`` runs
+the coordinator on the PostgreSQL store instead (give it an empty database; the baseline stays LMDB).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def run_writer(address: str, writer: int, sources: int, start: mp.Barrier, out: 
     out.put((elapsed, len(deltas), result.counts.completed))
 
 
-def bench_tally(writers: int, sources: int, settle_ms: int) -> tuple[float, int, int]:
+def bench_tally(writers: int, sources: int, settle_ms: int, store: str | None) -> tuple[float, int, int]:
     from tally_server.testing import running_server
 
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), settle_ms=settle_ms) as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_server(Path(tmp), settle_ms=settle_ms, store=store) as server,
+    ):
         ctx = mp.get_context("spawn")
         start = ctx.Barrier(writers + 1)
         out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
@@ -97,10 +101,14 @@ def main() -> None:
     parser.add_argument("--writers", type=int, default=4)
     parser.add_argument("--sources-per-writer", type=int, default=25_000)
     parser.add_argument("--settle-ms", type=int, default=0, help="server settle window (0 = NeMo's rules)")
+    parser.add_argument(
+        "--store", default=None, help="PostgreSQL URL: the coordinator's store (an empty database)"
+    )
     ns = parser.parse_args()
 
+    name = "tally serve, gRPC" + (", PostgreSQL store" if ns.store else "")
     rows = [
-        ("tally serve, gRPC", *bench_tally(ns.writers, ns.sources_per_writer, ns.settle_ms)),
+        (name, *bench_tally(ns.writers, ns.sources_per_writer, ns.settle_ms, ns.store)),
         ("baseline: in-process rules + LMDB", *bench_baseline(ns.writers, ns.sources_per_writer)),
     ]
     print(

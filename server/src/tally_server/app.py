@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import grpc
+import sqlalchemy as sa
 import uvicorn
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from tally_server.auth import Authorizer, load_tokens
+from tally_server.domain.ports import CompletionStore, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
 from tally_server.http_api.app import create_app
 from tally_server.loop_load import new_event_loop
@@ -29,6 +31,9 @@ from tally_server.settings import Settings, split_listen
 from tally_server.store.datadir_lock import DataDirLock
 from tally_server.store.journal import LmdbJournal, NoJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
+from tally_server.store.pg_completions import PgCompletionStore
+from tally_server.store.pg_journal import PgJournal
+from tally_server.store.postgres import StoreInUse, StoreLock, StoreUnreachable, display, store_url
 from tally_server.store.registry import SqlRegistry
 
 log = logging.getLogger(__name__)
@@ -37,10 +42,30 @@ log = logging.getLogger(__name__)
 def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] = ()) -> CoordinatorService:
     """Build the coordinator service the settings describe, on its stores (creating the data directory)."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    completions: CompletionStore
+    journal: Journal = NoJournal()
+    if settings.store is None:  # the default: NeMo Curator's LMDB files in the data directory
+        completions = LmdbCompletionStore(settings.data_dir)
+        if settings.journal:
+            journal = LmdbJournal(settings.data_dir)
+    else:
+        completions = PgCompletionStore(settings.store)
+        try:
+            if settings.journal:
+                journal = PgJournal(settings.store)
+        except BaseException:
+            completions.close()
+            raise
+    try:
+        registry = SqlRegistry(settings.resolved_registry_url())
+    except BaseException:
+        completions.close()
+        journal.close()
+        raise
     return CoordinatorService(
-        completions=LmdbCompletionStore(settings.data_dir),
-        registry=SqlRegistry(settings.resolved_registry_url()),
-        journal=LmdbJournal(settings.data_dir) if settings.journal else NoJournal(),
+        completions=completions,
+        registry=registry,
+        journal=journal,
         journal_snapshot_deltas=settings.journal_snapshot_deltas,
         limits=settings.limits,
         settle_ms=settings.settle_ms,
@@ -68,6 +93,10 @@ def _bind_http(listen: str) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def _hide_password(url: str) -> str:
+    return sa.make_url(url).render_as_string(hide_password=True)
 
 
 def _address(host: str, port: int) -> str:
@@ -135,6 +164,28 @@ async def _mirror_readiness(service: CoordinatorService, health: HealthServicer)
         await asyncio.sleep(0.5)
 
 
+# How often the store's lock is checked (and taken again after its session ended).
+_STORE_LOCK_CHECK_S = 2.0
+
+
+async def _keep_store_lock(lock: StoreLock, stop: asyncio.Event) -> None:
+    """Check the store's lock now and then; stop serving if another coordinator took it."""
+    while True:
+        await asyncio.sleep(_STORE_LOCK_CHECK_S)
+        try:
+            await asyncio.to_thread(lock.check)
+        except StoreInUse as exc:
+            log.error(
+                "this coordinator lost the store's lock (its database session ended) and another took it "
+                "meanwhile: %s; stopping this one",
+                exc,
+            )
+            stop.set()
+            return
+        except StoreUnreachable as exc:
+            log.warning("cannot take the store's lock again yet: %s", exc)
+
+
 class _HttpThread:
     """uvicorn on a thread and event loop of its own.
 
@@ -190,6 +241,10 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     _warn_exposed(settings, authorizer)
     datadir_lock = DataDirLock(settings.data_dir)
     datadir_lock.acquire()
+    # Likewise one coordinator per PostgreSQL store (replicas sharing one come with issue #11).
+    store_lock = StoreLock(store_url(settings.store)) if settings.store is not None else None
+    if store_lock is not None:
+        store_lock.acquire()
     loop = asyncio.get_running_loop()
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
@@ -223,6 +278,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
 
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
+    lock_task = (
+        loop.create_task(_keep_store_lock(store_lock, stop), name="tally-store-lock") if store_lock else None
+    )
     await http.start()
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
@@ -230,18 +288,23 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
     print(f"http listening on {_address(http_host, http_port)}", flush=True)
     log.info(
-        "tally serving%s; data in %s, registry %s",
+        "tally serving%s; data in %s, completions in %s, registry %s",
         " over TLS" + (" with client certificates" if settings.tls_client_ca else "") if settings.tls else "",
         settings.data_dir,
-        settings.resolved_registry_url(),
+        display(store_url(settings.store)) if settings.store else "LMDB files in the data directory",
+        _hide_password(settings.resolved_registry_url()),
     )
 
     await stop.wait()
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
     health_task.cancel()
+    if lock_task is not None:
+        lock_task.cancel()
     await health.enter_graceful_shutdown()
     await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()
+    if store_lock is not None:
+        store_lock.release()
     datadir_lock.release()
     log.info("shutdown complete")

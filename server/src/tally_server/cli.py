@@ -28,6 +28,13 @@ def serve(
         str | None,
         typer.Option(help="SQLAlchemy URL of the registry [TALLY_REGISTRY_URL; SQLite in data dir]."),
     ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="postgresql+psycopg://USER@HOST/DB: completions and journals in PostgreSQL "
+            "[TALLY_STORE; LMDB files in data dir]."
+        ),
+    ] = None,
     settle_ms: Annotated[
         int | None, typer.Option(help="Settle window in ms, 0 = NeMo's [TALLY_SETTLE_MS; 250].")
     ] = None,
@@ -65,6 +72,7 @@ def serve(
         "grpc_listen": grpc_listen,
         "http_listen": http_listen,
         "registry_url": registry_url,
+        "store": store,
         "settle_ms": settle_ms,
         "lease_ttl_s": lease_ttl_s,
         "log_level": log_level,

@@ -35,8 +35,16 @@ class Settings(BaseSettings):
     http_listen: str = Field(default="127.0.0.1:8080", description="HTTP HOST:PORT; port 0 picks one.")
     registry_url: str | None = Field(
         default=None,
-        description="SQLAlchemy URL of the registry (checkpoints, writers, events); default SQLite in "
-        "data_dir. PostgreSQL: postgresql+psycopg://user@host:5432/db.",
+        description="SQLAlchemy URL of the registry (checkpoints, writers, events); default the store's "
+        "database when store is set, else SQLite in data_dir. PostgreSQL: postgresql+psycopg://user@host:5432/db.",
+    )
+    store: str | None = Field(
+        default=None,
+        description="Where completions and writers' journals live. Unset: LMDB files in NeMo Curator's "
+        "format in data_dir (and the journal in data_dir/journal.mdb). A PostgreSQL URL "
+        "(postgresql+psycopg://user@host:5432/db; postgresql:// means the same): both in that "
+        "database, nothing under data_dir/checkpoints; one coordinator per store for now (an "
+        "advisory lock refuses a second).",
     )
     settle_ms: int = Field(
         default=250,
@@ -66,7 +74,8 @@ class Settings(BaseSettings):
     )
     journal: bool = Field(
         default=True,
-        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb), so that a "
+        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb, or in the "
+        "store's database with store), so that a "
         "restart, crash or upgrade of the coordinator loses none of their pending state and they carry "
         "on. Off: writers open at a restart are lost and their unfinished sources replay (faster; for "
         "measuring what the journal costs).",
@@ -137,6 +146,15 @@ class Settings(BaseSettings):
         split_listen(value)
         return value
 
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from tally_server.store.postgres import store_url
+
+        return store_url(value).render_as_string(hide_password=False)
+
     @model_validator(mode="after")
     def _tls(self) -> Self:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -167,7 +185,7 @@ class Settings(BaseSettings):
         )
 
     def resolved_registry_url(self) -> str:
-        """The registry URL: the one configured, else SQLite in the data directory."""
+        """The registry URL: the one configured, else the store's database, else SQLite in data_dir."""
         from tally_server.store.registry import default_sqlite_url
 
-        return self.registry_url or default_sqlite_url(self.data_dir)
+        return self.registry_url or self.store or default_sqlite_url(self.data_dir)

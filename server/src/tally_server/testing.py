@@ -74,6 +74,7 @@ def running_server(
     settle_ms: int = 250,
     lease_ttl_s: float = 30.0,
     registry_url: str | None = None,
+    store: str | None = None,
     grpc_listen: str = "127.0.0.1:0",
     http_listen: str = "127.0.0.1:0",
     env: dict[str, str] | None = None,
@@ -85,7 +86,8 @@ def running_server(
 ) -> Iterator[RunningServer]:
     """Start ``tally serve`` on free loopback ports; yield its addresses; SIGTERM it on exit.
 
-    ``tls_cert``/``tls_key`` (and ``tls_client_ca`` for mutual TLS) are PEM files to serve TLS with.
+    ``tls_cert``/``tls_key`` (and ``tls_client_ca`` for mutual TLS) are PEM files to serve TLS with;
+    ``store`` a PostgreSQL URL to keep completions and journals in (default: LMDB in the data dir).
     """
     tls_files = {"--tls-cert": tls_cert, "--tls-key": tls_key, "--tls-client-ca": tls_client_ca}
     with contextlib.ExitStack() as stack:
@@ -107,6 +109,7 @@ def running_server(
             "--lease-ttl-s",
             str(lease_ttl_s),
             *(["--registry-url", registry_url] if registry_url else []),
+            *(["--store", store] if store else []),
             *(part for flag, path in tls_files.items() if path is not None for part in (flag, str(path))),
             *(args or []),
         ]

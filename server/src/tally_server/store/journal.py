@@ -84,7 +84,7 @@ class LmdbJournal:
 
     def _apply(self, txn: Any, op: JournalOp) -> None:
         if isinstance(op, OpenJournal):
-            txn.put(op.opened.handle.encode(), _encode_opened(op.opened), db=self._writers)
+            txn.put(op.opened.handle.encode(), encode_opened(op.opened), db=self._writers)
         elif isinstance(op, JournalEntry):
             key = _key(op.handle, op.index)
             if isinstance(op.entry, Snapshot):
@@ -113,7 +113,7 @@ class LmdbJournal:
         found: list[JournaledWriter] = []
         with self._env.begin() as txn:
             for handle, raw in txn.cursor(db=self._writers):
-                writer = JournaledWriter(_decode_opened(raw))
+                writer = JournaledWriter(decode_opened(raw))
                 prefix = handle + b":"
                 with txn.cursor(db=self._entries) as cursor:
                     if cursor.set_range(prefix):
@@ -144,11 +144,13 @@ def _key(handle: str, index: int) -> bytes:
     return handle.encode() + b":" + _INDEX.pack(index)
 
 
-def _encode_opened(opened: Opened) -> bytes:
+def encode_opened(opened: Opened) -> bytes:
+    """Who a writer is, as stored: JSON with sorted keys."""
     return json.dumps(opened.__dict__, sort_keys=True).encode()
 
 
-def _decode_opened(raw: bytes) -> Opened:
+def decode_opened(raw: bytes) -> Opened:
+    """Read back what ``encode_opened`` wrote."""
     return Opened(**json.loads(raw))
 
 

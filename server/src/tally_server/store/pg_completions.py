@@ -1,0 +1,317 @@
+"""Completions in PostgreSQL: the ``CompletionStore`` of ``tally serve --store postgresql+psycopg://...``.
+
+The same model as the LMDB files, one "file" per writer: a checkpoint's completed set is the union
+of its rows ``(checkpoint, origin, source_id)`` over every origin (a writer id, or an import's id).
+A commit is one transaction, durable when PostgreSQL's commit returns (``synchronous_commit`` is on
+for every session, see ``postgres.create_engine``). Nothing is written to the data directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from tally.integrations import nemo_format
+from tally_server.domain.compact import U64, Hasher
+from tally_server.domain.ports import (
+    CommitReport,
+    CompletionOp,
+    DeleteCompleted,
+    LoadedCheckpoint,
+    LoadedIndex,
+    PutCompleted,
+)
+from tally_server.store import postgres
+from tally_server.store.pg_schema import (
+    completed_table,
+    completion_checkpoints_table,
+    metadata,
+    store_probe_table,
+)
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Rows per step of a load (a server-side cursor), hashed a step at a time.
+_LOAD_CHUNK = 1 << 15
+
+_Ids = postgresql.ARRAY(postgresql.BYTEA())
+_PUT = sa.text(
+    "INSERT INTO completed (checkpoint, source_id, origin) "
+    "SELECT :checkpoint, id, :origin FROM unnest(:ids) AS id ON CONFLICT DO NOTHING"
+).bindparams(sa.bindparam("ids", type_=_Ids))
+_DELETE = sa.text(
+    "DELETE FROM completed WHERE checkpoint = :checkpoint AND source_id = ANY(:ids)"
+).bindparams(sa.bindparam("ids", type_=_Ids))
+_CONTAINS = sa.text(
+    "SELECT source_id FROM completed "
+    "WHERE checkpoint = :checkpoint AND origin = :origin AND source_id = ANY(:ids)"
+).bindparams(sa.bindparam("ids", type_=_Ids))
+_TRASH = sa.text(
+    "WITH moved AS (DELETE FROM completed WHERE checkpoint = :checkpoint "
+    "RETURNING checkpoint, source_id, origin) "
+    "INSERT INTO completed_trash (checkpoint, stamp, source_id, origin, trashed_at) "
+    "SELECT checkpoint, :stamp, source_id, origin, :at FROM moved"
+)
+
+
+def _read(
+    method: Callable[Concatenate[PgCompletionStore, str, P], R],
+) -> Callable[Concatenate[PgCompletionStore, str, P], R]:
+    """A read of one checkpoint whose database cannot be reached raises UNAVAILABLE (retry)."""
+
+    @functools.wraps(method)
+    def wrapper(self: PgCompletionStore, checkpoint: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        self._check_open()
+        try:
+            return method(self, checkpoint, *args, **kwargs)
+        except postgres.TRANSIENT as exc:
+            raise postgres.read_error(
+                self._url, exc, f"the completions of checkpoint {checkpoint!r}"
+            ) from exc
+
+    return wrapper
+
+
+class PgCompletionStore:
+    """Completed ids per checkpoint and origin in PostgreSQL; creates its tables on start.
+
+    Thread-safe (a pool of connections): commits, loads and lookups run on different threads.
+
+    Args:
+        url: the store's URL (``postgresql+psycopg://...``; see ``postgres.store_url``).
+
+    Raises:
+        postgres.StoreUnreachable: the database cannot be reached, or its tables cannot be created.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._url = postgres.store_url(url)
+        self.display_url = postgres.display(self._url)
+        self._engine = postgres.create_engine(self._url)
+        try:
+            metadata.create_all(self._engine)
+        except postgres.TRANSIENT as exc:
+            self._engine.dispose()
+            raise postgres.StoreUnreachable(self._url, exc) from None
+        except BaseException:
+            self._engine.dispose()
+            raise
+        self._closed = False
+        self._lock = threading.Lock()
+        self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the completion store is closed")
+
+    # ----------------------------------------------------------------- writes
+
+    def commit(self, ops: Sequence[CompletionOp]) -> CommitReport:
+        """Apply ``ops`` in order in one transaction; durable when this returns.
+
+        ``PutCompleted`` adds the ids to the writer's origin (ids it holds already stay);
+        ``DeleteCompleted`` removes them from every origin of the checkpoint.
+
+        Raises:
+            ValueError: a name with a NUL character, or an id that is empty or over 511 bytes (the
+                limit of NeMo Curator's LMDB files, so that every checkpoint can be exported); raised
+                before anything is written.
+            CompletionWriteError: the database refused or could not be reached; retry.
+        """
+        self._check_open()
+        planned: list[tuple[CompletionOp, list[bytes]]] = []
+        for op in ops:
+            names = (op.checkpoint, op.writer_id) if isinstance(op, PutCompleted) else (op.checkpoint,)
+            for name in names:
+                if not name or "\x00" in name:
+                    raise ValueError(f"name {name!r} cannot be stored in PostgreSQL text; refusing")
+            planned.append((op, [nemo_format.encode_key(sid) for sid in op.sources]))
+        if not planned:
+            return CommitReport()
+        new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
+        try:
+            with self._engine.begin() as conn:
+                if new:
+                    at = time.time()
+                    conn.execute(
+                        postgresql.insert(completion_checkpoints_table).on_conflict_do_nothing(),
+                        [{"checkpoint": name, "created_at": at} for name in new],
+                    )
+                for op, keys in planned:
+                    if isinstance(op, PutCompleted):
+                        if keys:
+                            params = {"checkpoint": op.checkpoint, "origin": op.writer_id, "ids": keys}
+                            conn.execute(_PUT, params)
+                    elif isinstance(op, DeleteCompleted):
+                        if keys:
+                            conn.execute(_DELETE, {"checkpoint": op.checkpoint, "ids": keys})
+                    else:  # pragma: no cover - guarded by the type checker
+                        raise TypeError(f"unknown completion op {op!r}")
+        except postgres.TRANSIENT as exc:
+            raise postgres.write_error(self._url, exc, "completions") from exc
+        with self._lock:
+            self._marked.update(new)
+        return CommitReport()
+
+    def probe(self) -> None:
+        """Write and commit one small row; raises if that fails (database down, disk full)."""
+        self._check_open()
+        statement = postgresql.insert(store_probe_table).values(id=1, at=time.time())
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(statement.on_conflict_do_update(index_elements=["id"], set_={"at": time.time()}))
+        except postgres.TRANSIENT as exc:
+            raise postgres.write_error(self._url, exc, "the storage probe") from exc
+
+    def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
+        """Move the checkpoint's rows to the ``completed_trash`` table under ``stamp``; never deletes.
+
+        Returns where they went and how many origins (writer "files") they came from; ``("", 0)``
+        when the checkpoint has no completions of its own.
+        """
+        self._check_open()
+        c = completed_table.c
+        try:
+            with self._engine.begin() as conn:
+                marked = conn.execute(
+                    sa.delete(completion_checkpoints_table)
+                    .where(completion_checkpoints_table.c.checkpoint == checkpoint)
+                    .returning(completion_checkpoints_table.c.checkpoint)
+                ).first()
+                origins = conn.execute(
+                    sa.select(sa.func.count(sa.distinct(c.origin))).where(c.checkpoint == checkpoint)
+                ).scalar_one()
+                conn.execute(_TRASH, {"checkpoint": checkpoint, "stamp": stamp, "at": time.time()})
+        except postgres.TRANSIENT as exc:
+            raise postgres.write_error(self._url, exc, f"the reset of checkpoint {checkpoint!r}") from exc
+        with self._lock:
+            self._marked.discard(checkpoint)
+        if marked is None and not origins:
+            return "", 0
+        return f"table completed_trash (checkpoint {checkpoint!r}, stamp {stamp!r})", int(origins)
+
+    # ------------------------------------------------------------------ reads
+
+    @_read
+    def exists(self, checkpoint: str) -> bool:
+        """Whether the checkpoint ever had a completion committed since its last reset."""
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(completion_checkpoints_table.c.checkpoint).where(
+                    completion_checkpoints_table.c.checkpoint == checkpoint
+                )
+            ).first()
+        return row is not None
+
+    @_read
+    def load(self, checkpoint: str) -> LoadedCheckpoint:
+        """Every completed id of the checkpoint (no unreadable files on PostgreSQL)."""
+        c = completed_table.c
+        with self._engine.connect() as conn:
+            rows = conn.execute(sa.select(c.source_id).where(c.checkpoint == checkpoint).distinct())
+            return LoadedCheckpoint(completed={bytes(r[0]).decode() for r in rows}, unreadable=[])
+
+    @_read
+    def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
+        """The sorted hashes of each origin's ids (what a compact index is built from)."""
+        c = completed_table.c
+        result = LoadedIndex(origins=[], hashes=[], files=[], unreadable=[])
+        query = sa.select(c.origin, c.source_id).where(c.checkpoint == checkpoint).order_by(c.origin)
+        with self._engine.connect() as conn:
+            rows = conn.execution_options(stream_results=True, yield_per=_LOAD_CHUNK).execute(query)
+            for origin, group in itertools.groupby(rows, key=lambda row: str(row[0])):
+                parts: list[U64] = []
+                while chunk := [bytes(r[1]) for r in itertools.islice(group, _LOAD_CHUNK)]:
+                    parts.append(hasher.of_keys(chunk, len(chunk)))
+                hashes = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+                hashes.sort()
+                result.origins.append(origin)
+                result.hashes.append(hashes)
+                result.files.append(f"completed/{checkpoint}/{origin}")
+        return result
+
+    def contains(self, checkpoint: str, origin: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the origin holds each key.
+
+        A database that cannot be reached holds none (as an unreadable LMDB file): a source then
+        reads as not completed and replays, never the other way round.
+        """
+        self._check_open()
+        if not keys:
+            return []
+        try:
+            with self._engine.connect() as conn:
+                params = {"checkpoint": checkpoint, "origin": origin, "ids": list(keys)}
+                found = {bytes(r[0]) for r in conn.execute(_CONTAINS, params)}
+        except postgres.TRANSIENT as exc:
+            logger.warning(
+                "checkpoint %r: cannot look up %d completed ids in the PostgreSQL store %s (%s); "
+                "answering not completed",
+                checkpoint,
+                len(keys),
+                self.display_url,
+                postgres.cause(exc),
+            )
+            return [False] * len(keys)
+        return [key in found for key in keys]
+
+    @_read
+    def keys_after(
+        self, checkpoint: str, origins: Sequence[str], after: bytes, limit: int
+    ) -> tuple[list[bytes], bool]:
+        """Up to ``limit`` distinct ids of these origins after ``after``, in byte order.
+
+        Also says whether those are the last.
+        """
+        c = completed_table.c
+        query = (
+            sa.select(c.source_id)
+            .where(c.checkpoint == checkpoint, c.origin.in_(list(origins)), c.source_id > after)
+            .distinct()
+            .order_by(c.source_id)
+            .limit(limit + 1)
+        )
+        with self._engine.connect() as conn:
+            keys = [bytes(r[0]) for r in conn.execute(query)]
+        return keys[:limit], len(keys) <= limit
+
+    @_read
+    def keys_matching(
+        self, checkpoint: str, origins: Sequence[str], wanted: Callable[[bytes], bool]
+    ) -> list[bytes]:
+        """Every id of these origins for which ``wanted`` is true (once per origin holding it)."""
+        c = completed_table.c
+        query = sa.select(c.source_id).where(c.checkpoint == checkpoint, c.origin.in_(list(origins)))
+        found: list[bytes] = []
+        with self._engine.connect() as conn:
+            rows = conn.execution_options(stream_results=True, yield_per=_LOAD_CHUNK).execute(query)
+            for row in rows:
+                key = bytes(row[0])
+                if wanted(key):
+                    found.append(key)
+        return found
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Release the database connections; the store refuses further calls. Idempotent."""
+        self._closed = True
+        self._engine.dispose()
+
+    def __enter__(self) -> PgCompletionStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""Writers' journals in PostgreSQL: the ``Journal`` of ``tally serve --store postgresql+psycopg://...``.
+
+Two tables, ``journal_writers`` (handle → who the writer is) and ``journal_entries`` (handle, index →
+one entry), holding the same bytes as the LMDB journal (``store.journal``'s codec). One transaction
+per commit, so a group of entries of many writers costs one WAL flush.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection
+
+from tally_server.domain.journal import JournaledWriter, Snapshot
+from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.store import postgres
+from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
+from tally_server.store.pg_schema import journal_entries_table, journal_writers_table, metadata
+
+logger = logging.getLogger(__name__)
+
+_SIZE = sa.text(
+    "SELECT pg_total_relation_size('journal_entries') + pg_total_relation_size('journal_writers')"
+)
+
+
+class PgJournal:
+    """The coordinator's writer journals in PostgreSQL; creates its tables on start.
+
+    Args:
+        url: the store's URL (``postgresql+psycopg://...``).
+
+    Raises:
+        postgres.StoreUnreachable: the database cannot be reached, or its tables cannot be created.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._url = postgres.store_url(url)
+        self._engine = postgres.create_engine(self._url)
+        try:
+            metadata.create_all(self._engine)
+        except postgres.TRANSIENT as exc:
+            self._engine.dispose()
+            raise postgres.StoreUnreachable(self._url, exc) from None
+        except BaseException:
+            self._engine.dispose()
+            raise
+        # Metrics read these while the database may be down: they then show the last known values.
+        self._size = 0
+        self._entries = 0
+
+    def commit(self, ops: Sequence[JournalOp]) -> None:
+        """Apply ``ops`` in order in one transaction; durable when this returns.
+
+        Raises:
+            CompletionWriteError: the database refused or could not be reached; retry.
+        """
+        if not ops:
+            return
+        try:
+            with self._engine.begin() as conn:
+                rows: list[dict[str, Any]] = []  # consecutive entries, inserted together
+                for op in ops:
+                    if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):
+                        rows.append({"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)})
+                        continue
+                    self._insert(conn, rows)
+                    rows = []
+                    self._apply(conn, op)
+                self._insert(conn, rows)
+        except postgres.TRANSIENT as exc:
+            raise postgres.write_error(self._url, exc, "the writers' journal") from exc
+
+    @staticmethod
+    def _insert(conn: Connection, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            insert = postgresql.insert(journal_entries_table)
+            conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=["handle", "idx"], set_={"entry": insert.excluded.entry}
+                ),
+                rows,
+            )
+
+    def _apply(self, conn: Connection, op: JournalOp) -> None:
+        e, w = journal_entries_table.c, journal_writers_table.c
+        if isinstance(op, OpenJournal):
+            insert = postgresql.insert(journal_writers_table).values(
+                handle=op.opened.handle, opened=encode_opened(op.opened)
+            )
+            conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=["handle"], set_={"opened": insert.excluded.opened}
+                )
+            )
+        elif isinstance(op, JournalEntry):  # a snapshot: it replaces everything before it
+            conn.execute(sa.delete(journal_entries_table).where(e.handle == op.handle, e.idx < op.index))
+            self._insert(conn, [{"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)}])
+        elif isinstance(op, ForgetWriter):
+            conn.execute(sa.delete(journal_writers_table).where(w.handle == op.handle))
+            conn.execute(sa.delete(journal_entries_table).where(e.handle == op.handle))
+        else:  # pragma: no cover - guarded by the type checker
+            raise TypeError(f"unknown journal op {op!r}")
+
+    def load(self) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+        e, w = journal_entries_table.c, journal_writers_table.c
+        try:
+            with self._engine.connect() as conn:
+                found = {
+                    str(handle): JournaledWriter(decode_opened(bytes(raw)))
+                    for handle, raw in conn.execute(sa.select(w.handle, w.opened).order_by(w.handle))
+                }
+                query = sa.select(e.handle, e.idx, e.entry).order_by(e.handle, e.idx)
+                for handle, index, raw in conn.execution_options(stream_results=True).execute(query):
+                    writer = found.get(handle)
+                    if writer is None:  # pragma: no cover - a commit forgets both in one transaction
+                        continue
+                    writer.entries.append(decode_entry(bytes(raw)))
+                    writer.last_index = int(index)
+        except postgres.TRANSIENT as exc:
+            raise postgres.StoreUnreachable(self._url, exc) from exc
+        return list(found.values())
+
+    def size_bytes(self) -> int:
+        """Bytes the journal's tables (with their indexes) take in the database."""
+        try:
+            with self._engine.connect() as conn:
+                self._size = int(conn.execute(_SIZE).scalar_one())
+        except postgres.TRANSIENT as exc:
+            logger.debug("journal size: %s", postgres.cause(exc))
+        return self._size
+
+    def entries(self) -> int:
+        """How many entries the journal holds (snapshots keep this bounded per writer)."""
+        try:
+            with self._engine.connect() as conn:
+                self._entries = int(
+                    conn.execute(sa.select(sa.func.count()).select_from(journal_entries_table)).scalar_one()
+                )
+        except postgres.TRANSIENT as exc:
+            logger.debug("journal entries: %s", postgres.cause(exc))
+        return self._entries
+
+    def close(self) -> None:
+        """Release the database connections."""
+        self._engine.dispose()

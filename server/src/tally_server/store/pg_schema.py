@@ -1,0 +1,70 @@
+"""The PostgreSQL store's tables (SQLAlchemy Core), created at start if missing.
+
+Completions mirror the LMDB layout row for row: a writer's file ``<origin>.mdb`` of a checkpoint is
+the rows ``(checkpoint, origin, source_id)``; ids are ``bytea`` (their UTF-8 bytes), so they sort
+bytewise, as LMDB keys do, whatever the database's collation. The registry's tables live in their
+own metadata (``registry_schema``); the names do not overlap, so both fit in one database.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+metadata = sa.MetaData()
+
+# Every completed id, by the writer ("origin") that completed it; an id may be in several origins.
+completed_table = sa.Table(
+    "completed",
+    metadata,
+    sa.Column("checkpoint", sa.Text(), primary_key=True),
+    sa.Column("source_id", postgresql.BYTEA(), primary_key=True),
+    sa.Column("origin", sa.Text(), primary_key=True),
+    # Loads read a checkpoint origin by origin.
+    sa.Index("ix_completed_origin", "checkpoint", "origin"),
+)
+
+# A checkpoint with a completion store of its own (what a checkpoint's folder is on LMDB): made by
+# its first completion, gone when a reset moves its rows to the trash.
+completion_checkpoints_table = sa.Table(
+    "completion_checkpoints",
+    metadata,
+    sa.Column("checkpoint", sa.Text(), primary_key=True),
+    sa.Column("created_at", sa.Double[float](), nullable=False),
+)
+
+# Rows of reset checkpoints, never deleted: ``stamp`` tells resets apart (the trash folder's name on LMDB).
+completed_trash_table = sa.Table(
+    "completed_trash",
+    metadata,
+    sa.Column("checkpoint", sa.Text(), primary_key=True),
+    sa.Column("stamp", sa.Text(), primary_key=True),
+    sa.Column("source_id", postgresql.BYTEA(), primary_key=True),
+    sa.Column("origin", sa.Text(), primary_key=True),
+    sa.Column("trashed_at", sa.Double[float](), nullable=False),
+)
+
+# One row written (and committed) by the storage probe.
+store_probe_table = sa.Table(
+    "store_probe",
+    metadata,
+    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("at", sa.Double[float](), nullable=False),
+)
+
+# The writers' journals: who each writer is (``store.journal.encode_opened``, JSON bytes) and its
+# entries (``store.journal.encode_entry``), the same bytes the LMDB journal keeps.
+journal_writers_table = sa.Table(
+    "journal_writers",
+    metadata,
+    sa.Column("handle", sa.Text(), primary_key=True),
+    sa.Column("opened", postgresql.BYTEA(), nullable=False),
+)
+
+journal_entries_table = sa.Table(
+    "journal_entries",
+    metadata,
+    sa.Column("handle", sa.Text(), primary_key=True),
+    sa.Column("idx", sa.BigInteger(), primary_key=True, autoincrement=False),
+    sa.Column("entry", postgresql.BYTEA(), nullable=False),
+)

@@ -1,0 +1,313 @@
+"""What the PostgreSQL store's parts share: its URL, its engines, its errors and its lock.
+
+The PostgreSQL store (``tally serve --store postgresql+psycopg://...``) keeps completions
+(``pg_completions``) and writers' journals (``pg_journal``) in one database. For now one coordinator
+serves a store at a time: :class:`StoreLock` holds a session-level advisory lock for the life of
+``tally serve``, the way ``datadir_lock`` does for a data directory. Several replicas, each owning
+some checkpoints through a lease with a fencing epoch, come next (issue #11).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from tally_server.domain.ports import CompletionWriteError
+from tally_server.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+# Errors of the database or the way to it (down, restarting, out of disk, out of connections):
+# transient. Integrity and data errors are bugs and propagate as they are.
+TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
+# SQLSTATE class 53: insufficient resources (53100 disk_full, 53200 out_of_memory, ...).
+_RESOURCES = "53"
+_DISK_FULL = "53100"
+# The advisory lock key of a store (one store per database): "tallystr" as a big-endian bigint.
+STORE_LOCK_KEY = int.from_bytes(b"tallystr", "big")
+_CONNECT_TIMEOUT_S = 10
+_LOCK_WAIT_S = 2.0
+_TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
+_LOCK_SESSION = (
+    "SET tcp_keepalives_idle = 10",
+    "SET tcp_keepalives_interval = 5",
+    "SET tcp_keepalives_count = 3",
+    "SET idle_in_transaction_session_timeout = 0",
+)
+
+
+def store_url(url: str) -> sa.URL:
+    """The SQLAlchemy URL of a store, on the psycopg (3) driver.
+
+    ``postgresql://`` and ``postgres://`` (libpq's spellings) mean ``postgresql+psycopg://``.
+
+    Raises:
+        ValueError: not a PostgreSQL URL, or another driver than psycopg.
+    """
+    text = url.strip()
+    for plain in ("postgresql://", "postgres://"):
+        if text.startswith(plain):
+            text = "postgresql+psycopg://" + text[len(plain) :]
+    try:
+        parsed = sa.make_url(text)
+    except sa.exc.ArgumentError:
+        raise ValueError(
+            f"store {url!r} is not a database URL; give postgresql+psycopg://USER@HOST:5432/DB"
+        ) from None
+    if parsed.drivername != "postgresql+psycopg":
+        raise ValueError(
+            f"store {parsed.render_as_string()!r} uses {parsed.drivername!r}; the store runs on "
+            "PostgreSQL through psycopg 3: give postgresql+psycopg://USER@HOST:5432/DB (or postgresql://...)"
+        )
+    if not parsed.database:
+        raise ValueError(f"store {parsed.render_as_string()!r} names no database; add /DBNAME to it")
+    return parsed
+
+
+def display(url: sa.URL) -> str:
+    """The URL as logs and messages show it: never with its password."""
+    return url.render_as_string(hide_password=True)
+
+
+def application_name() -> str:
+    """What this process calls itself in ``pg_stat_activity`` (at most 63 bytes, PostgreSQL's limit)."""
+    return f"tally serve pid {os.getpid()} on {socket.gethostname()}"[:63]
+
+
+def create_engine(url: sa.URL, *, pooled: bool = True) -> Engine:
+    """An engine on the store's database whose sessions commit synchronously (durable on return)."""
+    engine = sa.create_engine(
+        url,
+        pool_pre_ping=True,  # a pooled connection may have been cut by a database restart
+        poolclass=None if pooled else NullPool,
+        connect_args={"connect_timeout": _CONNECT_TIMEOUT_S, "application_name": application_name()},
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _durable(dbapi_connection: Any, _record: Any) -> None:
+        # Whatever the server's default: a commit returns once it is flushed to the WAL on disk.
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET synchronous_commit TO on")
+        dbapi_connection.commit()
+
+    return engine
+
+
+def cause(exc: BaseException) -> str:
+    """The first line of what the database (or the driver) said."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _sqlstate(exc: BaseException) -> str:
+    return str(getattr(getattr(exc, "orig", None), "sqlstate", None) or "")
+
+
+def write_error(url: sa.URL, exc: BaseException, what: str) -> CompletionWriteError:
+    """The transient error for a write the database refused or could not be reached for."""
+    state = _sqlstate(exc)
+    disk_full = state == _DISK_FULL or "no space left" in cause(exc).lower()
+    where = display(url)
+    if disk_full:
+        message = (
+            f"the disk of the PostgreSQL store {where} is full; free space or grow its volume — Tally "
+            f"retries by itself ({what}: {cause(exc)})"
+        )
+    elif state.startswith(_RESOURCES):
+        message = (
+            f"the PostgreSQL store {where} is out of resources ({cause(exc)}); {what} did not happen — "
+            "Tally retries by itself"
+        )
+    else:
+        message = (
+            f"cannot write {what} to the PostgreSQL store {where} ({cause(exc)}); check that the "
+            "database is up and reachable — Tally retries by itself"
+        )
+    return CompletionWriteError(message, path=where, disk_full=disk_full)
+
+
+class StoreUnavailable(Unavailable):
+    """The store's database cannot be read right now (UNAVAILABLE: the caller retries)."""
+
+
+def read_error(url: sa.URL, exc: BaseException, what: str) -> StoreUnavailable:
+    """The UNAVAILABLE error for a read the database refused or could not be reached for."""
+    return StoreUnavailable(
+        f"cannot read {what} from the PostgreSQL store {display(url)} ({cause(exc)}); check that the "
+        "database is up and reachable, then retry",
+        cause=cause(exc),
+    )
+
+
+class StoreUnreachable(OSError):
+    """The store's database cannot be used at start (an ``OSError``: ``tally serve`` prints one line)."""
+
+    def __init__(self, url: sa.URL, exc: BaseException) -> None:
+        super().__init__(
+            f"cannot use the PostgreSQL store {display(url)}: {cause(exc)}; check the URL, that PostgreSQL "
+            "is running and reachable from here and that the user may connect and create tables, then "
+            "start again"
+        )
+
+
+class StoreInUse(OSError):
+    """Another coordinator holds the store's lock.
+
+    An ``OSError`` so that ``tally serve`` reports it as one line and exits non-zero, like a data
+    directory in use.
+    """
+
+    def __init__(self, url: sa.URL, holder: dict[str, Any]) -> None:
+        if holder:
+            since = holder.get("backend_start")
+            when = since.isoformat(timespec="seconds") if isinstance(since, datetime.datetime) else "?"
+            name = holder.get("application_name") or "a session that did not name itself"
+            client = holder.get("client_addr") or "a local socket"
+            who = f"{name}, connected from {client} since {when}, PostgreSQL backend pid {holder.get('pid')}"
+        else:
+            who = "a session this user may not see"
+        super().__init__(
+            f"store {display(url)} is in use by another tally serve ({who}); stop that one first, or "
+            "give this one another --store (one coordinator per store for now; replicas that share a "
+            "store come with issue #11)"
+        )
+        self.holder = holder
+
+
+class StoreLock:
+    """The session-level advisory lock that makes one coordinator the store's only user.
+
+    Held on a connection of its own from ``acquire`` until ``release`` or the end of the process:
+    PostgreSQL releases it when the session ends however it ends (kill -9 included, once the server
+    notices the connection is gone).
+
+    Args:
+        url: the store's URL.
+    """
+
+    def __init__(self, url: sa.URL) -> None:
+        self.url = url
+        self._engine: Engine | None = None
+        self._conn: Connection | None = None
+        # check() runs on a worker thread while release() may run at shutdown.
+        self._mutex = threading.RLock()
+        self._released = False
+
+    def acquire(self, wait_s: float = _LOCK_WAIT_S) -> None:
+        """Take the lock, waiting up to ``wait_s`` for a holder that is going away.
+
+        A coordinator killed a moment ago may still hold it: PostgreSQL ends its session as soon
+        as it sees the connection closed, which takes a few milliseconds.
+
+        Raises:
+            StoreInUse: another session holds it.
+            StoreUnreachable: the database cannot be reached.
+        """
+        with self._mutex:
+            self._acquire(wait_s)
+
+    def _acquire(self, wait_s: float) -> None:
+        if self._conn is not None:
+            return
+        engine = create_engine(self.url, pooled=False)
+        try:
+            conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                # If this host vanishes, the server notices within about half a minute (its TCP
+                # keepalives), ends the session and frees the lock for a coordinator elsewhere.
+                for setting in _LOCK_SESSION:
+                    conn.execute(sa.text(setting))
+                deadline = time.monotonic() + wait_s
+                while not conn.execute(_TRY_LOCK, {"k": STORE_LOCK_KEY}).scalar():
+                    if time.monotonic() >= deadline:
+                        raise StoreInUse(self.url, self._holder(conn))
+                    time.sleep(0.1)
+            except BaseException:
+                conn.close()
+                raise
+        except TRANSIENT as exc:
+            engine.dispose()
+            raise StoreUnreachable(self.url, exc) from None
+        except BaseException:
+            engine.dispose()
+            raise
+        self._engine, self._conn = engine, conn
+
+    @staticmethod
+    def _holder(conn: Connection) -> dict[str, Any]:
+        """Who holds the lock, as far as ``pg_stat_activity`` shows this user (empty if it does not)."""
+        row = conn.execute(
+            sa.text(
+                "SELECT a.pid, a.application_name, host(a.client_addr) AS client_addr, a.backend_start "
+                "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+                "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                "AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
+            ),
+            {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF},
+        ).first()
+        return dict(row._mapping) if row is not None else {}
+
+    def check(self) -> None:
+        """Make sure the lock is still held, taking it again if its session ended.
+
+        A database restart (or an administrator's ``pg_terminate_backend``) ends the lock's session
+        and frees the lock: this takes it again on a new session as soon as the database answers.
+
+        Raises:
+            StoreInUse: another coordinator took the lock meanwhile; this one must stop.
+            StoreUnreachable: the database cannot be reached (try again later).
+        """
+        with self._mutex:
+            self._check()
+
+    def _check(self) -> None:
+        if self._released:
+            return
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.execute(sa.text("SELECT 1"))
+                return
+            except TRANSIENT as exc:
+                logger.warning(
+                    "the session holding the lock of store %s ended (%s); taking the lock again",
+                    display(self.url),
+                    cause(exc),
+                )
+                self._release()
+        self._acquire(0)
+        logger.info("holding the lock of store %s again", display(self.url))
+
+    def release(self) -> None:
+        """Give the lock up (closing its session releases it). Idempotent."""
+        with self._mutex:
+            self._released = True
+            self._release()
+
+    def _release(self) -> None:
+        conn, engine = self._conn, self._engine
+        self._conn = self._engine = None
+        if conn is not None:
+            try:
+                conn.close()
+            except TRANSIENT as exc:  # the session is gone already, and the lock with it
+                logger.warning("closing the store lock's session: %s", cause(exc))
+        if engine is not None:
+            engine.dispose()
+
+    def __enter__(self) -> StoreLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

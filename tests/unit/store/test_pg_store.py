@@ -1,0 +1,271 @@
+"""The PostgreSQL store against a real PostgreSQL: completions, journals, the store's lock, its URL."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+
+from tally_server.domain.compact import Hasher
+from tally_server.domain.journal import Applied, Completing, Opened, Persisted, Snapshot
+from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ports import (
+    CompletionWriteError,
+    DeleteCompleted,
+    ForgetWriter,
+    JournalEntry,
+    OpenJournal,
+    PutCompleted,
+)
+from tally_server.settings import Settings
+from tally_server.store.journal import encode_entry
+from tally_server.store.pg_completions import PgCompletionStore
+from tally_server.store.pg_journal import PgJournal
+from tally_server.store.postgres import StoreInUse, StoreLock, StoreUnreachable, store_url
+from tests.conftest import POSTGRES_ADMIN_URL
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def store(registry_postgres_url: str) -> Iterator[PgCompletionStore]:
+    with PgCompletionStore(registry_postgres_url) as completions:
+        yield completions
+
+
+def rows(url: str, query: str) -> list[tuple[object, ...]]:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text(query))]
+    finally:
+        engine.dispose()
+
+
+def test_commit_applies_ops_in_order_in_one_transaction(store: PgCompletionStore) -> None:
+    assert not store.exists("cp/a")
+    store.commit(
+        [
+            PutCompleted("cp/a", "w1", ["a", "b", "c", "é"]),
+            PutCompleted("cp/a", "w2", ["b", "d"]),
+            PutCompleted("cp/other", "w1", ["a"]),
+            DeleteCompleted("cp/a", ["b"]),  # from every origin of cp/a only
+            PutCompleted("cp/a", "w2", ["b"]),  # a later put re-adds it to its own origin
+        ]
+    )
+    store.commit([PutCompleted("cp/a", "w1", ["a"])])  # already there: no error, no duplicate
+    assert store.exists("cp/a") and store.exists("cp/other") and not store.exists("cp")
+    assert store.load("cp/a").completed == {"a", "b", "c", "d", "é"}
+    assert store.load("cp/a").unreadable == []
+    assert store.contains("cp/a", "w1", [b"a", b"b", "é".encode(), b"zz"]) == [True, False, True, False]
+    assert store.contains("cp/a", "w2", [b"b", b"d", b"a"]) == [True, True, False]
+    assert store.contains("cp/a", "nobody", [b"a"]) == [False]
+    assert store.load("cp/other").completed == {"a"}
+
+
+def test_load_index_gives_each_origins_sorted_hashes(store: PgCompletionStore) -> None:
+    hasher = Hasher()
+    store.commit(
+        [PutCompleted("cp/i", "w1", [f"s{i}" for i in range(100)]), PutCompleted("cp/i", "w2", ["s1"])]
+    )
+    loaded = store.load_index("cp/i", hasher)
+    assert loaded.origins == ["w1", "w2"]
+    assert loaded.unreadable == []
+    expected = np.sort(hasher.of_keys([f"s{i}".encode() for i in range(100)]))
+    assert np.array_equal(loaded.hashes[0], expected)
+    assert np.array_equal(loaded.hashes[1], hasher.of_keys([b"s1"]))
+    assert store.load_index("cp/none", hasher).origins == []
+    shared = store.keys_matching("cp/i", ["w1", "w2"], lambda k: k == b"s1")
+    assert shared == [b"s1", b"s1"]  # once per origin holding it, as per file on LMDB
+
+
+def test_keys_after_pages_distinct_ids_in_byte_order(store: PgCompletionStore) -> None:
+    ids = [f"k{i:03d}" for i in range(10)]
+    store.commit(
+        [
+            PutCompleted("cp/p", "w1", ids[::2]),
+            PutCompleted("cp/p", "w2", ids),
+            PutCompleted("cp/p", "w3", ["z"]),
+        ]
+    )
+    keys, last = store.keys_after("cp/p", ["w1", "w2"], b"", 4)
+    assert (keys, last) == ([i.encode() for i in ids[:4]], False)
+    keys, last = store.keys_after("cp/p", ["w1", "w2"], keys[-1], 100)
+    assert (keys, last) == ([i.encode() for i in ids[4:]], True)
+    assert store.keys_after("cp/p", ["w1", "w2"], b"k009", 5) == ([], True)
+    # Bytewise order, whatever the database's collation: "B" (0x42) before "a" (0x61) before "é".
+    store.commit([PutCompleted("cp/order", "w", ["a", "é", "B"])])
+    assert store.keys_after("cp/order", ["w"], b"", 10)[0] == [b"B", b"a", "é".encode()]
+
+
+def test_trash_moves_rows_never_deletes_them(store: PgCompletionStore, registry_postgres_url: str) -> None:
+    store.commit([PutCompleted("cp/t", "w1", ["a", "b"]), PutCompleted("cp/t", "w2", ["c"])])
+    store.commit([PutCompleted("cp/keep", "w1", ["a"])])
+    moved_to, origins = store.trash("cp/t", "20261201T000000Z-abc")
+    assert origins == 2 and "completed_trash" in moved_to and "20261201T000000Z-abc" in moved_to
+    assert not store.exists("cp/t")
+    assert store.load("cp/t").completed == set()
+    assert store.load("cp/keep").completed == {"a"}
+    trashed = rows(
+        registry_postgres_url,
+        "SELECT checkpoint, stamp, convert_from(source_id, 'UTF8'), origin FROM completed_trash ORDER BY 3",
+    )
+    assert trashed == [
+        ("cp/t", "20261201T000000Z-abc", "a", "w1"),
+        ("cp/t", "20261201T000000Z-abc", "b", "w1"),
+        ("cp/t", "20261201T000000Z-abc", "c", "w2"),
+    ]
+    assert store.trash("cp/t", "again") == ("", 0)  # nothing left to move
+    # The checkpoint starts over; a second reset keeps both generations apart by stamp.
+    store.commit([PutCompleted("cp/t", "w1", ["a"])])
+    assert store.exists("cp/t")
+    assert store.trash("cp/t", "second")[1] == 1
+    assert rows(registry_postgres_url, "SELECT count(*) FROM completed_trash")[0][0] == 4
+
+
+def test_names_and_ids_the_store_cannot_hold_are_refused_before_any_write(store: PgCompletionStore) -> None:
+    with pytest.raises(ValueError, match="511"):
+        store.commit([PutCompleted("cp/v", "w", ["ok"]), PutCompleted("cp/v", "w", ["x" * 512])])
+    with pytest.raises(ValueError, match="NUL|text"):
+        store.commit([PutCompleted("cp/v", "w", ["ok"]), PutCompleted("cp/v", "w\x00", ["a"])])
+    assert not store.exists("cp/v")
+    assert store.load("cp/v").completed == set()
+
+
+def test_an_unreachable_database_is_a_transient_write_error_and_a_retry_succeeds(postgres_url: str) -> None:
+    name = sa.make_url(postgres_url).database
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with PgCompletionStore(postgres_url) as store:
+        store.commit([PutCompleted("cp/f", "w", ["a"])])
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            conn.execute(
+                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                {"n": name},
+            )
+        try:
+            with pytest.raises(CompletionWriteError) as refused:
+                store.commit([PutCompleted("cp/f", "w", ["b"])])
+            assert "Tally retries by itself" in str(refused.value)
+            assert not refused.value.disk_full
+            with pytest.raises(CompletionWriteError):
+                store.probe()
+            # Reads say UNAVAILABLE; lookups answer "not completed" (a replay, never a false completion).
+            from tally_server.errors import Unavailable
+
+            with pytest.raises(Unavailable, match="retry"):
+                store.load("cp/f")
+            assert store.contains("cp/f", "w", [b"a"]) == [False]
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        store.probe()
+        store.commit([PutCompleted("cp/f", "w", ["b"])])
+        assert store.load("cp/f").completed == {"a", "b"}
+    admin.dispose()
+
+
+def who(handle: str) -> Opened:
+    return Opened(handle, "cp/x", f"writer-{handle}", "host", 7, {"slurm": "3"}, {"input": "h"}, 1.5, "tok")
+
+
+def batch(seq: int) -> Applied:
+    return Applied(seq, [(f"t{seq}", "s", 1), (f"u{seq}", "é-src", -1)], ["hit"] if seq == 2 else [])
+
+
+def snapshot(seq: int) -> Snapshot:
+    state = LedgerState({"s": 1}, {"t1": 1}, {"done"}, set(), [], ApplyCounts(applied=seq))
+    return Snapshot(state, seq, ApplyCounts(applied=1), ["done"])
+
+
+def test_journal_entries_come_back_in_order_and_snapshots_drop_what_came_before(
+    registry_postgres_url: str,
+) -> None:
+    journal = PgJournal(registry_postgres_url)
+    journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
+    journal.commit([JournalEntry("a", i, batch(i)) for i in range(1, 12)])  # 10 and 11 sort after 9
+    journal.commit([JournalEntry("b", 1, Completing(["s"])), JournalEntry("a", 12, Persisted(["s"]))])
+    assert journal.entries() == 13
+    assert journal.size_bytes() > 0
+    journal.close()
+
+    journal = PgJournal(registry_postgres_url)  # a restart
+    loaded = {w.opened.handle: w for w in journal.load()}
+    assert loaded["a"].opened == who("a")
+    assert loaded["a"].entries == [*(batch(i) for i in range(1, 12)), Persisted(["s"])]
+    assert loaded["a"].last_index == 12
+    assert loaded["b"].entries == [Completing(["s"])]
+
+    # One commit: entries before a snapshot, the snapshot, entries after it; then forget b.
+    journal.commit(
+        [
+            JournalEntry("a", 13, batch(13)),
+            JournalEntry("a", 14, snapshot(14)),
+            JournalEntry("a", 15, batch(15)),
+            ForgetWriter("b"),
+        ]
+    )
+    loaded = {w.opened.handle: w for w in journal.load()}
+    assert list(loaded) == ["a"]
+    assert loaded["a"].entries == [snapshot(14), batch(15)]
+    assert loaded["a"].last_index == 15
+    assert journal.entries() == 2
+    # The same bytes as the LMDB journal keeps.
+    stored = rows(registry_postgres_url, "SELECT entry FROM journal_entries WHERE idx = 15")
+    assert bytes(stored[0][0]) == encode_entry(batch(15))
+    journal.close()
+
+
+def test_a_second_lock_on_the_store_is_refused_naming_the_holder(postgres_url: str) -> None:
+    url = store_url(postgres_url)
+    with StoreLock(url):
+        with pytest.raises(StoreInUse) as refused:
+            StoreLock(url).acquire()
+        message = str(refused.value)
+        assert f"tally serve pid {os.getpid()} on " in message
+        assert "stop that one first, or give this one another --store" in message
+        assert "issue #11" in message
+    with StoreLock(url):  # released: the next one takes it
+        pass
+
+
+def test_an_unreachable_store_is_one_clear_error() -> None:
+    url = store_url("postgresql://nobody@127.0.0.1:1/tally")
+    with pytest.raises(StoreUnreachable) as failed:
+        StoreLock(url).acquire()
+    assert "cannot use the PostgreSQL store postgresql+psycopg://nobody@127.0.0.1:1/tally" in str(
+        failed.value
+    )
+    assert "check the URL, that PostgreSQL is running" in str(failed.value)
+
+
+def test_store_urls_are_normalised_to_psycopg_and_others_refused() -> None:
+    assert Settings(store="postgresql://u:pw@h:5432/db").store == "postgresql+psycopg://u:pw@h:5432/db"
+    assert Settings(store="postgres://u@h/db").store == "postgresql+psycopg://u@h/db"
+    assert Settings(store="postgresql://u@h/db").resolved_registry_url() == "postgresql+psycopg://u@h/db"
+    assert Settings(store="postgresql://u@h/db", registry_url="sqlite:///r.db").resolved_registry_url() == (
+        "sqlite:///r.db"
+    )
+    assert Settings().store is None
+    for bad in ("mysql://u@h/db", "postgresql+psycopg2://u@h/db", "postgresql://u@h", "not a url"):
+        with pytest.raises(ValueError):
+            Settings(store=bad)
+
+
+def test_a_full_disk_says_so_and_what_to_do() -> None:
+    from tally_server.store.postgres import write_error
+
+    class DiskFull(Exception):
+        sqlstate = "53100"
+
+    refused = sa.exc.OperationalError(
+        "COMMIT", {}, DiskFull("could not extend file: No space left on device")
+    )
+    error = write_error(store_url("postgresql://tally:secret@db/tally"), refused, "completions")
+    assert error.disk_full
+    assert "the disk of the PostgreSQL store postgresql+psycopg://tally:***@db/tally is full" in str(error)
+    assert "free space or grow its volume — Tally retries by itself" in str(error)
+    assert "secret" not in str(error) and "secret" not in error.path
