@@ -43,6 +43,15 @@ def sql(url: str, query: str, **params: Any) -> list[tuple[Any, ...]]:
         engine.dispose()
 
 
+def ddl(url: str, statement: str) -> None:
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
 def drive(server: RunningServer) -> list[Any]:
     """NeMo Curator's recorded trace, then fan-out trees over two writers and an anomaly.
 
@@ -192,6 +201,33 @@ def test_a_reset_moves_rows_to_the_trash_table(tmp_path: Path, postgres_url: str
         with client.writer("pg/reset", writer_id="again") as w:  # starts over
             w.apply_deltas(tree("a"))
         assert client.are_completed("pg/reset", ["a", "b"]) == [True, False]
+
+
+def test_a_loaded_checkpoint_answers_from_memory_never_from_the_database(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Lookups run on the event loop: once loaded, not one of them may be a database query.
+
+    The table is renamed away under the running coordinator: any lookup that went to the database
+    would fail and answer "not completed" (or stall); answers from memory stay right.
+    """
+    with running_server(tmp_path / "data", settle_ms=0, store=postgres_url) as server:
+        with tally.Client(server.grpc_address) as client:
+            with client.writer("pg/memory", writer_id="w1") as w:
+                w.apply_deltas(tree("a") + tree("b"))
+            with client.writer("pg/memory", writer_id="w2") as w:  # another origin
+                w.apply_deltas(tree("c"))
+    # A new coordinator loads the ids from the database (the first one still had them in memory).
+    with running_server(tmp_path / "data", settle_ms=0, store=postgres_url) as server:
+        with tally.Client(server.grpc_address) as client:
+            assert client.are_completed("pg/memory", ["a", "b", "c", "d"]) == [True, True, True, False]
+            ddl(postgres_url, "ALTER TABLE completed RENAME TO completed_away")
+            try:
+                assert client.are_completed("pg/memory", ["a", "b", "c", "d"]) == [True, True, True, False]
+                status = client.checkpoint("pg/memory")
+                assert status.completed_count == 3
+            finally:
+                ddl(postgres_url, "ALTER TABLE completed_away RENAME TO completed")
 
 
 def serve(*args: str) -> subprocess.CompletedProcess[str]:

@@ -107,6 +107,11 @@ class CommitReport:
 class CompletionStore(Protocol):
     """NeMo-compatible completion files, one LMDB file per writer (DESIGN §3)."""
 
+    #: Whether a lookup (``contains``) is a round trip to another process (a database). The
+    #: service then holds a loaded checkpoint's ids in memory instead of a compact index whose hits
+    #: are confirmed in the store: those confirmations run on the event loop.
+    remote: bool
+
     def exists(self, checkpoint: str) -> bool:
         """Whether the checkpoint's folder exists (creates nothing)."""
         ...

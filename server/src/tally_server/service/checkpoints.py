@@ -141,9 +141,16 @@ class CheckpointTable:
             cp.last_used = self._core.real_clock()
         return completed
 
-    def _read_index(self, name: str) -> tuple[LoadedIndex, CompactIndex]:
-        """Read the checkpoint's files into a compact index (in a load thread, never the loop's)."""
+    def _read_index(self, name: str) -> tuple[LoadedIndex, CompactIndex | set[str]]:
+        """Read the checkpoint's files into a compact index (in a load thread, never the loop's).
+
+        From a remote store, the ids themselves: confirming an index's hits there would put a
+        database round trip on the event loop for every lookup.
+        """
         store, hasher = self._core.completions, self.hasher
+        if store.remote:
+            whole = store.load(name)
+            return LoadedIndex(origins=[], hashes=[], files=[], unreadable=whole.unreadable), whole.completed
         loaded = store.load_index(name, hasher)
         index = CompactIndex.build(loaded.hashes)
         loaded.hashes = []
@@ -158,9 +165,11 @@ class CheckpointTable:
 
     def empty_set(self, name: str) -> CompletedSet:
         """An empty completed set of checkpoint ``name`` (after a reset)."""
-        return self._new_set(name, CompactIndex.build([]), [])
+        return self._new_set(name, CompactIndex.build([]) if not self._core.completions.remote else set(), [])
 
-    def _new_set(self, name: str, index: CompactIndex, origins: list[str]) -> CompletedSet:
+    def _new_set(self, name: str, index: CompactIndex | set[str], origins: list[str]) -> CompletedSet:
+        if isinstance(index, set):  # a remote store's ids, held as they are: no lookup leaves memory
+            return CompletedSet(index, hasher=self.hasher)
         confirm = functools.partial(self._core.completions.contains, name)
         completed = CompletedSet(index=index, origins=origins, confirm=confirm, hasher=self.hasher)
         completed.background_merges = True  # merge_overlays() builds them in a load thread
@@ -190,7 +199,7 @@ class CheckpointTable:
         """Run blocking reads of the completion files in a load thread."""
         return await asyncio.get_running_loop().run_in_executor(self._load_executor, fn, *args)
 
-    def _take_loaded(self, cp: Checkpoint, read: tuple[LoadedIndex, CompactIndex]) -> None:
+    def _take_loaded(self, cp: Checkpoint, read: tuple[LoadedIndex, CompactIndex | set[str]]) -> None:
         """Install what the store read; unreadable files not reported before become events."""
         loaded, index = read
         reported = set(cp.unreadable_files)

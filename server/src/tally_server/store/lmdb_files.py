@@ -79,6 +79,8 @@ class LmdbCompletionStore(CompletionFolders):
         max_open_files: how many write handles to keep open.
     """
 
+    remote = False  # lookups read the memory-mapped files of this process
+
     def __init__(
         self,
         data_dir: Path,

@@ -96,6 +96,8 @@ class PgCompletionStore:
         postgres.StoreUnreachable: the database cannot be reached, or its tables cannot be created.
     """
 
+    remote = True  # every lookup is a query: the service holds loaded ids in memory
+
     def __init__(self, url: str) -> None:
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
