@@ -18,6 +18,7 @@ import sqlalchemy as sa
 import uvicorn
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
+from sqlalchemy.engine import Connection
 
 from tally_server.auth import Authorizer, load_tokens
 from tally_server.domain.ports import CompletionStore, Journal
@@ -39,8 +40,15 @@ from tally_server.store.registry import SqlRegistry
 log = logging.getLogger(__name__)
 
 
-def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] = ()) -> CoordinatorService:
-    """Build the coordinator service the settings describe, on its stores (creating the data directory)."""
+def build_service(
+    settings: Settings,
+    loop_idle: Sequence[Callable[[], float]] = (),
+    fence: Callable[[Connection], None] | None = None,
+) -> CoordinatorService:
+    """Build the coordinator service the settings describe, on its stores (creating the data directory).
+
+    ``fence`` (the store lock's): every write to a PostgreSQL store checks the store's epoch first.
+    """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     completions: CompletionStore
     journal: Journal = NoJournal()
@@ -49,10 +57,10 @@ def build_service(settings: Settings, loop_idle: Sequence[Callable[[], float]] =
         if settings.journal:
             journal = LmdbJournal(settings.data_dir)
     else:
-        completions = PgCompletionStore(settings.store)
+        completions = PgCompletionStore(settings.store, fence)
         try:
             if settings.journal:
-                journal = PgJournal(settings.store)
+                journal = PgJournal(settings.store, fence)
         except BaseException:
             completions.close()
             raise
@@ -241,15 +249,25 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     _warn_exposed(settings, authorizer)
     datadir_lock = DataDirLock(settings.data_dir)
     datadir_lock.acquire()
-    # Likewise one coordinator per PostgreSQL store (replicas sharing one come with issue #11).
+    # Likewise one coordinator serves a PostgreSQL store at a time; a standby waits for it to go
+    # (listening on no port meanwhile, so clients and load balancers pass it by).
     store_lock = StoreLock(store_url(settings.store)) if settings.store is not None else None
-    if store_lock is not None:
-        store_lock.acquire()
     loop = asyncio.get_running_loop()
+    if store_lock is not None and settings.standby:
+        stopping = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        if not await asyncio.to_thread(store_lock.wait_for, stopping):
+            log.info("standby stopped before taking over")
+            datadir_lock.release()
+            return
+        log.info("taking over store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
+    elif store_lock is not None:
+        store_lock.acquire()
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
-    service = build_service(settings, idle)
+    service = build_service(settings, idle, store_lock.fence if store_lock is not None else None)
     # The HTTP transport runs on its own loop and sees the service through the bridge.
     bridged = cast(CoordinatorService, ServiceBridge(service, loop))
     metrics = Metrics(bridged)  # one registry, fed by both transports and the store

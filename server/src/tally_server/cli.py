@@ -35,6 +35,14 @@ def serve(
             "[TALLY_STORE; LMDB files in data dir]."
         ),
     ] = None,
+    standby: Annotated[
+        bool | None,
+        typer.Option(
+            "--standby/--no-standby",
+            help="With --store: wait while another coordinator serves it, take over when it is gone "
+            "[TALLY_STANDBY; off].",
+        ),
+    ] = None,
     settle_ms: Annotated[
         int | None, typer.Option(help="Settle window in ms, 0 = NeMo's [TALLY_SETTLE_MS; 250].")
     ] = None,
@@ -73,6 +81,7 @@ def serve(
         "http_listen": http_listen,
         "registry_url": registry_url,
         "store": store,
+        "standby": standby,
         "settle_ms": settle_ms,
         "lease_ttl_s": lease_ttl_s,
         "log_level": log_level,

@@ -43,8 +43,14 @@ class Settings(BaseSettings):
         description="Where completions and writers' journals live. Unset: LMDB files in NeMo Curator's "
         "format in data_dir (and the journal in data_dir/journal.mdb). A PostgreSQL URL "
         "(postgresql+psycopg://user@host:5432/db; postgresql:// means the same): both in that "
-        "database, nothing under data_dir/checkpoints; one coordinator per store for now (an "
-        "advisory lock refuses a second).",
+        "database, nothing under data_dir/checkpoints; one coordinator serves a store at a time (an "
+        "advisory lock refuses a second, unless it is a standby).",
+    )
+    standby: bool = Field(
+        default=False,
+        description="With store: if another coordinator serves the store, wait (listening on no port) "
+        "and take over as soon as it is gone, with its writers' journals; every commit is fenced by "
+        "the store's epoch, so a deposed coordinator writes nothing. Without store: refused.",
     )
     settle_ms: int = Field(
         default=250,
@@ -154,6 +160,15 @@ class Settings(BaseSettings):
         from tally_server.store.postgres import store_url
 
         return store_url(value).render_as_string(hide_password=False)
+
+    @model_validator(mode="after")
+    def _standby(self) -> Self:
+        if self.standby and self.store is None:
+            raise ValueError(
+                "standby needs store: a standby takes over a PostgreSQL store that another coordinator "
+                "serves (LMDB files in a data directory belong to one coordinator); give --store too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls(self) -> Self:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,7 +25,7 @@ from tally_server.settings import Settings
 from tally_server.store.journal import encode_entry
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
-from tally_server.store.postgres import StoreInUse, StoreLock, StoreUnreachable, store_url
+from tally_server.store.postgres import Fenced, StoreInUse, StoreLock, StoreUnreachable, store_url
 from tests.conftest import POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.postgres
@@ -226,10 +227,59 @@ def test_a_second_lock_on_the_store_is_refused_naming_the_holder(postgres_url: s
             StoreLock(url).acquire()
         message = str(refused.value)
         assert f"tally serve pid {os.getpid()} on " in message
-        assert "stop that one first, or give this one another --store" in message
-        assert "issue #11" in message
+        assert "stop that one first, give this one another --store, or start it with --standby" in message
     with StoreLock(url):  # released: the next one takes it
         pass
+
+
+def test_each_coordinator_taking_the_store_gets_the_next_epoch_and_fences_the_one_before(
+    postgres_url: str,
+) -> None:
+    url = store_url(postgres_url)
+    first = StoreLock(url)
+    first.acquire()
+    old_completions, old_journal = (
+        PgCompletionStore(postgres_url, first.fence),
+        PgJournal(postgres_url, first.fence),
+    )
+    old_completions.commit([PutCompleted("cp/f", "w1", ["a"])])  # the owner writes
+    first.release()  # as when its session ended (kill -9, a database restart) ...
+    with StoreLock(url) as second:  # ... and another coordinator took the store over
+        assert first.epoch is not None and second.epoch == first.epoch + 1
+        # Whatever the deposed one still tries is refused, and nothing of it is written.
+        with pytest.raises(Fenced, match=f"its epoch is {first.epoch}, the store's is {second.epoch}"):
+            old_completions.commit([PutCompleted("cp/f", "w1", ["b"]), DeleteCompleted("cp/f", ["a"])])
+        with pytest.raises(Fenced):
+            old_completions.trash("cp/f", "stamp")
+        with pytest.raises(Fenced):
+            old_journal.commit([ForgetWriter("h-1")])
+        assert isinstance(Fenced(url, 1, 2), CompletionWriteError)  # never acknowledged: UNAVAILABLE
+        assert old_completions.contains("cp/f", "w1", [b"a", b"b"]) == [True, False]
+        new_completions = PgCompletionStore(postgres_url, second.fence)
+        new_completions.commit([PutCompleted("cp/f", "w2", ["c"])])  # the new owner writes
+        assert new_completions.contains("cp/f", "w2", [b"c"]) == [True]
+        new_completions.close()
+    old_completions.close()
+    old_journal.close()
+
+
+def test_a_standby_takes_the_store_when_its_holder_lets_go_and_stops_when_asked(postgres_url: str) -> None:
+    url = store_url(postgres_url)
+    holder, standby = StoreLock(url), StoreLock(url)
+    holder.acquire()
+    stop = threading.Event()
+    took: list[bool] = []
+    waiting = threading.Thread(target=lambda: took.append(standby.wait_for(stop)))
+    waiting.start()
+    assert not took  # the holder is alive: the standby waits
+    holder.release()
+    waiting.join(30)
+    assert took == [True] and standby.epoch == (holder.epoch or 0) + 1
+    # A second standby behind the new holder gives up when told to stop, taking nothing.
+    late = StoreLock(url)
+    stop.set()
+    assert late.wait_for(stop) is False and late.epoch is None
+    standby.release()
 
 
 def test_an_unreachable_store_is_one_clear_error() -> None:

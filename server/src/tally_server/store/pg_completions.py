@@ -19,6 +19,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection
 
 from tally.integrations import nemo_format
 from tally_server.domain.compact import U64, Hasher
@@ -98,7 +99,9 @@ class PgCompletionStore:
 
     remote = True  # every lookup is a query: the service holds loaded ids in memory
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, fence: Callable[[Connection], None] | None = None) -> None:
+        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
+        self._fence = fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
         self._engine = postgres.create_engine(self._url)
@@ -145,6 +148,7 @@ class PgCompletionStore:
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
         try:
             with self._engine.begin() as conn:
+                self._fenced(conn)
                 if new:
                     at = time.time()
                     conn.execute(
@@ -167,6 +171,10 @@ class PgCompletionStore:
             self._marked.update(new)
         return CommitReport()
 
+    def _fenced(self, conn: Connection) -> None:
+        if self._fence is not None:
+            self._fence(conn)
+
     def probe(self) -> None:
         """Write and commit one small row; raises if that fails (database down, disk full)."""
         self._check_open()
@@ -187,6 +195,7 @@ class PgCompletionStore:
         c = completed_table.c
         try:
             with self._engine.begin() as conn:
+                self._fenced(conn)
                 marked = conn.execute(
                     sa.delete(completion_checkpoints_table)
                     .where(completion_checkpoints_table.c.checkpoint == checkpoint)

@@ -8,7 +8,7 @@ per commit, so a group of entries of many writers costs one WAL flush.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -38,7 +38,9 @@ class PgJournal:
         postgres.StoreUnreachable: the database cannot be reached, or its tables cannot be created.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, fence: Callable[[Connection], None] | None = None) -> None:
+        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
+        self._fence = fence
         self._url = postgres.store_url(url)
         self._engine = postgres.create_engine(self._url)
         try:
@@ -63,6 +65,8 @@ class PgJournal:
             return
         try:
             with self._engine.begin() as conn:
+                if self._fence is not None:
+                    self._fence(conn)
                 rows: list[dict[str, Any]] = []  # consecutive entries, inserted together
                 for op in ops:
                     if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):

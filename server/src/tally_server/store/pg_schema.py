@@ -68,3 +68,17 @@ journal_entries_table = sa.Table(
     sa.Column("idx", sa.BigInteger(), primary_key=True, autoincrement=False),
     sa.Column("entry", postgresql.BYTEA(), nullable=False),
 )
+
+
+# The store's fencing epoch: one row, bumped by each coordinator that takes the store's lock. Every
+# commit of completions or journal entries reads it (FOR SHARE) in its own transaction and goes on
+# only if it is still the epoch its coordinator took: a coordinator deposed by another (after its
+# lock's session ended) can change nothing, and the bump waits for its commits in flight.
+store_epoch_table = sa.Table(
+    "store_epoch",
+    metadata,
+    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("epoch", sa.BigInteger(), nullable=False),
+    sa.Column("holder", sa.Text(), nullable=False),
+    sa.Column("since", sa.Double[float](), nullable=False),
+)

@@ -23,6 +23,7 @@ from sqlalchemy.pool import NullPool
 
 from tally_server.domain.ports import CompletionWriteError
 from tally_server.errors import Unavailable
+from tally_server.store.pg_schema import store_epoch_table
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,15 @@ STORE_LOCK_KEY = int.from_bytes(b"tallystr", "big")
 _CONNECT_TIMEOUT_S = 10
 _LOCK_WAIT_S = 2.0
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
+# Taking the lock bumps the fencing epoch; the UPDATE waits for commits in flight that read the old one.
+_BUMP_EPOCH = sa.text(
+    "INSERT INTO store_epoch (id, epoch, holder, since) VALUES (1, 1, :holder, :since) "
+    "ON CONFLICT (id) DO UPDATE SET epoch = store_epoch.epoch + 1, holder = excluded.holder, "
+    "since = excluded.since RETURNING epoch"
+)
+_READ_EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
+# How often a standby tries the lock while another coordinator holds it.
+_STANDBY_POLL_S = 0.5
 _LOCK_SESSION = (
     "SET tcp_keepalives_idle = 10",
     "SET tcp_keepalives_interval = 5",
@@ -159,6 +169,23 @@ class StoreUnreachable(OSError):
         )
 
 
+class Fenced(CompletionWriteError):
+    """This coordinator is no longer the store's owner: another took the store's lock and epoch.
+
+    Nothing of the refused commit was written. The coordinator stops (its lock check says so within
+    seconds); its writers' calls fail as UNAVAILABLE and go on at the coordinator that took over.
+    """
+
+    def __init__(self, url: sa.URL, mine: int, now: int | None) -> None:
+        super().__init__(
+            f"this coordinator no longer owns the PostgreSQL store {display(url)}: its epoch is {mine}, "
+            f"the store's is {now}; another coordinator took over and this one is stopping, so retry "
+            "against the one that took over",
+            path=display(url),
+            disk_full=False,
+        )
+
+
 class StoreInUse(OSError):
     """Another coordinator holds the store's lock.
 
@@ -176,11 +203,11 @@ class StoreInUse(OSError):
         else:
             who = "a session this user may not see"
         super().__init__(
-            f"store {display(url)} is in use by another tally serve ({who}); stop that one first, or "
-            "give this one another --store (one coordinator per store for now; replicas that share a "
-            "store come with issue #11)"
+            f"store {display(url)} is in use by another tally serve ({who}); stop that one first, give "
+            "this one another --store, or start it with --standby to take over when that one is gone"
         )
         self.holder = holder
+        self.holder_text = f"store {display(url)} is served by another tally serve ({who})"
 
 
 class StoreLock:
@@ -196,6 +223,7 @@ class StoreLock:
 
     def __init__(self, url: sa.URL) -> None:
         self.url = url
+        self.epoch: int | None = None  # the fencing epoch this coordinator took with the lock
         self._engine: Engine | None = None
         self._conn: Connection | None = None
         # check() runs on a worker thread while release() may run at shutdown.
@@ -206,7 +234,8 @@ class StoreLock:
         """Take the lock, waiting up to ``wait_s`` for a holder that is going away.
 
         A coordinator killed a moment ago may still hold it: PostgreSQL ends its session as soon
-        as it sees the connection closed, which takes a few milliseconds.
+        as it sees the connection closed, which takes a few milliseconds. Taking it bumps the
+        store's fencing epoch (see :meth:`fence`).
 
         Raises:
             StoreInUse: another session holds it.
@@ -214,6 +243,45 @@ class StoreLock:
         """
         with self._mutex:
             self._acquire(wait_s)
+
+    def wait_for(self, stop: threading.Event) -> bool:
+        """A standby's wait: take the lock as soon as the coordinator holding it is gone.
+
+        Logs once who holds it. Returns False if ``stop`` was set first (nothing taken).
+
+        Raises:
+            StoreUnreachable: the database cannot be reached (at the first try only; later
+                outages are waited out).
+        """
+        told = False
+        reachable = False
+        while not stop.is_set():
+            try:
+                self.acquire(0)
+                return True
+            except StoreInUse as exc:
+                reachable = True
+                if not told:
+                    logger.info("standby: %s; taking over as soon as it is gone", exc.holder_text)
+                    told = True
+            except StoreUnreachable:
+                if not reachable:
+                    raise
+            stop.wait(_STANDBY_POLL_S)
+        return False
+
+    def fence(self, conn: Connection) -> None:
+        """Inside a commit's transaction: go on only while the store's epoch is still ours.
+
+        Reads the epoch ``FOR SHARE``, so a coordinator taking over (whose bump updates that row)
+        waits until this transaction ends, and every later commit of ours sees its epoch.
+
+        Raises:
+            Fenced: another coordinator took the store over; nothing may be written.
+        """
+        now = conn.execute(_READ_EPOCH).scalar()
+        if self.epoch is None or now != self.epoch:
+            raise Fenced(self.url, self.epoch or 0, now)
 
     def _acquire(self, wait_s: float) -> None:
         if self._conn is not None:
@@ -231,6 +299,10 @@ class StoreLock:
                     if time.monotonic() >= deadline:
                         raise StoreInUse(self.url, self._holder(conn))
                     time.sleep(0.1)
+                store_epoch_table.create(conn, checkfirst=True)
+                self.epoch = conn.execute(
+                    _BUMP_EPOCH, {"holder": application_name(), "since": time.time()}
+                ).scalar_one()
             except BaseException:
                 conn.close()
                 raise
