@@ -1,0 +1,132 @@
+"""A standby coordinator on the same PostgreSQL store takes over when the one serving it goes.
+
+Issue #11's failover, with one coordinator serving a store at a time: the standby listens on no
+port until it holds the store's lock, then serves with the writers' journals, so a writer carries on
+with the same handle; kill -9 and SIGTERM of the active one lose nothing acknowledged and apply
+nothing twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.testing import RunningServer, running_server
+from tests.integration.workload import tree
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.postgres
+
+TALLY = str(Path(sys.executable).parent / "tally")
+
+
+@contextlib.contextmanager
+def standby(data: Path, url: str) -> Iterator[Future[RunningServer]]:
+    """``tally serve --standby`` started in the background: the future resolves once it serves."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+        yield pool.submit(
+            stack.enter_context,
+            running_server(data, settle_ms=0, store=url, args=["--standby"], startup_timeout=120),
+        )
+
+
+def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
+    return [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in batch]
+
+
+def waiting(data: Path) -> bool:
+    log = data / "tally-serve.log"
+    return log.exists() and "standby: " in log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_the_standby_takes_over_and_the_writer_carries_on_with_its_handle(
+    tmp_path: Path, postgres_url: str, how: str
+) -> None:
+    sources = [f"s{i}" for i in range(8)]
+    with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as active:
+        with standby(tmp_path / "b", postgres_url) as later:
+            wait_until(lambda: waiting(tmp_path / "b"), what="the standby waiting for the store")
+            assert not later.done()  # it does not serve while the active one does
+            with grpc.insecure_channel(active.grpc_address) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+                handle = stub.OpenWriter(pb.OpenWriterRequest(checkpoint="ha/run", writer_id="w")).handle
+                for seq, source in enumerate(sources[:4], start=1):
+                    stub.ApplyDeltas(
+                        pb.ApplyDeltasRequest(handle=handle, deltas=deltas(tree(source)), batch_seq=seq)
+                    )
+                # A source left half done: its pending count must survive the failover.
+                half = pb.ApplyDeltasRequest(handle=handle, deltas=deltas(tree("half")[:3]), batch_seq=5)
+                stub.ApplyDeltas(half)
+            if how == "kill":
+                active.kill()
+            else:
+                assert active.terminate() == 0
+            took_over = later.result(120)
+            assert "taking over store" in took_over.log()
+            with grpc.insecure_channel(took_over.grpc_address) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+                done = stub.AreCompleted(
+                    pb.AreCompletedRequest(checkpoint="ha/run", source_ids=sources[:4] + ["half"])
+                )
+                assert list(done.completed) == [True] * 4 + [False]
+                # The last batch sent again (its answer lost with the coordinator): recognised, not applied twice.
+                again = stub.ApplyDeltas(half)
+                assert again.counts.applied == 3 and again.counts.completed == 0
+                rest = tree("half")[3:]
+                finished = stub.ApplyDeltas(
+                    pb.ApplyDeltasRequest(handle=handle, deltas=deltas(rest), batch_seq=6)
+                )
+                assert finished.counts.completed == 1  # the pending count came over: -1s finish it
+                for seq, source in enumerate(sources[4:], start=7):
+                    stub.ApplyDeltas(
+                        pb.ApplyDeltasRequest(handle=handle, deltas=deltas(tree(source)), batch_seq=seq)
+                    )
+                closed = stub.CloseWriter(pb.CloseWriterRequest(handle=handle))
+                assert closed.incomplete_count == 0
+                every = stub.AreCompleted(
+                    pb.AreCompletedRequest(checkpoint="ha/run", source_ids=[*sources, "half"])
+                )
+                assert all(every.completed)
+                status = stub.GetCheckpoint(pb.GetCheckpointRequest(name="ha/run"))
+                assert status.completed_count == len(sources) + 1 and status.anomalies == 0
+
+
+def test_a_standby_stopped_before_taking_over_exits_cleanly_and_serves_nothing(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as active:
+        data = tmp_path / "b"
+        data.mkdir()
+        with open(data / "tally-serve.log", "w") as log:
+            command = [TALLY, "serve", "--data-dir", str(data), "--store", postgres_url, "--standby"]
+            command += ["--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]
+            waiting_one = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
+            try:
+                wait_until(lambda: waiting(data), what="the standby waiting for the store")
+                waiting_one.send_signal(signal.SIGTERM)
+                out, _ = waiting_one.communicate(timeout=60)
+            finally:
+                if waiting_one.poll() is None:
+                    waiting_one.kill()
+        assert waiting_one.returncode == 0
+        assert "listening" not in out  # it never served
+        assert "standby stopped before taking over" in (data / "tally-serve.log").read_text()
+        # The active one never noticed.
+        with grpc.insecure_channel(active.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            handle = stub.OpenWriter(pb.OpenWriterRequest(checkpoint="ha/still", writer_id="w")).handle
+            stub.ApplyDeltas(pb.ApplyDeltasRequest(handle=handle, deltas=deltas(tree("a"))))
+            assert stub.AreCompleted(
+                pb.AreCompletedRequest(checkpoint="ha/still", source_ids=["a"])
+            ).completed == [True]
