@@ -56,7 +56,7 @@ def test_the_standby_takes_over_and_the_writer_carries_on_with_its_handle(
     sources = [f"s{i}" for i in range(8)]
     with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as active:
         with standby(tmp_path / "b", postgres_url) as later:
-            wait_until(lambda: waiting(tmp_path / "b"), what="the standby waiting for the store")
+            wait_until(lambda: waiting(tmp_path / "b"), what="the standby waiting for the store", timeout=60)
             assert not later.done()  # it does not serve while the active one does
             with grpc.insecure_channel(active.grpc_address) as channel:
                 stub = pb_grpc.CoordinatorStub(channel)
@@ -80,7 +80,7 @@ def test_the_standby_takes_over_and_the_writer_carries_on_with_its_handle(
                     pb.AreCompletedRequest(checkpoint="ha/run", source_ids=sources[:4] + ["half"])
                 )
                 assert list(done.completed) == [True] * 4 + [False]
-                # The last batch sent again (its answer lost with the coordinator): recognised, not applied twice.
+                # The last batch sent again (its answer was lost): recognised, not applied twice.
                 again = stub.ApplyDeltas(half)
                 assert again.counts.applied == 3 and again.counts.completed == 0
                 rest = tree("half")[3:]
@@ -113,7 +113,7 @@ def test_a_standby_stopped_before_taking_over_exits_cleanly_and_serves_nothing(
             command += ["--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]
             waiting_one = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
             try:
-                wait_until(lambda: waiting(data), what="the standby waiting for the store")
+                wait_until(lambda: waiting(data), what="the standby waiting for the store", timeout=60)
                 waiting_one.send_signal(signal.SIGTERM)
                 out, _ = waiting_one.communicate(timeout=60)
             finally:
