@@ -13,8 +13,9 @@ _TLS_ENV = {"ca_cert": "TALLY_CA_CERT", "client_cert": "TALLY_CLIENT_CERT", "cli
 
 
 def is_tls_address(address: str) -> bool:
-    """Whether ``address`` asks for TLS (``grpcs://`` or ``https://``)."""
-    return address.strip().lower().startswith(("grpcs://", "https://"))
+    """Whether ``address`` (or any address of a comma-separated list) asks for TLS (``grpcs://``,
+    ``https://``); a list that mixes TLS and plain text is refused when the client is made."""
+    return any(part.strip().lower().startswith(("grpcs://", "https://")) for part in address.split(","))
 
 
 def tls_files_from_env(address: str, environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
@@ -45,7 +46,10 @@ class ClientConfig:
 
     Attributes:
         address: ``host:port`` or ``grpc://host:port`` (gRPC), ``grpcs://`` (gRPC over TLS),
-            ``http://host:port`` or ``https://`` (HTTP/JSON API).
+            ``http://host:port`` or ``https://`` (HTTP/JSON API); or a comma-separated list of
+            coordinator replicas, all of one wire and all TLS or none, e.g.
+            ``h1:50051,h2:50051``: the client starts on a random one and moves to the next when
+            one is unavailable (see :class:`tally.Client`).
         token: Bearer token sent with every call, or None.
         timeout: Seconds a call may take, retries included, before ``Unavailable`` is raised;
             also the default timeout of ``flush()`` and ``close()``.

@@ -135,7 +135,7 @@ class BaseClient:
 
     @property
     def address(self) -> str:
-        """The coordinator address this client talks to."""
+        """The coordinator address this client was given (a comma-separated list for replicas)."""
         return self._config.address
 
     @property

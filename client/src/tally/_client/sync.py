@@ -57,7 +57,10 @@ class Client(BaseClient):
         Args:
             address: ``host:port`` or ``grpc://host:port`` (gRPC), ``grpcs://`` (TLS),
                 ``http://host:port`` or ``https://`` (HTTP/JSON). Defaults to ``$TALLY_ADDRESS``,
-                else ``127.0.0.1:50051``.
+                else ``127.0.0.1:50051``. A comma-separated list names several coordinator
+                replicas, all on one wire and all TLS or none (``h1:50051,h2:50051``): the client
+                starts on a random one, which spreads a fleet's reads over them, and moves to the
+                next whenever one is unavailable, retrying there within ``timeout``.
             token: Bearer token; defaults to ``$TALLY_TOKEN``.
             timeout: Seconds each call may take, retries included; defaults to ``$TALLY_TIMEOUT``,
                 else 30.
@@ -68,7 +71,8 @@ class Client(BaseClient):
             client_key: PEM private key of ``client_cert``; defaults to ``$TALLY_CLIENT_KEY``.
 
         Raises:
-            ValueError: The address has an unsupported scheme, TLS files are given for a plain-text
+            ValueError: The address has an unsupported scheme (or a list of them mixes wires, TLS
+                and plain text, or has an empty element), TLS files are given for a plain-text
                 address, or a TLS file cannot be read.
         """
         tls_files = {"ca_cert": ca_cert, "client_cert": client_cert, "client_key": client_key}

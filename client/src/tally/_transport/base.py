@@ -3,7 +3,9 @@
 Clients and writers speak only to a ``Transport`` / ``AsyncTransport``: ``send`` takes any call
 description (``tally._calls``) and returns its answer, so adding an operation adds a description
 and one entry per wire converter, never a method per transport class. The address scheme chooses
-the implementation once, in :func:`make_transport` / :func:`make_async_transport`.
+the implementation once, in :func:`make_transport` / :func:`make_async_transport`; an address
+listing several coordinator replicas gets one transport per replica behind a failover transport
+(``tally._transport.failover``), a single address gets its transport alone.
 Implementations raise only :class:`tally.TallyError` subclasses, never wire-library errors.
 Every send takes an explicit ``timeout`` in seconds for that single attempt; retrying is the
 caller's business (``tally._retry.send``). The one streaming call, ``watch``, returns a generator
@@ -92,6 +94,45 @@ def parse_address(address: str) -> Endpoint:
     return Endpoint("http", f"{'https' if tls else 'http'}://{rest}", tls)
 
 
+def parse_addresses(address: str) -> list[Endpoint]:
+    """Parse one address, or a comma-separated list of coordinator replicas' addresses.
+
+    A list must speak one wire (all gRPC: ``host:port``, ``grpc://``, ``grpcs://``; or all HTTP:
+    ``http://``, ``https://``) and use TLS for every replica or for none: the token and TLS files
+    of a client apply to all of them.
+
+    Raises:
+        ValueError: An element is empty or cannot be parsed, or the list mixes wires or TLS.
+    """
+    parts = address.split(",")
+    if len(parts) == 1:
+        return [parse_address(address)]
+    for position, part in enumerate(parts, 1):
+        if not part.strip():
+            raise ValueError(
+                f"address list {address!r} has an empty element (number {position}); separate "
+                "replicas with single commas and no trailing comma, e.g. h1:50051,h2:50051"
+            )
+    endpoints = [parse_address(part) for part in parts]
+    first, first_text = endpoints[0], parts[0].strip()
+    for endpoint, part in zip(endpoints[1:], parts[1:], strict=True):
+        if endpoint.scheme != first.scheme:
+            raise ValueError(
+                f"address list {address!r} mixes gRPC and HTTP: {first_text!r} is {_WIRE[first.scheme]} "
+                f"but {part.strip()!r} is {_WIRE[endpoint.scheme]}; list every replica on one wire, "
+                "e.g. h1:50051,h2:50051 or http://h1:8080,http://h2:8080"
+            )
+        if endpoint.tls != first.tls:
+            raise ValueError(
+                f"address list {address!r} mixes TLS and plain text: {first_text!r} and "
+                f"{part.strip()!r}; use grpcs:// (or https://) for every replica, or for none"
+            )
+    return endpoints
+
+
+_WIRE = {"grpc": "gRPC", "http": "HTTP"}
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """PEM files for a TLS connection: the CA to trust (None: the system's) and a client pair."""
@@ -113,12 +154,43 @@ def _tls(config: ClientConfig, endpoint: Endpoint) -> TlsFiles | None:
 
 
 def make_transport(config: ClientConfig) -> Transport:
-    """Create the blocking transport for ``config.address``.
+    """Create the blocking transport for ``config.address`` (one per replica if it lists several).
 
     Implementations are imported here, lazily, so ``import tally`` stays cheap and an HTTP-only
     user never loads grpc.
+
+    Raises:
+        ValueError: The address cannot be parsed (see :func:`parse_addresses`), or a TLS file
+            cannot be read.
     """
-    endpoint = parse_address(config.address)
+    endpoints = parse_addresses(config.address)
+    transports = [(_name(e), _one_transport(config, e)) for e in endpoints]
+    if len(transports) == 1:
+        return transports[0][1]
+    from tally._transport.failover import FailoverTransport
+
+    return FailoverTransport(transports)
+
+
+def make_async_transport(config: ClientConfig) -> AsyncTransport:
+    """Create the asyncio transport for ``config.address`` (see :func:`make_transport`)."""
+    endpoints = parse_addresses(config.address)
+    transports = [(_name(e), _one_async_transport(config, e)) for e in endpoints]
+    if len(transports) == 1:
+        return transports[0][1]
+    from tally._transport.failover import AsyncFailoverTransport
+
+    return AsyncFailoverTransport(transports)
+
+
+def _name(endpoint: Endpoint) -> str:
+    """How logs name a replica: its URL (``grpc://`` for plain gRPC too, so none looks bare)."""
+    if endpoint.scheme == "http":
+        return endpoint.target
+    return f"{'grpcs' if endpoint.tls else 'grpc'}://{endpoint.target}"
+
+
+def _one_transport(config: ClientConfig, endpoint: Endpoint) -> Transport:
     if endpoint.scheme == "grpc":
         from tally._transport.grpc import GrpcTransport
 
@@ -128,9 +200,7 @@ def make_transport(config: ClientConfig) -> Transport:
     return HttpTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
 
 
-def make_async_transport(config: ClientConfig) -> AsyncTransport:
-    """Create the asyncio transport for ``config.address`` (see :func:`make_transport`)."""
-    endpoint = parse_address(config.address)
+def _one_async_transport(config: ClientConfig, endpoint: Endpoint) -> AsyncTransport:
     if endpoint.scheme == "grpc":
         from tally._transport.grpc import AsyncGrpcTransport
 

@@ -24,7 +24,10 @@ Address = Annotated[
     typer.Option(
         "--address",
         envvar="TALLY_ADDRESS",
-        help="Coordinator: host:port or grpc://, grpcs://, http://, https:// [TALLY_ADDRESS].",
+        help=(
+            "Coordinator: host:port or grpc://, grpcs://, http://, https://; replicas as a "
+            "comma-separated list [TALLY_ADDRESS]."
+        ),
     ),
 ]
 Token = Annotated[

@@ -1,0 +1,183 @@
+"""Several coordinator replicas behind one transport: the current one gets every call.
+
+An address such as ``h1:50051,h2:50051,h3:50051`` makes one transport per replica (see
+``base.make_transport``) and one of these around them. Each client starts on a random replica, so
+the clients of a fleet spread their calls over all of them. A call that fails with
+:class:`tally.Unavailable` moves the client to the next replica (round robin) and the error goes
+on up unchanged: the layers that already retry ``Unavailable`` within the caller's deadline
+(``tally._retry.send``, a writer's batch resend and heartbeat) then retry on that replica. Every
+other error is the coordinator's answer and moves nothing.
+
+The first retry after a move waits ``retry_initial_s`` (50 ms by default, less jitter), so one
+replica down costs a call about that much: it was not worth teaching the retry layer about moves.
+
+Several threads or tasks may fail on the same replica at once; only the first failure moves, the
+others find the client already elsewhere (a generation number tells them apart), so one outage
+never skips a healthy replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from tally._calls import Call, WatchCheckpoint
+from tally._types import CheckpointStatus
+from tally.errors import Unavailable
+
+if TYPE_CHECKING:
+    from tally._transport.base import AsyncTransport, Transport
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def first_replica(count: int) -> int:
+    """Where a new client starts: a random replica (a function of its own so tests can pin it)."""
+    return random.randrange(count)
+
+
+class Rotation:
+    """Which replica is current, and the one rule for leaving it; shared by both flavours.
+
+    ``current()`` returns the replica's index with a generation number that grows with every
+    move; ``failed()`` with that pair moves only if nobody moved since, which is what keeps
+    concurrent failures of one replica from moving twice (an index alone could have come round
+    again in the meantime).
+    """
+
+    def __init__(self, names: Sequence[str], start: int) -> None:
+        if len(names) < 2:
+            raise ValueError(f"a rotation needs at least two replicas, got {list(names)}")
+        self.names = list(names)
+        self._generation = start  # the current index is the generation modulo the count
+        self._lock = threading.Lock()
+
+    def current(self) -> tuple[int, int]:
+        """The current replica's index and the generation it was read at."""
+        generation = self._generation
+        return generation % len(self.names), generation
+
+    def failed(self, generation: int, err: Unavailable) -> None:
+        """A call sent at ``generation`` got no answer: move on, unless someone already did."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._generation += 1
+        count = len(self.names)
+        logger.info(
+            "tally coordinator %s is unavailable, moving to %s: %s",
+            self.names[generation % count],
+            self.names[(generation + 1) % count],
+            err.message,
+        )
+
+
+class FailoverTransport:
+    """Blocking transport over several replicas' transports (see the module docstring)."""
+
+    def __init__(self, replicas: Sequence[tuple[str, Transport]], *, start: int | None = None) -> None:
+        """Wrap one transport per replica.
+
+        Args:
+            replicas: Each replica's name (for logs) and transport, in the order given by the user.
+            start: Index of the first current replica; None picks one at random.
+        """
+        self._transports = [transport for _, transport in replicas]
+        names = [name for name, _ in replicas]
+        self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
+
+    @property
+    def current(self) -> str:
+        """The name of the replica that gets the next call."""
+        return self._rotation.names[self._rotation.current()[0]]
+
+    def send(self, call: Call[T], timeout: float) -> T:
+        index, generation = self._rotation.current()
+        try:
+            return self._transports[index].send(call, timeout)
+        except Unavailable as err:
+            self._rotation.failed(generation, err)
+            raise
+
+    def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
+        index, generation = self._rotation.current()
+        return self._watch(self._transports[index].watch(call, timeout), generation)
+
+    def _watch(
+        self, stream: Generator[CheckpointStatus, None, None], generation: int
+    ) -> Generator[CheckpointStatus, None, None]:
+        # Unavailable while opening or later: that replica let the stream down, and the caller's
+        # reconnect should find the next one.
+        try:
+            yield from stream
+        except Unavailable as err:
+            self._rotation.failed(generation, err)
+            raise
+        finally:
+            stream.close()
+
+    def close(self) -> None:
+        """Close every replica's transport, even if closing one fails (the first error is raised)."""
+        errors: list[Exception] = []
+        for transport in self._transports:
+            try:
+                transport.close()
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+
+class AsyncFailoverTransport:
+    """asyncio twin of :class:`FailoverTransport`."""
+
+    def __init__(self, replicas: Sequence[tuple[str, AsyncTransport]], *, start: int | None = None) -> None:
+        """Wrap one transport per replica (see :class:`FailoverTransport`)."""
+        self._transports = [transport for _, transport in replicas]
+        names = [name for name, _ in replicas]
+        self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
+
+    @property
+    def current(self) -> str:
+        """The name of the replica that gets the next call."""
+        return self._rotation.names[self._rotation.current()[0]]
+
+    async def send(self, call: Call[T], timeout: float) -> T:
+        index, generation = self._rotation.current()
+        try:
+            return await self._transports[index].send(call, timeout)
+        except Unavailable as err:
+            self._rotation.failed(generation, err)
+            raise
+
+    def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
+        index, generation = self._rotation.current()
+        return self._watch(self._transports[index].watch(call, timeout), generation)
+
+    async def _watch(
+        self, stream: AsyncGenerator[CheckpointStatus, None], generation: int
+    ) -> AsyncGenerator[CheckpointStatus, None]:
+        try:
+            async for status in stream:
+                yield status
+        except Unavailable as err:
+            self._rotation.failed(generation, err)
+            raise
+        finally:
+            await stream.aclose()
+
+    async def close(self) -> None:
+        """Close every replica's transport (see :meth:`FailoverTransport.close`)."""
+        errors: list[Exception] = []
+        for transport in self._transports:
+            try:
+                await transport.close()
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
