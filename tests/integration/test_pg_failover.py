@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import tally
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
@@ -31,13 +33,24 @@ TALLY = str(Path(sys.executable).parent / "tally")
 
 
 @contextlib.contextmanager
-def standby(data: Path, url: str) -> Iterator[Future[RunningServer]]:
+def standby(data: Path, url: str, **listen: str) -> Iterator[Future[RunningServer]]:
     """``tally serve --standby`` started in the background: the future resolves once it serves."""
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
         yield pool.submit(
             stack.enter_context,
-            running_server(data, settle_ms=0, store=url, args=["--standby"], startup_timeout=120),
+            running_server(data, settle_ms=0, store=url, args=["--standby"], startup_timeout=120, **listen),
         )
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
@@ -130,3 +143,35 @@ def test_a_standby_stopped_before_taking_over_exits_cleanly_and_serves_nothing(
             assert stub.AreCompleted(
                 pb.AreCompletedRequest(checkpoint="ha/still", source_ids=["a"])
             ).completed == [True]
+
+
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
+def test_an_sdk_writer_given_both_addresses_rides_through_a_kill_9_of_the_active_one(
+    tmp_path: Path, postgres_url: str, scheme: str
+) -> None:
+    grpc_port, http_port = free_ports(2)  # the standby's, known before it listens
+    listen = {"grpc_listen": f"127.0.0.1:{grpc_port}", "http_listen": f"127.0.0.1:{http_port}"}
+    sources = [f"s{i}" for i in range(40)]
+    with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as active:
+        with standby(tmp_path / "b", postgres_url, **listen) as later:
+            wait_until(lambda: waiting(tmp_path / "b"), what="the standby waiting for the store", timeout=60)
+            if scheme == "grpc":
+                both = f"{active.grpc_address},127.0.0.1:{grpc_port}"
+            else:
+                both = f"{active.http_url},http://127.0.0.1:{http_port}"
+            with tally.Client(both, timeout=60) as client, client.writer("ha/sdk", writer_id="w") as w:
+                for source in sources[:20]:
+                    w.apply_deltas(tree(source))
+                w.apply_deltas(tree("half")[:3])
+                w.flush()  # acknowledged: the first 20 are durable, "half" is pending in the journal
+                active.kill()
+                for source in sources[20:]:
+                    w.apply_deltas(tree(source))  # buffered and resent until the standby serves
+                w.apply_deltas(tree("half")[3:])
+                w.flush()
+                assert later.result(120).grpc_address == f"127.0.0.1:{grpc_port}"
+                health = w.health()
+                assert not health.lease_lost and health.buffered == 0
+                assert client.are_completed("ha/sdk", [*sources, "half"]) == [True] * (len(sources) + 1)
+                status = client.checkpoint("ha/sdk")
+                assert status.completed_count == len(sources) + 1 and status.anomalies == 0
