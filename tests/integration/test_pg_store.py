@@ -250,7 +250,7 @@ def test_a_second_coordinator_on_the_same_store_is_refused(tmp_path: Path, postg
         (line,) = second.stderr.strip().splitlines()
         assert "is in use by another tally serve" in line
         assert f"tally serve pid {first.process.pid} on {socket.gethostname()}" in line
-        assert "stop that one first, or give this one another --store" in line
+        assert "stop that one first, give this one another --store, or start it with --standby" in line
         # The first never noticed.
         with client.writer("pg/shared", writer_id="w2") as w:
             w.apply_deltas(tree("b"))
