@@ -131,7 +131,8 @@ def test_the_same_deltas_answer_the_same_on_postgresql_as_on_lmdb(tmp_path: Path
 def lock_is_free(url: str) -> bool:
     held = sql(
         url,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) "
         "AND classid::bigint = :hi AND objid::bigint = :lo",
         hi=STORE_LOCK_KEY >> 32,
         lo=STORE_LOCK_KEY & 0xFFFFFFFF,
@@ -277,7 +278,8 @@ def test_a_bad_or_unreachable_store_is_a_one_line_startup_error(tmp_path: Path) 
 def lock_holder(url: str) -> int | None:
     held = sql(
         url,
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) "
         "AND classid::bigint = :hi AND objid::bigint = :lo",
         hi=STORE_LOCK_KEY >> 32,
         lo=STORE_LOCK_KEY & 0xFFFFFFFF,
