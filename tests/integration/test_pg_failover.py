@@ -175,3 +175,17 @@ def test_an_sdk_writer_given_both_addresses_rides_through_a_kill_9_of_the_active
                 assert client.are_completed("ha/sdk", [*sources, "half"]) == [True] * (len(sources) + 1)
                 status = client.checkpoint("ha/sdk")
                 assert status.completed_count == len(sources) + 1 and status.anomalies == 0
+
+
+def test_standby_without_a_store_is_refused_saying_why(tmp_path: Path) -> None:
+    command = [TALLY, "serve", "--data-dir", str(tmp_path / "data"), "--standby"]
+    command += ["--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=_without_tally_env())
+    assert done.returncode == 2 and "listening" not in done.stdout
+    assert "standby needs store" in done.stderr and "give --store too" in done.stderr
+
+
+def _without_tally_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
