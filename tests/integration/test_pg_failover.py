@@ -189,3 +189,41 @@ def _without_tally_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+
+
+def test_a_paused_coordinator_is_taken_over_and_stops_when_it_resumes(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """SIGSTOP keeps the paused one's database session (and lock): it stops renewing, so the standby
+    ends that session and takes over; resumed, the paused one finds the store taken and stops."""
+    grpc_port, http_port = free_ports(2)
+    listen = {"grpc_listen": f"127.0.0.1:{grpc_port}", "http_listen": f"127.0.0.1:{http_port}"}
+    sources = [f"s{i}" for i in range(30)]
+    with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as active:
+        with standby(tmp_path / "b", postgres_url, **listen) as later:
+            wait_until(lambda: waiting(tmp_path / "b"), what="the standby waiting for the store", timeout=60)
+            both = f"{active.grpc_address},127.0.0.1:{grpc_port}"
+            # Calls to the paused one get no answer: each attempt gives up after 5 s and moves on.
+            with tally.Client(both, timeout=5) as client, client.writer("ha/pause", writer_id="w") as w:
+                for source in sources[:15]:
+                    w.apply_deltas(tree(source))
+                w.flush()
+                active.process.send_signal(signal.SIGSTOP)
+                try:
+                    took_over = later.result(120)
+                    for source in sources[15:]:
+                        w.apply_deltas(tree(source))
+                    w.flush(timeout=120)
+                finally:
+                    active.process.send_signal(signal.SIGCONT)
+                assert "has not shown it is alive" in took_over.log()
+                # Resumed, the paused coordinator finds the store taken over and stops by itself.
+                assert active.process.wait(60) == 0
+                assert "lost the store's lock" in active.log()
+                # What it still tried to write (its live writer's journal, at least on its way out)
+                # was refused by the epoch.
+                assert "no longer owns the PostgreSQL store" in active.log()
+                assert not w.health().lease_lost
+                assert client.are_completed("ha/pause", sources) == [True] * len(sources)
+                status = client.checkpoint("ha/pause")
+                assert status.completed_count == len(sources) and status.anomalies == 0

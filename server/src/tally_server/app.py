@@ -34,7 +34,14 @@ from tally_server.store.journal import LmdbJournal, NoJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
-from tally_server.store.postgres import StoreInUse, StoreLock, StoreUnreachable, display, store_url
+from tally_server.store.postgres import (
+    RENEW_EVERY_S,
+    StoreInUse,
+    StoreLock,
+    StoreUnreachable,
+    display,
+    store_url,
+)
 from tally_server.store.registry import SqlRegistry
 
 log = logging.getLogger(__name__)
@@ -172,26 +179,41 @@ async def _mirror_readiness(service: CoordinatorService, health: HealthServicer)
         await asyncio.sleep(0.5)
 
 
-# How often the store's lock is checked (and taken again after its session ended).
-_STORE_LOCK_CHECK_S = 2.0
+class _StoreKeeper:
+    """Checks the store's lock every ``RENEW_EVERY_S`` (which shows standbys we are alive).
 
+    On a thread of its own, not the event loop: a loop busy for a few seconds must not look like a
+    paused coordinator to a standby. Stops the server if another coordinator took the store.
+    """
 
-async def _keep_store_lock(lock: StoreLock, stop: asyncio.Event) -> None:
-    """Check the store's lock now and then; stop serving if another coordinator took it."""
-    while True:
-        await asyncio.sleep(_STORE_LOCK_CHECK_S)
-        try:
-            await asyncio.to_thread(lock.check)
-        except StoreInUse as exc:
-            log.error(
-                "this coordinator lost the store's lock (its database session ended) and another took it "
-                "meanwhile: %s; stopping this one",
-                exc,
-            )
-            stop.set()
-            return
-        except StoreUnreachable as exc:
-            log.warning("cannot take the store's lock again yet: %s", exc)
+    def __init__(self, lock: StoreLock, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        self._lock, self._loop, self._stop = lock, loop, stop
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tally-store-lock", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._halt.wait(RENEW_EVERY_S):
+            try:
+                self._lock.check()
+            except StoreInUse as exc:
+                log.error(
+                    "this coordinator lost the store's lock (its database session ended) and another "
+                    "took it meanwhile: %s; stopping this one",
+                    exc,
+                )
+                self._loop.call_soon_threadsafe(self._stop.set)
+                return
+            except StoreUnreachable as exc:
+                log.warning("cannot take the store's lock again yet: %s", exc)
+            except Exception:  # a bug: say so, keep checking (commits are fenced either way)
+                log.exception("checking the store's lock failed")
+
+    def close(self) -> None:
+        self._halt.set()
+        self._thread.join()
 
 
 class _HttpThread:
@@ -296,9 +318,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
 
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
-    lock_task = (
-        loop.create_task(_keep_store_lock(store_lock, stop), name="tally-store-lock") if store_lock else None
-    )
+    keeper = _StoreKeeper(store_lock, loop, stop) if store_lock is not None else None
+    if keeper is not None:
+        keeper.start()
     await http.start()
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
@@ -317,8 +339,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
     health_task.cancel()
-    if lock_task is not None:
-        lock_task.cancel()
+    if keeper is not None:
+        keeper.close()
     await health.enter_graceful_shutdown()
     await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()

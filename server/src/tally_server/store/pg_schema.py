@@ -81,4 +81,7 @@ store_epoch_table = sa.Table(
     sa.Column("epoch", sa.BigInteger(), nullable=False),
     sa.Column("holder", sa.Text(), nullable=False),
     sa.Column("since", sa.Double[float](), nullable=False),
+    # The database's clock when the holder last showed it is alive (see ``StoreLock.check``); a
+    # standby takes over from a holder that stops renewing (paused, hung) though it keeps its session.
+    sa.Column("renewed_at", sa.Double[float](), nullable=True),
 )

@@ -39,11 +39,25 @@ _CONNECT_TIMEOUT_S = 10
 _LOCK_WAIT_S = 2.0
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
 # Taking the lock bumps the fencing epoch; the UPDATE waits for commits in flight that read the old one.
+_DB_NOW = "extract(epoch from clock_timestamp())"
 _BUMP_EPOCH = sa.text(
-    "INSERT INTO store_epoch (id, epoch, holder, since) VALUES (1, 1, :holder, :since) "
+    "INSERT INTO store_epoch (id, epoch, holder, since, renewed_at) "
+    f"VALUES (1, 1, :holder, :since, {_DB_NOW}) "
     "ON CONFLICT (id) DO UPDATE SET epoch = store_epoch.epoch + 1, holder = excluded.holder, "
-    "since = excluded.since RETURNING epoch"
+    "since = excluded.since, renewed_at = excluded.renewed_at RETURNING epoch"
 )
+_RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch")
+_SILENT_FOR = sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_epoch WHERE id = 1")
+_END_HOLDER = sa.text(
+    "SELECT pg_terminate_backend(l.pid) FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid::bigint = :hi AND l.objid::bigint = :lo AND l.objsubid = 1"
+)
+# How often the holder shows it is alive, and how long a standby waits for a holder that stopped
+# doing so before it ends that holder's session and takes over (a paused or hung coordinator keeps
+# its session, and so the lock, however long it is stopped).
+RENEW_EVERY_S = 1.0
+TAKE_OVER_AFTER_S = 5.0
 _READ_EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
 # How often a standby tries the lock while another coordinator holds it.
 _STANDBY_POLL_S = 0.5
@@ -264,11 +278,38 @@ class StoreLock:
                 if not told:
                     logger.info("standby: %s; taking over as soon as it is gone", exc.holder_text)
                     told = True
+                self._end_a_silent_holder(exc)
             except StoreUnreachable:
                 if not reachable:
                     raise
             stop.wait(_STANDBY_POLL_S)
         return False
+
+    def _end_a_silent_holder(self, refused: StoreInUse) -> None:
+        """A holder that stopped renewing for ``TAKE_OVER_AFTER_S`` is paused or hung: end its session.
+
+        Its lock goes with the session, so the next try takes the store (bumping the epoch, which
+        fences whatever the stopped one still tries when it resumes). Errors are left to the next try.
+        """
+        try:
+            engine = create_engine(self.url, pooled=False)
+            try:
+                with engine.connect() as conn:
+                    silent = conn.execute(_SILENT_FOR).scalar()
+                    if silent is None or silent < TAKE_OVER_AFTER_S:
+                        return
+                    logger.warning(
+                        "%s has not shown it is alive for %.1f s (paused or hung?): ending its database "
+                        "session to take the store over",
+                        refused.holder_text,
+                        silent,
+                    )
+                    conn.execute(_END_HOLDER, {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF})
+                    conn.commit()
+            finally:
+                engine.dispose()
+        except TRANSIENT:
+            return
 
     def fence(self, conn: Connection) -> None:
         """Inside a commit's transaction: go on only while the store's epoch is still ours.
@@ -330,7 +371,10 @@ class StoreLock:
         return dict(row._mapping) if row is not None else {}
 
     def check(self) -> None:
-        """Make sure the lock is still held, taking it again if its session ended.
+        """Make sure the lock is still held, taking it again if its session ended; show we are alive.
+
+        Called every ``RENEW_EVERY_S``: a standby ends the session of a holder that stops calling
+        it (see ``wait_for``).
 
         A database restart (or an administrator's ``pg_terminate_backend``) ends the lock's session
         and frees the lock: this takes it again on a new session as soon as the database answers.
@@ -348,7 +392,7 @@ class StoreLock:
         conn = self._conn
         if conn is not None:
             try:
-                conn.execute(sa.text("SELECT 1"))
+                conn.execute(_RENEW, {"epoch": self.epoch})  # alive: a standby leaves us be
                 return
             except TRANSIENT as exc:
                 logger.warning(
