@@ -18,7 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
+import sqlalchemy as sa
 
 import tally
 from tally.v1 import coordinator_pb2 as pb
@@ -227,3 +229,41 @@ def test_a_paused_coordinator_is_taken_over_and_stops_when_it_resumes(
                 assert client.are_completed("ha/pause", sources) == [True] * len(sources)
                 status = client.checkpoint("ha/pause")
                 assert status.completed_count == len(sources) and status.anomalies == 0
+
+
+def test_reads_wait_while_the_coordinator_cannot_confirm_it_still_serves_the_store(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A check of the store's lock that hangs (here: a table lock; in life, a database gone silent)
+    leaves the coordinator unsure it still serves the store: a standby may take over meanwhile and
+    change completions, so reads of them are refused until a check succeeds again."""
+    with (
+        running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as server,
+        tally.Client(server.grpc_address, timeout=2) as client,
+    ):
+        with client.writer("ha/contact", writer_id="w") as w:
+            w.apply_deltas(tree("a"))
+        assert client.are_completed("ha/contact", ["a"]) == [True]
+        engine = sa.create_engine(postgres_url)
+        try:
+            with engine.connect() as conn:
+                held = conn.begin()
+                conn.execute(sa.text("LOCK TABLE store_epoch IN ACCESS EXCLUSIVE MODE"))  # checks hang
+                try:
+                    wait_until(lambda: not ready(server), timeout=30, what="/readyz to say not ready")
+                    assert (
+                        "no contact with the store's database" in httpx.get(f"{server.http_url}/readyz").text
+                    )
+                    with pytest.raises(tally.Unavailable, match="cannot answer for completions now"):
+                        client.are_completed("ha/contact", ["a"])
+                finally:
+                    held.rollback()
+        finally:
+            engine.dispose()
+        wait_until(lambda: ready(server), timeout=30, what="/readyz to say ready again")
+        assert client.are_completed("ha/contact", ["a"]) == [True]
+    assert "answering reads again" in server.log()
+
+
+def ready(server: RunningServer) -> bool:
+    return httpx.get(f"{server.http_url}/readyz", timeout=5).status_code == 200

@@ -10,6 +10,7 @@ import signal
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -36,6 +37,7 @@ from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.postgres import (
     RENEW_EVERY_S,
+    TAKE_OVER_AFTER_S,
     StoreInUse,
     StoreLock,
     StoreUnreachable,
@@ -179,6 +181,11 @@ async def _mirror_readiness(service: CoordinatorService, health: HealthServicer)
         await asyncio.sleep(0.5)
 
 
+# Past this long without confirming the store is ours, reads of completions are refused: a standby
+# takes over after TAKE_OVER_AFTER_S without our stamp (on the database's clock).
+UNCONFIRMED_AFTER_S = TAKE_OVER_AFTER_S - 1.5
+
+
 class _StoreKeeper:
     """Checks the store's lock every ``RENEW_EVERY_S`` (which shows standbys we are alive).
 
@@ -188,6 +195,7 @@ class _StoreKeeper:
 
     def __init__(self, lock: StoreLock, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         self._lock, self._loop, self._stop = lock, loop, stop
+        self.confirmed_at = time.monotonic()  # the last check that found the store ours
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-store-lock", daemon=True)
 
@@ -198,6 +206,7 @@ class _StoreKeeper:
         while not self._halt.wait(RENEW_EVERY_S):
             try:
                 self._lock.check()
+                self.confirmed_at = time.monotonic()
             except StoreInUse as exc:
                 log.error(
                     "this coordinator lost the store's lock (its database session ended) and another "
@@ -214,6 +223,24 @@ class _StoreKeeper:
     def close(self) -> None:
         self._halt.set()
         self._thread.join()
+
+
+async def _watch_store_contact(keeper: _StoreKeeper, service: CoordinatorService) -> None:
+    """Refuse reads of completions while the store's ownership has gone unconfirmed too long.
+
+    A check may hang (a database host gone silent) while a standby counts ``TAKE_OVER_AFTER_S``
+    from our last stamp and takes over: past ``UNCONFIRMED_AFTER_S`` without a check that found the
+    store ours, this coordinator's completed sets may be stale (a read could say completed what the
+    new one un-completed), so it stops answering for them until a check succeeds again.
+    """
+    while True:
+        silent = time.monotonic() - keeper.confirmed_at
+        service.store_contact(
+            f"no contact with the store's database for {silent:.0f} s (a standby may have taken over)"
+            if silent > UNCONFIRMED_AFTER_S
+            else None
+        )
+        await asyncio.sleep(0.25)
 
 
 class _HttpThread:
@@ -319,8 +346,10 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
     keeper = _StoreKeeper(store_lock, loop, stop) if store_lock is not None else None
+    contact_task = None
     if keeper is not None:
         keeper.start()
+        contact_task = loop.create_task(_watch_store_contact(keeper, service), name="tally-store-contact")
     await http.start()
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
@@ -339,6 +368,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
     health_task.cancel()
+    if contact_task is not None:
+        contact_task.cancel()
     if keeper is not None:
         keeper.close()
     await health.enter_graceful_shutdown()

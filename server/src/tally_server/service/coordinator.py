@@ -182,6 +182,15 @@ class CoordinatorService:
             self._background.append(loop.create_task(self._checkpoints.census(census), name="tally-census"))
         core.accepting = True
 
+    def store_contact(self, unconfirmed: str | None) -> None:
+        """Whether the store's ownership is confirmed (None) or why not: reads of completions wait."""
+        if unconfirmed != self._core.store_unconfirmed:
+            if unconfirmed is None:
+                log.info("contact with the store is back and it is still ours: answering reads again")
+            else:
+                log.warning("refusing reads of completions: %s", unconfirmed)
+        self._core.store_unconfirmed = unconfirmed
+
     def stop_accepting(self) -> None:
         """Refuse new work (UNAVAILABLE, so clients retry elsewhere or later) and end watch streams."""
         self._core.accepting = False
@@ -216,6 +225,8 @@ class CoordinatorService:
     def problems(self) -> list[str]:
         """Why the coordinator is not ready, in words; empty when it is."""
         found = [] if self._core.accepting else ["starting or shutting down"]
+        if self._core.store_unconfirmed is not None:
+            found.append(self._core.store_unconfirmed)
         if self._core.committer.failing:
             found.append(f"completions cannot be persisted: {self._core.committer.failing}")
         found.extend(f"the {x.name} loop is failing: {x.failing}" for x in self._loops if x.failing)

@@ -56,6 +56,10 @@ class Core:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tally-registry-read")
     )
     accepting: bool = False
+    # Why this coordinator cannot be sure it still serves its store (no contact with the database
+    # for longer than a standby waits before taking over), or None. Reads of completions are then
+    # refused: another coordinator may have changed them since.
+    store_unconfirmed: str | None = None
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking registry write on the registry's one writing thread."""
@@ -76,3 +80,13 @@ class Core:
         """Refuse work (UNAVAILABLE) while the coordinator is starting or shutting down."""
         if not self.accepting:
             raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
+
+    def check_reads(self) -> None:
+        """Refuse reads of completions (UNAVAILABLE) while the store's ownership is unconfirmed."""
+        self.check_accepting()
+        if self.store_unconfirmed is not None:
+            raise Unavailable(
+                f"this coordinator cannot answer for completions now: {self.store_unconfirmed}; retry "
+                "(another coordinator may have taken the store over: clients given several addresses "
+                "move on by themselves)"
+            )

@@ -92,7 +92,7 @@ class Status:
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
         """Whether each source is in the checkpoint's live completed set (loads it if needed)."""
         core = self._core
-        core.check_accepting()
+        core.check_reads()
         validation.checkpoint_name(checkpoint, core.limits)
         source_ids = validation.source_ids(source_ids, core.limits)
         cp = await self._checkpoints.find(checkpoint, create=False)
@@ -197,6 +197,7 @@ class Status:
 
     async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
         """A page of completed ids in byte order after ``after`` (loads the set if needed)."""
+        self._core.check_reads()
         cp = await self._checkpoints.existing(checkpoint)
         most = self._core.limits.max_ids_per_query
         if not 0 < limit <= most:
