@@ -139,6 +139,24 @@ def test_a_database_made_before_keeps_working_without_its_second_index(postgres_
     assert compression == [("l",)]  # lz4 (this server has it): cheaper to write than pglz
 
 
+def test_a_busy_table_keeps_its_old_index_until_a_later_start(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with PgCompletionStore(postgres_url):
+        pass
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE INDEX ix_completed_origin ON completed (checkpoint, origin)"))
+    with engine.connect() as backup:  # a reader holding the table's lock, as pg_dump does
+        backup.execute(sa.text("SELECT count(*) FROM completed")).scalar()
+        with PgCompletionStore(postgres_url) as store:  # starts anyway, after the lock's timeout
+            store.commit([PutCompleted("cp/busy", "w", ["a"])])
+        backup.rollback()
+    engine.dispose()
+    assert "is no longer needed and slows commits down" in caplog.text
+    assert len(rows(postgres_url, "SELECT indexname FROM pg_indexes WHERE tablename = 'completed'")) == 2
+
+
 def test_load_index_gives_each_origins_sorted_hashes(store: PgCompletionStore) -> None:
     hasher = Hasher()
     store.commit(

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_LOCK_NOT_AVAILABLE = "55P03"
 # Rows per step of a load (a server-side cursor), hashed a step at a time.
 _LOAD_CHUNK = 1 << 15
 
@@ -110,9 +111,7 @@ class PgCompletionStore:
         self._engine = postgres.create_engine(self._url)
         try:
             metadata.create_all(self._engine)
-            with self._engine.begin() as conn:
-                for index in LEGACY_INDEXES:  # each made every commit slower, and nothing reads it
-                    conn.execute(sa.text(f"DROP INDEX IF EXISTS {index}"))
+            self._drop_legacy_indexes()
         except postgres.TRANSIENT as exc:
             self._engine.dispose()
             raise postgres.StoreUnreachable(self._url, exc) from None
@@ -122,6 +121,28 @@ class PgCompletionStore:
         self._closed = False
         self._lock = threading.Lock()
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
+
+    def _drop_legacy_indexes(self) -> None:
+        """Drop indexes that tables made by earlier versions have: each made every commit slower.
+
+        Waits at most a few seconds for the table's lock (a backup reading it holds one); the index
+        then stays until the next start, which only costs speed.
+        """
+        for index in LEGACY_INDEXES:
+            try:
+                with self._engine.begin() as conn:
+                    conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+                    conn.execute(sa.text(f"DROP INDEX IF EXISTS {index}"))
+            except sa.exc.OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                    raise
+                logger.warning(
+                    "index %s of the PostgreSQL store %s is no longer needed and slows commits down, "
+                    "but its table is busy (%s); it is dropped at a later start",
+                    index,
+                    self.display_url,
+                    postgres.cause(exc),
+                )
 
     def _check_open(self) -> None:
         if self._closed:
