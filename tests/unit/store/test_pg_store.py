@@ -147,13 +147,17 @@ def test_a_busy_table_keeps_its_old_index_until_a_later_start(
     engine = sa.create_engine(postgres_url)
     with engine.begin() as conn:
         conn.execute(sa.text("CREATE INDEX ix_completed_origin ON completed (checkpoint, origin)"))
-    with engine.connect() as backup:  # a reader holding the table's lock, as pg_dump does
-        backup.execute(sa.text("SELECT count(*) FROM completed")).scalar()
+    with engine.connect() as backup:  # a reader holding the tables' locks, as pg_dump does
+        backup.execute(sa.text("SELECT count(*) FROM completed, journal_entries")).scalar()
         with PgCompletionStore(postgres_url) as store:  # starts anyway, after the lock's timeout
             store.commit([PutCompleted("cp/busy", "w", ["a"])])
+        journal = PgJournal(postgres_url)
+        journal.commit([OpenJournal(who("a")), JournalEntry("a", 1, batch(1))])
+        journal.close()
         backup.rollback()
     engine.dispose()
     assert "is no longer needed and slows commits down" in caplog.text
+    assert "journal entries stay compressed with pglz" in caplog.text
     assert len(rows(postgres_url, "SELECT indexname FROM pg_indexes WHERE tablename = 'completed'")) == 2
 
 

@@ -28,6 +28,7 @@ _COMPRESSION = sa.text(
     "SELECT attcompression::text FROM pg_attribute "
     "WHERE attrelid = 'journal_entries'::regclass AND attname = 'entry'"
 )
+_LOCK_NOT_AVAILABLE = "55P03"
 _LZ4 = sa.text("ALTER TABLE journal_entries ALTER COLUMN entry SET COMPRESSION lz4")
 _SIZE = sa.text(
     "SELECT pg_total_relation_size('journal_entries') + pg_total_relation_size('journal_writers')"
@@ -74,11 +75,15 @@ class PgJournal:
                 return
             try:
                 with conn.begin_nested():
+                    # A backup reading the table holds its lock: then pglz it stays until a later start.
+                    conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
                     conn.execute(_LZ4)
-            except sa.exc.DBAPIError as exc:  # a server without lz4: pglz it stays
-                if isinstance(exc, postgres.TRANSIENT):
+            except sa.exc.DBAPIError as exc:  # a server without lz4, or the table busy: pglz it stays
+                busy = getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+                if isinstance(exc, postgres.TRANSIENT) and not busy:
                     raise
-                logger.info("journal entries stay compressed with pglz: %s", postgres.cause(exc))
+                say = logger.warning if busy else logger.info  # busy: lz4 comes at a later start
+                say("journal entries stay compressed with pglz: %s", postgres.cause(exc))
 
     def commit(self, ops: Sequence[JournalOp]) -> None:
         """Apply ``ops`` in order in one transaction; durable when this returns.
