@@ -15,6 +15,10 @@ toy sizes, Tally and anchor side by side, for the smoke test (``tests/bench/test
 its figures mean nothing.
 
 Figures (``--only``): durable, deltas, latency, load, heartbeats.
+
+The durable figure also runs ``tally serve --store`` on PostgreSQL (issue #11) when a server answers
+at ``--pg-url`` (default: ``postgresql://postgres@127.0.0.1:5432/postgres``): in a scratch database
+created for the run and dropped after it. ``--no-pg`` leaves it out.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +52,7 @@ REPO = BENCH.parent
 FIGURES = ("durable", "deltas", "latency", "load", "heartbeats")
 WRITERS = 4
 STAMP = ".installed-nemo-curator-1.4.0"  # what tests/nemo/setup_env.sh leaves in a finished venv
+PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"  # where the PostgreSQL store's runs go by default
 
 # ------------------------------------------------------------------------------------------------
 # ISSUE #9 (journal): the journal-on ÷ journal-off ratio of durable completions/s belongs here.
@@ -214,6 +220,56 @@ class AnchorProcess:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------ the PostgreSQL store
+
+
+class ScratchDatabase:
+    """A database of the benchmark's own on a PostgreSQL server, for ``tally serve --store``; see drop()."""
+
+    def __init__(self, admin_url: str) -> None:
+        import sqlalchemy as sa
+
+        from tally_server.store.postgres import display, store_url
+
+        admin = store_url(admin_url)
+        self._engine = sa.create_engine(
+            admin, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+        )
+        self.name = f"tally_bench_{uuid.uuid4().hex[:10]}"
+        try:
+            with self._engine.connect() as conn:
+                self.version = str(conn.execute(sa.text("SHOW server_version")).scalar())
+                conn.execute(sa.text(f'CREATE DATABASE "{self.name}"'))
+        except BaseException:
+            self._engine.dispose()
+            raise
+        url = admin.set(database=self.name)
+        self.url = url.render_as_string(hide_password=False)
+        self.display = display(url)
+
+    def drop(self) -> None:
+        import sqlalchemy as sa
+
+        try:
+            with self._engine.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
+        finally:
+            self._engine.dispose()
+
+
+def scratch_database(admin_url: str | None, required: bool) -> ScratchDatabase | None:
+    """A scratch database at ``admin_url``; None (logged) if it does not answer and is not ``required``."""
+    import sqlalchemy as sa
+
+    try:
+        return ScratchDatabase(admin_url or PG_URL)
+    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        if required:
+            raise SystemExit(f"compare.py: no scratch database at {admin_url}: {exc.orig}") from None
+        log(f"no PostgreSQL at {PG_URL} ({str(exc.orig).strip().splitlines()[0]}): PostgreSQL store not run")
+        return None
+
+
 # ------------------------------------------------------------------------------------- the runs
 
 
@@ -237,9 +293,17 @@ class LoadData:
 
 
 class Bench:
-    def __init__(self, sizes: Sizes, figures: set[str], work: Path, anchor: AnchorProcess | None) -> None:
+    def __init__(
+        self,
+        sizes: Sizes,
+        figures: set[str],
+        work: Path,
+        anchor: AnchorProcess | None,
+        pg: ScratchDatabase | None = None,
+    ) -> None:
         self.sizes = sizes
         self.figures = figures
+        self.pg = pg  # the PostgreSQL store's durable runs go to this database
         self.work = work
         self.anchor = anchor
         self.results = Results()
@@ -328,6 +392,9 @@ class Bench:
                     for state, extra in zip(("on", "off"), JOURNAL_SWITCH, strict=True):
                         with running_server(settle_ms=0, args=extra) as server:
                             put(f"T:journal.{state}", self._durable(server, "grpc", f"journal-{state}-r{r}"))
+                if self.pg is not None:  # the same run as gRPC settle 0, on the PostgreSQL store
+                    with running_server(settle_ms=0, store=self.pg.url) as server:
+                        put("T:durable.pg.s0", self._durable(server, "grpc", f"pg-r{r}"))
         if "load" in figs:
             for count in s.load_counts:
                 res = tside.load(self.data[count].tally, count, s.queries)
@@ -525,7 +592,7 @@ class Row:
     comparable: bool = True  # False: the anchor's figure is context, not the same quantity
 
 
-def rows(sizes: Sizes) -> Iterator[tuple[str, str, list[Row]]]:
+def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]:
     def at_least(x: float) -> Goal:
         return Goal("ratio", ">=", x, f"≥ {x:g}×")
 
@@ -559,6 +626,15 @@ def rows(sizes: Sizes) -> Iterator[tuple[str, str, list[Row]]]:
                 durable.append(
                     Row(figure, key, "/s", f"T:durable.grpc.s{settle}", "Tally gRPC", (at_least(0.5),))
                 )
+    if pg:  # issue #11: at least the anchor's
+        figure = "durable completions/s, gRPC, settle 0 ms, PostgreSQL store"
+        key = "T:durable.pg.s0"
+        durable += [
+            Row(figure, key, "/s", "A:durable.ray4", "Ray, 4 actors", (at_least(1),)),
+            Row(figure, key, "/s", "A:durable.ray1", "Ray, 1 actor", (at_least(1),)),
+            Row(figure, key, "/s", "A:durable.inproc", "class in-process"),
+            Row(figure, key, "/s", "T:durable.grpc.s0", "Tally gRPC, LMDB store"),
+        ]
     durable.append(
         Row(
             "durable completions/s, journal on ÷ off",
@@ -713,14 +789,14 @@ def rows(sizes: Sizes) -> Iterator[tuple[str, str, list[Row]]]:
     )
 
 
-def table(results: Results, sizes: Sizes, figures: set[str]) -> str:
+def table(results: Results, sizes: Sizes, figures: set[str], pg: bool = False) -> str:
     cpus = os.cpu_count() or 0
     out = [
         "| figure | Tally | anchor | Tally ÷ anchor | goal | load (1 min) / CPUs |",
         "|---|---|---|---|---|---|",
     ]
     vals = results.values
-    for figure, section, section_rows in rows(sizes):
+    for figure, section, section_rows in rows(sizes, pg):
         if figure not in figures:
             continue
         out.append(f"| **{section}** | | | | | |")
@@ -778,6 +854,7 @@ def header(
     load_at_start: tuple[float, float, float],
     ray_idle: list[float],
     commit: str,
+    pg: ScratchDatabase | None = None,
 ) -> str:
     cpu_model = "?"
     try:
@@ -809,6 +886,10 @@ def header(
             )
     else:
         lines.append("anchor: not run (--tally-only)")
+    if pg is not None:
+        lines.append(
+            f"PostgreSQL store: PostgreSQL {pg.version}, scratch database {pg.display} (dropped at the end)"
+        )
     lines.append(
         f"medians of {sizes.rounds} runs, Tally and anchor interleaved; (min–max) over the runs; "
         "Tally ÷ anchor is the ratio of the medians"
@@ -837,6 +918,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tally-only", action="store_true", help="leave the anchor out (no .venv-nemo needed)"
     )
     parser.add_argument("--nemo-venv", type=Path, default=REPO / ".venv-nemo", help="NeMo Curator's venv")
+    pg_group = parser.add_mutually_exclusive_group()
+    pg_group.add_argument(
+        "--pg-url",
+        help="PostgreSQL server for the PostgreSQL store's durable runs (a scratch database is created "
+        f"there and dropped); default {PG_URL} if it answers",
+    )
+    pg_group.add_argument("--no-pg", action="store_true", help="leave the PostgreSQL store out")
     ns = parser.parse_args(argv)
     mode_name = "quick" if ns.quick else "tiny" if ns.tiny else "full"
     sizes = SIZES[mode_name]
@@ -854,11 +942,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tally-compare-"))
     anchor: AnchorProcess | None = None
     bench: Bench | None = None
+    pg: ScratchDatabase | None = None
     try:
+        if "durable" in figures and not ns.no_pg:
+            pg = scratch_database(ns.pg_url, required=ns.pg_url is not None)
+            if pg is not None:
+                log(f"PostgreSQL store: scratch database {pg.display}")
         if not ns.tally_only:
             anchor = AnchorProcess(ns.nemo_venv, work / "anchor.log")
             log(f"starting the anchor under {ns.nemo_venv}: a local Ray instance in {anchor.temp_dir}")
-        bench = Bench(sizes, figures, work, anchor)
+        bench = Bench(sizes, figures, work, anchor, pg)
         if ns.tiny and anchor is not None:
             # Toy sizes measure nothing: Tally's and the anchor's runs go side by side to stay fast.
             errors: list[BaseException] = []
@@ -891,10 +984,13 @@ def main(argv: list[str] | None = None) -> int:
             bench.pool.close()
         if anchor is not None:
             anchor.stop()
+        if pg is not None:
+            pg.drop()
         shutil.rmtree(work, ignore_errors=True)
-    print(header(mode_name, sizes, anchor.info if anchor else None, load_at_start, bench.ray_idle, commit))
+    info = anchor.info if anchor else None
+    print(header(mode_name, sizes, info, load_at_start, bench.ray_idle, commit, pg))
     print()
-    print(table(bench.results, sizes, figures))
+    print(table(bench.results, sizes, figures, pg is not None))
     return 0
 
 

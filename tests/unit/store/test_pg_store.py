@@ -67,6 +67,100 @@ def test_commit_applies_ops_in_order_in_one_transaction(store: PgCompletionStore
     assert store.load("cp/other").completed == {"a"}
 
 
+def test_ids_an_origin_holds_already_are_skipped_and_the_rest_of_the_commit_applies(
+    store: PgCompletionStore, registry_postgres_url: str
+) -> None:
+    store.commit([PutCompleted("cp/d", "w1", ["a", "b"])])
+    # COPY refuses "b" (held already) and "c" (twice in one commit): the commit runs again, skipping them.
+    store.commit(
+        [
+            PutCompleted("cp/d", "w1", ["b", "c", "d"]),
+            PutCompleted("cp/d", "w1", ["c"]),
+            DeleteCompleted("cp/d", ["a"]),
+            PutCompleted("cp/d", "w2", ["a"]),
+        ]
+    )
+    assert rows(
+        registry_postgres_url,
+        "SELECT convert_from(source_id, 'UTF8'), origin FROM completed "
+        "WHERE checkpoint = 'cp/d' ORDER BY 1, 2",
+    ) == [("a", "w2"), ("b", "w1"), ("c", "w1"), ("d", "w1")]
+    # Ids that COPY must escape come back byte for byte.
+    odd = ["tab\tnew\nline\\", "quote'\"", "é\u2028", "\\N"]
+    store.commit([PutCompleted("cp/odd\tname", "w\\1", odd)])
+    assert store.load("cp/odd\tname").completed == set(odd)
+    assert store.contains("cp/odd\tname", "w\\1", [i.encode() for i in odd]) == [True] * len(odd)
+
+
+def test_a_connection_lost_in_the_middle_of_a_commit_is_a_transient_error_with_nothing_written(
+    postgres_url: str,
+) -> None:
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    cut = threading.Event()
+
+    def fence(conn: sa.Connection) -> None:  # cuts this very connection once its transaction began
+        if cut.is_set():
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+            with admin.connect() as other:
+                other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+
+    with PgCompletionStore(postgres_url, fence) as store:
+        store.commit([PutCompleted("cp/cut", "w", ["a"])])
+        cut.set()
+        with pytest.raises(CompletionWriteError, match="Tally retries by itself"):
+            store.commit([PutCompleted("cp/cut", "w", ["b", "c"])])  # COPY's connection is gone
+        cut.clear()
+        assert store.load("cp/cut").completed == {"a"}
+        store.commit([PutCompleted("cp/cut", "w", ["b", "c"])])  # a retry on a fresh connection
+        assert store.load("cp/cut").completed == {"a", "b", "c"}
+    admin.dispose()
+
+
+def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:
+    with PgCompletionStore(postgres_url):
+        pass
+    index = "CREATE INDEX ix_completed_origin ON completed (checkpoint, origin)"
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(index))
+    engine.dispose()
+    with PgCompletionStore(postgres_url) as store:  # dropped at start: it only slowed commits
+        store.commit([PutCompleted("cp/old", "w", ["a"])])
+    indexes = rows(postgres_url, "SELECT indexname FROM pg_indexes WHERE tablename = 'completed'")
+    assert indexes == [("completed_pkey",)]
+    journal = PgJournal(postgres_url)
+    journal.commit([OpenJournal(who("a")), JournalEntry("a", 1, batch(1))])
+    journal.close()
+    compression = rows(
+        postgres_url,
+        "SELECT attcompression::text FROM pg_attribute "
+        "WHERE attrelid = 'journal_entries'::regclass AND attname = 'entry'",
+    )
+    assert compression == [("l",)]  # lz4 (this server has it): cheaper to write than pglz
+
+
+def test_a_busy_table_keeps_its_old_index_until_a_later_start(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with PgCompletionStore(postgres_url):
+        pass
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE INDEX ix_completed_origin ON completed (checkpoint, origin)"))
+    with engine.connect() as backup:  # a reader holding the tables' locks, as pg_dump does
+        backup.execute(sa.text("SELECT count(*) FROM completed, journal_entries")).scalar()
+        with PgCompletionStore(postgres_url) as store:  # starts anyway, after the lock's timeout
+            store.commit([PutCompleted("cp/busy", "w", ["a"])])
+        journal = PgJournal(postgres_url)
+        journal.commit([OpenJournal(who("a")), JournalEntry("a", 1, batch(1))])
+        journal.close()
+        backup.rollback()
+    engine.dispose()
+    assert "is no longer needed and slows commits down" in caplog.text
+    assert "journal entries stay compressed with pglz" in caplog.text
+    assert len(rows(postgres_url, "SELECT indexname FROM pg_indexes WHERE tablename = 'completed'")) == 2
+
+
 def test_load_index_gives_each_origins_sorted_hashes(store: PgCompletionStore) -> None:
     hasher = Hasher()
     store.commit(

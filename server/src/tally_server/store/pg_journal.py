@@ -23,6 +23,13 @@ from tally_server.store.pg_schema import journal_entries_table, journal_writers_
 
 logger = logging.getLogger(__name__)
 
+# How new journal entries are compressed ("l": lz4; "": the server's default, pglz). PostgreSQL 14+.
+_COMPRESSION = sa.text(
+    "SELECT attcompression::text FROM pg_attribute "
+    "WHERE attrelid = 'journal_entries'::regclass AND attname = 'entry'"
+)
+_LOCK_NOT_AVAILABLE = "55P03"
+_LZ4 = sa.text("ALTER TABLE journal_entries ALTER COLUMN entry SET COMPRESSION lz4")
 _SIZE = sa.text(
     "SELECT pg_total_relation_size('journal_entries') + pg_total_relation_size('journal_writers')"
 )
@@ -45,6 +52,7 @@ class PgJournal:
         self._engine = postgres.create_engine(self._url)
         try:
             metadata.create_all(self._engine)
+            self._use_lz4()
         except postgres.TRANSIENT as exc:
             self._engine.dispose()
             raise postgres.StoreUnreachable(self._url, exc) from None
@@ -54,6 +62,28 @@ class PgJournal:
         # Metrics read these while the database may be down: they then show the last known values.
         self._size = 0
         self._entries = 0
+
+    def _use_lz4(self) -> None:
+        """Compress new entries with lz4 rather than pglz, where the server has it (PostgreSQL 14+).
+
+        An entry holds a whole batch of deltas (hundreds of kB): pglz made a commit of a group's
+        entries about 3x slower to serve than lz4, for about the same size on disk.
+        """
+        with self._engine.begin() as conn:
+            version = conn.dialect.server_version_info or (0,)
+            if version < (14,) or conn.execute(_COMPRESSION).scalar() == "l":
+                return
+            try:
+                with conn.begin_nested():
+                    # A backup reading the table holds its lock: then pglz it stays until a later start.
+                    conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+                    conn.execute(_LZ4)
+            except sa.exc.DBAPIError as exc:  # a server without lz4, or the table busy: pglz it stays
+                busy = getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+                if isinstance(exc, postgres.TRANSIENT) and not busy:
+                    raise
+                say = logger.warning if busy else logger.info  # busy: lz4 comes at a later start
+                say("journal entries stay compressed with pglz: %s", postgres.cause(exc))
 
     def commit(self, ops: Sequence[JournalOp]) -> None:
         """Apply ``ops`` in order in one transaction; durable when this returns.

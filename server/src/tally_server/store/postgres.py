@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 # Errors of the database or the way to it (down, restarting, out of disk, out of connections):
 # transient. Integrity and data errors are bugs and propagate as they are.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
+# The same, raised by psycopg itself where a hot path uses its connection under SQLAlchemy's (COPY).
+TRANSIENT_RAW = (*TRANSIENT, psycopg.OperationalError, psycopg.InterfaceError)
 # SQLSTATE class 53: insufficient resources (53100 disk_full, 53200 out_of_memory, ...).
 _RESOURCES = "53"
 _DISK_FULL = "53100"
@@ -133,7 +136,7 @@ def cause(exc: BaseException) -> str:
 
 
 def _sqlstate(exc: BaseException) -> str:
-    return str(getattr(getattr(exc, "orig", None), "sqlstate", None) or "")
+    return str(getattr(getattr(exc, "orig", None) or exc, "sqlstate", None) or "")
 
 
 def write_error(url: sa.URL, exc: BaseException, what: str) -> CompletionWriteError:
