@@ -108,21 +108,16 @@ class PgCompletionStore:
         self._fence = fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
-        self._engine = postgres.create_engine(self._url)
-        try:
-            metadata.create_all(self._engine)
-            self._drop_legacy_indexes()
-        except postgres.TRANSIENT as exc:
-            self._engine.dispose()
-            raise postgres.StoreUnreachable(self._url, exc) from None
-        except BaseException:
-            self._engine.dispose()
-            raise
+        self._engine = postgres.open_store_engine(self._url, self._prepare)
         self._closed = False
         self._lock = threading.Lock()
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
 
-    def _drop_legacy_indexes(self) -> None:
+    def _prepare(self, engine: sa.Engine) -> None:
+        metadata.create_all(engine)
+        self._drop_legacy_indexes(engine)
+
+    def _drop_legacy_indexes(self, engine: sa.Engine) -> None:
         """Drop indexes that tables made by earlier versions have: each made every commit slower.
 
         Waits at most a few seconds for the table's lock (a backup reading it holds one); the index
@@ -130,7 +125,7 @@ class PgCompletionStore:
         """
         for index in LEGACY_INDEXES:
             try:
-                with self._engine.begin() as conn:
+                with engine.begin() as conn:
                     conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
                     conn.execute(sa.text(f"DROP INDEX IF EXISTS {index}"))
             except sa.exc.OperationalError as exc:

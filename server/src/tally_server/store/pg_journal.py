@@ -49,27 +49,24 @@ class PgJournal:
         """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
         self._fence = fence
         self._url = postgres.store_url(url)
-        self._engine = postgres.create_engine(self._url)
-        try:
-            metadata.create_all(self._engine)
-            self._use_lz4()
-        except postgres.TRANSIENT as exc:
-            self._engine.dispose()
-            raise postgres.StoreUnreachable(self._url, exc) from None
-        except BaseException:
-            self._engine.dispose()
-            raise
+        self._engine = postgres.open_store_engine(self._url, self._prepare)
         # Metrics read these while the database may be down: they then show the last known values.
         self._size = 0
         self._entries = 0
 
-    def _use_lz4(self) -> None:
+    @classmethod
+    def _prepare(cls, engine: sa.Engine) -> None:
+        metadata.create_all(engine)
+        cls._use_lz4(engine)
+
+    @staticmethod
+    def _use_lz4(engine: sa.Engine) -> None:
         """Compress new entries with lz4 rather than pglz, where the server has it (PostgreSQL 14+).
 
         An entry holds a whole batch of deltas (hundreds of kB): pglz made a commit of a group's
         entries about 3x slower to serve than lz4, for about the same size on disk.
         """
-        with self._engine.begin() as conn:
+        with engine.begin() as conn:
             version = conn.dialect.server_version_info or (0,)
             if version < (14,) or conn.execute(_COMPRESSION).scalar() == "l":
                 return

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -126,6 +127,24 @@ def create_engine(url: sa.URL, *, pooled: bool = True) -> Engine:
             cursor.execute("SET synchronous_commit TO on")
         dbapi_connection.commit()
 
+    return engine
+
+
+def open_store_engine(url: sa.URL, prepare: Callable[[Engine], None]) -> Engine:
+    """``create_engine``, then ``prepare`` it (create tables and the like) before anyone uses it.
+
+    Raises:
+        StoreUnreachable: the database cannot be reached (nothing is left open).
+    """
+    engine = create_engine(url)
+    try:
+        prepare(engine)
+    except TRANSIENT as exc:
+        engine.dispose()
+        raise StoreUnreachable(url, exc) from None
+    except BaseException:
+        engine.dispose()
+        raise
     return engine
 
 
