@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,18 @@ NEMO_TRACE = FIXTURES / "nemo_curator_1.4.0_trace_fanout_filter.jsonl"
 POSTGRES_ADMIN_URL = os.environ.get(
     "TALLY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on loopback right now (for a server that must listen where told)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def load_trace() -> list[dict[str, Any]]:

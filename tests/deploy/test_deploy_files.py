@@ -176,17 +176,17 @@ def duration_s(value: str) -> float:
     return sum(float(n) * units[u] for n, u in parts)
 
 
-def k8s_docs() -> dict[str, list[dict[str, Any]]]:
+def k8s_docs(folder: Path = K8S) -> dict[str, list[dict[str, Any]]]:
     return {
         path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-        for path in sorted(K8S.glob("*.yaml"))
+        for path in sorted(folder.glob("*.yaml"))
     }
 
 
-def k8s_object(kind: str, name: str | None = None) -> dict[str, Any]:
+def k8s_object(kind: str, name: str | None = None, folder: Path = K8S) -> dict[str, Any]:
     found = [
         doc
-        for docs in k8s_docs().values()
+        for docs in k8s_docs(folder).values()
         for doc in docs
         if doc["kind"] == kind and name in (None, doc["metadata"]["name"])
     ]

@@ -38,6 +38,8 @@ from tests.deploy.test_deploy_files import (
     duration_s,
     interpolate,
     is_bind,
+    k8s_docs,
+    k8s_object,
     mounted_on_host,
     tally_settings,
 )
@@ -83,21 +85,11 @@ def settings_of(command: list[str], env: dict[str, str], monkeypatch: pytest.Mon
 
 
 def k8s_ha_docs() -> dict[str, list[dict[str, Any]]]:
-    return {
-        path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-        for path in sorted(K8S_HA.glob("*.yaml"))
-    }
+    return k8s_docs(K8S_HA)
 
 
 def k8s_ha_object(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [
-        doc
-        for docs in k8s_ha_docs().values()
-        for doc in docs
-        if doc["kind"] == kind and name in (None, doc["metadata"]["name"])
-    ]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
+    return k8s_object(kind, name, K8S_HA)
 
 
 def pod_template() -> dict[str, Any]:

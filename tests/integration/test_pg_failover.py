@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import tally
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
+from tests.conftest import free_ports
 from tests.integration.workload import tree
 from tests.polling import wait_until
 
@@ -42,17 +42,6 @@ def standby(data: Path, url: str, **listen: str) -> Iterator[Future[RunningServe
             stack.enter_context,
             running_server(data, settle_ms=0, store=url, args=["--standby"], startup_timeout=120, **listen),
         )
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import pytest
 
 import tally
 from tally_server.testing import RunningServer, running_server
+from tests.conftest import free_ports
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -58,17 +58,6 @@ def _require_env() -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI must run the NeMo Curator test, but {reason}")
     pytest.skip(reason)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _pids_with_env(marker: str) -> list[int]:
@@ -127,7 +116,7 @@ def ray_env() -> Iterator[dict[str, str]]:
     _require_env()
     # Ray's unix sockets live under the temp dir and must stay under ~107 bytes: keep it short.
     temp_dir = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
-    gcs, dashboard, client, node, objects, agent, agent_grpc, metrics, runtime_env = _free_ports(9)
+    gcs, dashboard, client, node, objects, agent, agent_grpc, metrics, runtime_env = free_ports(9)
     # Every process of this cluster inherits the marker; teardown finds the stragglers by it.
     marker = f"TALLY_NEMO_TEST_RAY={temp_dir}"
     env = {
