@@ -22,18 +22,17 @@ import logging
 import random
 import threading
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Generic, TypeVar
 
 from tally._calls import Call, WatchCheckpoint
+from tally._transport.base import AsyncTransport, Transport  # base imports this module lazily
 from tally._types import CheckpointStatus
 from tally.errors import Unavailable
-
-if TYPE_CHECKING:
-    from tally._transport.base import AsyncTransport, Transport
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Tr = TypeVar("Tr")  # a replica's transport (blocking or asyncio)
 
 
 def first_replica(count: int) -> int:
@@ -77,10 +76,10 @@ class Rotation:
         )
 
 
-class FailoverTransport:
-    """Blocking transport over several replicas' transports (see the module docstring)."""
+class _Replicas(Generic[Tr]):
+    """One transport per replica and the rotation over them: what both flavours hold."""
 
-    def __init__(self, replicas: Sequence[tuple[str, Transport]], *, start: int | None = None) -> None:
+    def __init__(self, replicas: Sequence[tuple[str, Tr]], *, start: int | None = None) -> None:
         """Wrap one transport per replica.
 
         Args:
@@ -95,6 +94,10 @@ class FailoverTransport:
     def current(self) -> str:
         """The name of the replica that gets the next call."""
         return self._rotation.names[self._rotation.current()[0]]
+
+
+class FailoverTransport(_Replicas[Transport]):
+    """Blocking transport over several replicas' transports (see the module docstring)."""
 
     def send(self, call: Call[T], timeout: float) -> T:
         index, generation = self._rotation.current()
@@ -133,19 +136,8 @@ class FailoverTransport:
             raise errors[0]
 
 
-class AsyncFailoverTransport:
+class AsyncFailoverTransport(_Replicas[AsyncTransport]):
     """asyncio twin of :class:`FailoverTransport`."""
-
-    def __init__(self, replicas: Sequence[tuple[str, AsyncTransport]], *, start: int | None = None) -> None:
-        """Wrap one transport per replica (see :class:`FailoverTransport`)."""
-        self._transports = [transport for _, transport in replicas]
-        names = [name for name, _ in replicas]
-        self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
-
-    @property
-    def current(self) -> str:
-        """The name of the replica that gets the next call."""
-        return self._rotation.names[self._rotation.current()[0]]
 
     async def send(self, call: Call[T], timeout: float) -> T:
         index, generation = self._rotation.current()
