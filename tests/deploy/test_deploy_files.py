@@ -531,8 +531,9 @@ def test_grafana_provisioning_points_at_compose_paths_and_services() -> None:
 # --- kubernetes -----------------------------------------------------------------------------------
 
 
-def test_k8s_manifests_parse_and_kustomization_lists_them_all() -> None:
-    docs = k8s_docs()
+def manifests_listed_by_kustomization(folder: Path = K8S) -> dict[str, list[dict[str, Any]]]:
+    """The folder's manifests, checked to parse and to be exactly what its kustomization lists."""
+    docs = k8s_docs(folder)
     for name, objects in docs.items():
         assert objects, f"{name} is empty"
         for obj in objects:
@@ -540,8 +541,13 @@ def test_k8s_manifests_parse_and_kustomization_lists_them_all() -> None:
             assert obj["kind"] == "Kustomization" or obj["metadata"]["name"], name
     (kustomization,) = docs.pop("kustomization.yaml")
     resources = kustomization["resources"]
-    assert all((K8S / resource).is_file() for resource in resources)
+    assert all((folder / resource).is_file() for resource in resources)
     assert sorted(resources) == sorted(docs)
+    return docs
+
+
+def test_k8s_manifests_parse_and_kustomization_lists_them_all() -> None:
+    manifests_listed_by_kustomization()
 
 
 def test_k8s_statefulset_runs_one_coordinator_on_its_volume(monkeypatch: pytest.MonkeyPatch) -> None:

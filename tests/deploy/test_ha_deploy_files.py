@@ -40,6 +40,7 @@ from tests.deploy.test_deploy_files import (
     is_bind,
     k8s_docs,
     k8s_object,
+    manifests_listed_by_kustomization,
     mounted_on_host,
     tally_settings,
 )
@@ -210,16 +211,7 @@ def test_ha_compose_and_k8s_images_are_pinned() -> None:
 
 
 def test_ha_k8s_manifests_parse_and_kustomization_lists_them_all() -> None:
-    docs = k8s_ha_docs()
-    for name, objects in docs.items():
-        assert objects, f"{name} is empty"
-        for obj in objects:
-            assert obj.get("apiVersion") and obj.get("kind"), name
-            assert obj["kind"] == "Kustomization" or obj["metadata"]["name"], name
-    (kustomization,) = docs.pop("kustomization.yaml")
-    resources = kustomization["resources"]
-    assert all((K8S_HA / resource).is_file() for resource in resources)
-    assert sorted(resources) == sorted(docs)
+    docs = manifests_listed_by_kustomization(K8S_HA)
     kinds = sorted(obj["kind"] for objects in docs.values() for obj in objects)
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
     assert not any(obj["kind"] == "Secret" for objects in docs.values() for obj in objects), (
