@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import grpc
+import httpx
 import sqlalchemy as sa
 import uvicorn
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from sqlalchemy.engine import Connection
 
+from tally_server import replica
 from tally_server.auth import Authorizer, load_tokens
 from tally_server.domain.ports import CompletionStore, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
@@ -45,6 +47,7 @@ from tally_server.store.postgres import (
     store_url,
 )
 from tally_server.store.registry import SqlRegistry
+from tally_server.store.replicas import ReplicaBoard
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +196,10 @@ class _StoreKeeper:
     paused coordinator to a standby. Stops the server if another coordinator took the store.
     """
 
-    def __init__(self, lock: StoreLock, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-        self._lock, self._loop, self._stop = lock, loop, stop
+    def __init__(
+        self, lock: StoreLock, board: ReplicaBoard, loop: asyncio.AbstractEventLoop, stop: asyncio.Event
+    ) -> None:
+        self._lock, self._board, self._loop, self._stop = lock, board, loop, stop
         self.confirmed_at = time.monotonic()  # the last check that found the store ours
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tally-store-lock", daemon=True)
@@ -207,6 +212,7 @@ class _StoreKeeper:
             try:
                 self._lock.check()
                 self.confirmed_at = time.monotonic()
+                self._board.announce()  # where the replicas forward writers' calls to
             except StoreInUse as exc:
                 log.error(
                     "this coordinator lost the store's lock (its database session ended) and another "
@@ -312,7 +318,17 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             return
         log.info("taking over store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
     elif store_lock is not None:
-        store_lock.acquire()
+        try:
+            store_lock.acquire()
+        except StoreInUse as exc:
+            log.info("%s: serving as a replica of it", exc.holder_text)
+            bound = await _serve_as_replica(settings, store_lock, authorizer, credentials, ssl_options)
+            if bound is None:
+                log.info("replica stopped before taking the store over")
+                datadir_lock.release()
+                return
+            settings = bound
+            log.info("taking over store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
@@ -345,14 +361,25 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
 
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
-    keeper = _StoreKeeper(store_lock, loop, stop) if store_lock is not None else None
+    grpc_host, _ = split_listen(settings.grpc_listen)
+    http_host, http_port = http_sock.getsockname()[:2]
+    board = None
+    if store_lock is not None:
+        board = ReplicaBoard(
+            store_lock.url,
+            store_lock.holder,
+            settings.advertised(settings.grpc_listen, grpc_port),
+            settings.advertised(settings.http_listen, http_port),
+        )
+        await asyncio.to_thread(board.announce)
+    keeper = (
+        _StoreKeeper(store_lock, board, loop, stop) if store_lock is not None and board is not None else None
+    )
     contact_task = None
     if keeper is not None:
         keeper.start()
         contact_task = loop.create_task(_watch_store_contact(keeper, service), name="tally-store-contact")
     await http.start()
-    grpc_host, _ = split_listen(settings.grpc_listen)
-    http_host, http_port = http_sock.getsockname()[:2]
     # Tests and scripts read these two lines to find the ports when started with port 0.
     print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
     print(f"http listening on {_address(http_host, http_port)}", flush=True)
@@ -375,7 +402,104 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     await health.enter_graceful_shutdown()
     await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
     await service.shutdown()
+    if board is not None:
+        await asyncio.to_thread(board.leave)
+        board.close()
     if store_lock is not None:
         store_lock.release()
     datadir_lock.release()
     log.info("shutdown complete")
+
+
+async def _serve_as_replica(
+    settings: Settings,
+    lock: StoreLock,
+    authorizer: Authorizer,
+    credentials: grpc.ServerCredentials | None,
+    ssl_options: dict[str, Any],
+) -> Settings | None:
+    """Serve as a replica of the store (``tally_server.replica``) until its lock is ours.
+
+    Returns the settings with the ports the replica bound (the coordinator serves on the same ones),
+    or None if SIGTERM/SIGINT came first.
+    """
+    loop = asyncio.get_running_loop()
+    http_sock = _bind_http(settings.http_listen)
+    route = replica.OwnerRoute()
+    metrics = replica.ReplicaMetrics(lock.holder, route)
+    reader = replica.CompletedReader(lock.url)
+    tls = None
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        tls = (
+            settings.tls_cert.read_bytes(),
+            settings.tls_key.read_bytes(),
+            settings.tls_client_ca is not None,
+        )
+    channels = replica.GrpcChannels(settings.max_message_bytes, tls)
+    forwarder = replica.GrpcForwarder(route, reader, authorizer, settings.limits, metrics, channels)
+    server, grpc_port, health = replica.grpc_server(
+        forwarder, settings.grpc_listen, settings.max_message_bytes, credentials
+    )
+    grpc_host, _ = split_listen(settings.grpc_listen)
+    http_host, http_port = http_sock.getsockname()[:2]
+    bound = settings.model_copy(
+        update={"grpc_listen": _address(grpc_host, grpc_port), "http_listen": _address(http_host, http_port)}
+    )
+    board = ReplicaBoard(
+        lock.url,
+        lock.holder,
+        settings.advertised(settings.grpc_listen, grpc_port),
+        settings.advertised(settings.http_listen, http_port),
+    )
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        verify=str(settings.tls_cert) if settings.tls_cert is not None else True,
+        cert=(str(settings.tls_cert), str(settings.tls_key)) if settings.tls_client_ca is not None else None,
+    )
+    config = uvicorn.Config(
+        replica.http_app(route, metrics, client, "https" if settings.tls else "http"),
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=1,
+        **ssl_options,
+    )
+    http = _Uvicorn(config)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    halt = threading.Event()
+    await asyncio.to_thread(replica.poll_owner, board, route)
+    await server.start()
+    http_task = loop.create_task(http.serve(sockets=[http_sock]), name="tally-replica-http")
+    health_task = loop.create_task(replica.mirror_health(route, health, halt), name="tally-replica-health")
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
+    print(f"http listening on {_address(http_host, http_port)}", flush=True)
+    owner = route.owner
+    log.info(
+        "replica %s of store %s: answering are_completed, forwarding the rest to the owner %s",
+        lock.holder,
+        display(lock.url),
+        f"{owner.name} at {owner.grpc_address}" if owner is not None else "(not known yet)",
+    )
+    try:
+        took = await asyncio.to_thread(
+            lock.wait_for, stopping, lambda: replica.poll_owner(board, route), "replica"
+        )
+    finally:
+        halt.set()
+        health_task.cancel()
+        http.should_exit = True
+        await server.stop(1.0)
+        await http_task
+        await channels.close()
+        await client.aclose()
+        reader.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    if not took:
+        await asyncio.to_thread(board.leave)
+    board.close()
+    return bound if took else None

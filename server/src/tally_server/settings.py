@@ -43,14 +43,30 @@ class Settings(BaseSettings):
         description="Where completions and writers' journals live. Unset: LMDB files in NeMo Curator's "
         "format in data_dir (and the journal in data_dir/journal.mdb). A PostgreSQL URL "
         "(postgresql+psycopg://user@host:5432/db; postgresql:// means the same): both in that "
-        "database, nothing under data_dir/checkpoints; one coordinator serves a store at a time (an "
-        "advisory lock refuses a second, unless it is a standby).",
+        "database, nothing under data_dir/checkpoints. Several coordinators given one store form one "
+        "service: one owns the store (an advisory lock and a fencing epoch) and applies every writer's "
+        "deltas; the others are replicas that answer are_completed from the database, forward all "
+        "other calls to the owner and take the store over when it goes.",
     )
     standby: bool = Field(
         default=False,
-        description="With store: if another coordinator serves the store, wait (listening on no port) "
-        "and take over as soon as it is gone, with its writers' journals; every commit is fenced by "
-        "the store's epoch, so a deposed coordinator writes nothing. Without store: refused.",
+        description="With store: if another coordinator owns the store, wait listening on no port (instead "
+        "of serving as a replica) and take over as soon as it is gone, with its writers' journals; every "
+        "commit is fenced by the store's epoch, so a deposed coordinator writes nothing. Without store: "
+        "refused.",
+    )
+    replica_name: str | None = Field(
+        default=None,
+        max_length=200,
+        description="This coordinator's name among the store's replicas (shown by status views and the "
+        "dashboard); default HOSTNAME-PID. Unique per store.",
+    )
+    advertise_host: str | None = Field(
+        default=None,
+        max_length=253,
+        description="The host other replicas of the store reach this one at (the ports are the listening "
+        "ones); default the listening host, or this machine's hostname when listening on all addresses "
+        "(on Kubernetes give the pod's IP).",
     )
     settle_ms: int = Field(
         default=250,
@@ -204,3 +220,20 @@ class Settings(BaseSettings):
         from tally_server.store.registry import default_sqlite_url
 
         return self.registry_url or self.store or default_sqlite_url(self.data_dir)
+
+    def resolved_replica_name(self) -> str:
+        """This coordinator's name among the store's replicas: the one configured, else HOSTNAME-PID."""
+        import os
+        import socket
+
+        return self.replica_name or f"{socket.gethostname()}-{os.getpid()}"
+
+    def advertised(self, listen: str, port: int) -> str:
+        """``HOST:PORT`` other replicas reach a port bound to ``listen`` (at ``port``) at."""
+        import socket
+
+        host = self.advertise_host
+        if host is None:
+            bound, _ = split_listen(listen)
+            host = socket.gethostname() if bound in ("0.0.0.0", "::", "") else bound
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

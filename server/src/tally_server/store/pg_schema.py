@@ -88,3 +88,17 @@ store_epoch_table = sa.Table(
     # standby takes over from a holder that stops renewing (paused, hung) though it keeps its session.
     sa.Column("renewed_at", sa.Double[float](), nullable=True),
 )
+
+# The replicas serving the store (``store.replicas``): each renews its row every second while it
+# runs; the store's owner is the one named by ``store_epoch.holder``, and the others forward writers'
+# calls to the addresses it gives here.
+store_replicas_table = sa.Table(
+    "store_replicas",
+    metadata,
+    sa.Column("name", sa.Text(), primary_key=True),
+    sa.Column("grpc_address", sa.Text(), nullable=False),
+    sa.Column("http_address", sa.Text(), nullable=False),
+    sa.Column("started_at", sa.Double[float](), nullable=False),
+    # The database's clock when the replica last showed it is alive.
+    sa.Column("renewed_at", sa.Double[float](), nullable=False),
+)

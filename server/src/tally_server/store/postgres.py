@@ -2,9 +2,10 @@
 
 The PostgreSQL store (``tally serve --store postgresql+psycopg://...``) keeps completions
 (``pg_completions``) and writers' journals (``pg_journal``) in one database. For now one coordinator
-serves a store at a time: :class:`StoreLock` holds a session-level advisory lock for the life of
-``tally serve``, the way ``datadir_lock`` does for a data directory. Several replicas, each owning
-some checkpoints through a lease with a fencing epoch, come next (issue #11).
+owns a store at a time: :class:`StoreLock` holds a session-level advisory lock for the life of
+``tally serve``, the way ``datadir_lock`` does for a data directory, and takes the store's fencing
+epoch with it. Other coordinators on the store serve as replicas (``tally_server.replica``): they
+answer reads from the database and forward writers' calls to the owner until they take the lock.
 """
 
 from __future__ import annotations
@@ -255,10 +256,12 @@ class StoreLock:
 
     Args:
         url: the store's URL.
+        holder: the name this coordinator goes by among the store's replicas (``store_epoch.holder``).
     """
 
-    def __init__(self, url: sa.URL) -> None:
+    def __init__(self, url: sa.URL, holder: str | None = None) -> None:
         self.url = url
+        self.holder = holder or application_name()
         self.epoch: int | None = None  # the fencing epoch this coordinator took with the lock
         self._engine: Engine | None = None
         self._conn: Connection | None = None
@@ -280,10 +283,13 @@ class StoreLock:
         with self._mutex:
             self._acquire(wait_s)
 
-    def wait_for(self, stop: threading.Event) -> bool:
-        """A standby's wait: take the lock as soon as the coordinator holding it is gone.
+    def wait_for(
+        self, stop: threading.Event, poll: Callable[[], None] | None = None, role: str = "standby"
+    ) -> bool:
+        """A standby's (or a replica's) wait: take the lock as soon as the coordinator holding it is gone.
 
-        Logs once who holds it. Returns False if ``stop`` was set first (nothing taken).
+        Logs once who holds it, calls ``poll`` between tries (a replica renews its row and reads the
+        owner there). Returns False if ``stop`` was set first (nothing taken).
 
         Raises:
             StoreUnreachable: the database cannot be reached (at the first try only; later
@@ -298,9 +304,11 @@ class StoreLock:
             except StoreInUse as exc:
                 reachable = True
                 if not told:
-                    logger.info("standby: %s; taking over as soon as it is gone", exc.holder_text)
+                    logger.info("%s: %s; taking over as soon as it is gone", role, exc.holder_text)
                     told = True
                 self._end_a_silent_holder(exc)
+                if poll is not None:
+                    poll()
             except StoreUnreachable:
                 if not reachable:
                     raise
@@ -364,7 +372,7 @@ class StoreLock:
                     time.sleep(0.1)
                 store_epoch_table.create(conn, checkfirst=True)
                 self.epoch = conn.execute(
-                    _BUMP_EPOCH, {"holder": application_name(), "since": time.time()}
+                    _BUMP_EPOCH, {"holder": self.holder, "since": time.time()}
                 ).scalar_one()
             except BaseException:
                 conn.close()

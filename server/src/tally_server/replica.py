@@ -1,0 +1,451 @@
+"""A replica of a PostgreSQL store: serves while another coordinator owns the store.
+
+Several ``tally serve`` given one ``--store`` form one service. The one holding the store's lock (the
+*owner*, see ``store.postgres.StoreLock``) applies every writer's deltas; each other one runs as a
+replica until it takes the lock itself:
+
+- ``AreCompleted`` over gRPC is answered here, from the database's committed completions. A
+  completion is committed before the owner counts it completed, and an un-complete (an anomaly) is
+  committed before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed
+  what the owner would not, and a flushed completion is seen by every replica at once.
+- Every other gRPC call, and every HTTP request except the probes and ``/metrics``, is forwarded
+  to the owner as it came (bytes, metadata, bearer token): the owner checks and answers it.
+- The probes say ready while the owner is known and alive; ``/metrics`` shows this replica's own
+  series (``tally_replica_*``).
+
+When the owner goes (exit, kill -9, or silent past ``TAKE_OVER_AFTER_S``), the replica takes the
+lock, stops these servers and starts the full coordinator on the same ports, with the writers'
+journals: the writers re-attach, through any replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+import httpx
+import sqlalchemy as sa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from sqlalchemy.dialects import postgresql
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tally.v1 import coordinator_pb2 as pb
+from tally_server.auth import Authorizer
+from tally_server.domain import validation
+from tally_server.domain.validation import Limits
+from tally_server.errors import ErrorCode, Unavailable
+from tally_server.grpc_api.errors import ErrorInterceptor
+from tally_server.grpc_api.server import SERVICE_NAME
+from tally_server.metrics import CONTENT_TYPE
+from tally_server.store.postgres import TRANSIENT, create_engine, read_error
+from tally_server.store.replicas import Owner, ReplicaBoard
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "/tally.v1.Coordinator/"
+_STREAMS = frozenset({"WatchCheckpoint"})
+# Metadata a forwarded call does not carry over: HTTP/2 pseudo-headers and the transport's own.
+_NOT_FORWARDED = ("user-agent", "grpc-", ":")
+# HTTP headers a forwarded request or answer does not carry over (hop-by-hop, or set anew).
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_ARE_COMPLETED = sa.text(
+    "SELECT DISTINCT source_id FROM completed WHERE checkpoint = :checkpoint AND source_id = ANY(:ids)"
+).bindparams(sa.bindparam("ids", type_=postgresql.ARRAY(postgresql.BYTEA())))
+
+
+class OwnerRoute:
+    """Where the store's owner is, as last read from the database (refreshed every poll)."""
+
+    def __init__(self) -> None:
+        self.owner: Owner | None = None
+        self.problem: str | None = "the store's owner is not known yet"
+
+    def update(self, owner: Owner | None, problem: str | None = None) -> None:
+        """Record a fresh read of the owner (or why it could not be read)."""
+        if problem is None and owner is None:
+            problem = "no coordinator owns the store yet"
+        elif problem is None and owner is not None and not owner.grpc_address:
+            problem = f"the store's owner {owner.name} has not said where to reach it"
+        elif problem is None and owner is not None and not owner.alive:
+            problem = f"the store's owner {owner.name} has not shown it is alive for {owner.silent_s:.0f} s"
+        if owner is not None:
+            self.owner = owner
+        self.problem = problem
+
+    def current(self) -> Owner:
+        """The owner to forward to.
+
+        Raises:
+            Unavailable: there is none to forward to now (the caller retries; a takeover is under way).
+        """
+        owner = self.owner
+        if owner is None or not owner.grpc_address:
+            raise Unavailable(
+                f"this replica cannot forward the call: {self.problem}; retry in a few seconds (a replica "
+                "takes the store over within seconds when its owner is gone)"
+            )
+        return owner
+
+
+class CompletedReader:
+    """``are_completed`` from the database's committed completions (a pooled engine, worker threads)."""
+
+    def __init__(self, url: sa.URL) -> None:
+        self.url = url
+        self._engine = create_engine(url)
+
+    def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
+        """Parallel booleans: whether each id has a committed completion in the checkpoint.
+
+        Raises:
+            StoreUnavailable: the database cannot be read now (UNAVAILABLE: retry).
+        """
+        keys = [sid.encode() for sid in source_ids]
+        try:
+            with self._engine.connect() as conn:
+                done = set(conn.execute(_ARE_COMPLETED, {"checkpoint": checkpoint, "ids": keys}).scalars())
+        except TRANSIENT as exc:
+            raise read_error(self.url, exc, f"the completions of checkpoint {checkpoint!r}") from None
+        return [bytes(k) in done for k in keys]
+
+    def close(self) -> None:
+        """Close the reader's connections."""
+        self._engine.dispose()
+
+
+class ReplicaMetrics:
+    """A replica's own series (the owner's are on the owner's ``/metrics``)."""
+
+    def __init__(self, name: str, route: OwnerRoute) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.forwarded = Counter(
+            "tally_replica_forwarded_calls",
+            "Calls this replica forwarded to the store's owner, by transport and outcome.",
+            ["transport", "outcome"],
+            registry=self.registry,
+        )
+        self.local_reads = Counter(
+            "tally_replica_are_completed_calls",
+            "are_completed calls this replica answered from the database itself.",
+            registry=self.registry,
+        )
+        info = Gauge(
+            "tally_replica_up",
+            "1 on a replica of a PostgreSQL store that does not own it (0 series on the owner), with "
+            "the store's owner as last read.",
+            ["replica", "owner"],
+            registry=self.registry,
+        )
+        self._info, self._name, self._route = info, name, route
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of this replica's series."""
+        self._info.clear()
+        owner = self._route.owner
+        self._info.labels(self._name, owner.name if owner is not None else "").set(1)
+        return generate_latest(self.registry)
+
+
+def _forwarded_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in metadata or () if not k.startswith(_NOT_FORWARDED)]
+
+
+class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """The ``tally.v1.Coordinator`` service of a replica: ``AreCompleted`` here, the rest at the owner."""
+
+    def __init__(
+        self,
+        route: OwnerRoute,
+        reader: CompletedReader,
+        authorizer: Authorizer,
+        limits: Limits,
+        metrics: ReplicaMetrics,
+        channel_for: Callable[[str], grpc.aio.Channel],
+    ) -> None:
+        self._route, self._reader, self._authorizer, self._limits = route, reader, authorizer, limits
+        self._metrics = metrics
+        self._channel_for = channel_for
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        """The handler of one method: None outside tally.v1 (health and reflection answer those)."""
+        method: str = handler_call_details.method
+        if not method.startswith(_PREFIX):
+            return None
+        name = method[len(_PREFIX) :]
+        if name == "AreCompleted":
+            return grpc.unary_unary_rpc_method_handler(
+                self._are_completed,
+                request_deserializer=pb.AreCompletedRequest.FromString,
+                response_serializer=pb.AreCompletedResponse.SerializeToString,
+            )
+        if name in _STREAMS:
+            return grpc.unary_stream_rpc_method_handler(self._stream(method))
+        return grpc.unary_unary_rpc_method_handler(self._unary(method))
+
+    async def _are_completed(self, request: pb.AreCompletedRequest, context: Any) -> pb.AreCompletedResponse:
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        principal = self._authorizer.check("AreCompleted", header)
+        principal.require_request("AreCompleted", {"checkpoint": request.checkpoint}, lambda _handle: None)
+        validation.checkpoint_name(request.checkpoint, self._limits)
+        ids = validation.source_ids(list(request.source_ids), self._limits)
+        done = await asyncio.to_thread(self._reader.are_completed, request.checkpoint, ids)
+        self._metrics.local_reads.inc()
+        return pb.AreCompletedResponse(completed=done)
+
+    def _target(self) -> tuple[Owner, grpc.aio.Channel]:
+        owner = self._route.current()
+        return owner, self._channel_for(owner.grpc_address)
+
+    async def _refused(self, context: Any, owner: Owner, err: grpc.aio.AioRpcError) -> None:
+        """Answer with the owner's status; an owner that cannot be reached says so, naming it."""
+        trailing = tuple(err.trailing_metadata() or ())
+        if err.code() == grpc.StatusCode.UNAVAILABLE and not trailing:
+            self._metrics.forwarded.labels("grpc", "unreachable").inc()
+            raise Unavailable(
+                f"the store's owner {owner.name} at {owner.grpc_address} cannot be reached from this "
+                f"replica ({err.details()}); retry in a few seconds (a replica takes the store over "
+                "within seconds when its owner is gone)"
+            )
+        self._metrics.forwarded.labels("grpc", "refused").inc()
+        await context.abort(err.code(), err.details() or "", trailing_metadata=trailing)
+
+    def _unary(self, method: str) -> Callable[[bytes, Any], Any]:
+        async def forward(request: bytes, context: Any) -> bytes:
+            owner, channel = self._target()
+            call = channel.unary_unary(method, None, None)(
+                request,
+                metadata=_forwarded_metadata(context.invocation_metadata()),
+                timeout=context.time_remaining(),
+            )
+            try:
+                response: bytes = await call
+                trailing = await call.trailing_metadata()
+            except grpc.aio.AioRpcError as err:
+                await self._refused(context, owner, err)
+                raise  # unreachable: _refused raises or aborts
+            context.set_trailing_metadata(tuple(trailing or ()))
+            self._metrics.forwarded.labels("grpc", "ok").inc()
+            return response
+
+        return forward
+
+    def _stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        async def forward(request: bytes, context: Any) -> AsyncIterator[bytes]:
+            owner, channel = self._target()
+            call = channel.unary_stream(method, None, None)(
+                request,
+                metadata=_forwarded_metadata(context.invocation_metadata()),
+                timeout=context.time_remaining(),
+            )
+            try:
+                async for item in call:
+                    yield item
+            except grpc.aio.AioRpcError as err:
+                await self._refused(context, owner, err)
+
+        return forward
+
+
+class GrpcChannels:
+    """One channel per owner address, TLS like this replica's own port when it serves TLS.
+
+    With TLS, the owner's certificate is checked against this replica's own certificate (the replicas
+    of a store share one, naming every host they advertise); with mutual TLS, this replica presents it.
+    """
+
+    def __init__(
+        self,
+        max_message_bytes: int,
+        tls: tuple[bytes, bytes, bool] | None = None,
+    ) -> None:
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._tls = tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def __call__(self, address: str) -> grpc.aio.Channel:
+        """The channel to ``address`` (made on first use)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                cert, key, mutual = self._tls
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=cert,
+                    private_key=key if mutual else None,
+                    certificate_chain=cert if mutual else None,
+                )
+                channel = grpc.aio.secure_channel(address, credentials, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()
+
+
+def http_app(route: OwnerRoute, metrics: ReplicaMetrics, client: httpx.AsyncClient, scheme: str) -> Starlette:
+    """The HTTP face of a replica: probes and ``/metrics`` here, every other request at the owner."""
+
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(_request: Request) -> Response:
+        owner = route.owner
+        if route.problem is not None or owner is None or not owner.http_address:
+            problem = route.problem or "the store's owner has not said where to reach it"
+            return _error(503, ErrorCode.UNAVAILABLE, f"not ready: {problem}")
+        return JSONResponse({"status": "ready", "role": "replica", "owner": owner.name})
+
+    async def prometheus(_request: Request) -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def forward(request: Request) -> Response:
+        try:
+            owner = route.current()
+        except Unavailable as exc:
+            return _error(503, ErrorCode.UNAVAILABLE, exc.message)
+        if not owner.http_address:
+            return _error(503, ErrorCode.UNAVAILABLE, f"the store's owner {owner.name} has no HTTP address")
+        url = httpx.URL(
+            f"{scheme}://{owner.http_address}{request.url.path}", query=request.url.query.encode()
+        )
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
+        try:
+            answer = await client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            metrics.forwarded.labels("http", "unreachable").inc()
+            return _error(
+                503,
+                ErrorCode.UNAVAILABLE,
+                f"the store's owner {owner.name} at {owner.http_address} cannot be reached from this "
+                f"replica ({exc}); retry in a few seconds (a replica takes the store over within seconds "
+                "when its owner is gone)",
+            )
+        metrics.forwarded.labels("http", "ok" if answer.status_code < 400 else "refused").inc()
+        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        return StreamingResponse(
+            answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=_closing(answer)
+        )
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+            Route("/{path:path}", forward, methods=methods),
+        ]
+    )
+
+
+def _closing(answer: httpx.Response) -> Any:
+    from starlette.background import BackgroundTask
+
+    return BackgroundTask(answer.aclose)
+
+
+def _error(status: int, code: ErrorCode, message: str) -> Response:
+    from tally_server.http_api.errors import error_response
+
+    return error_response(status, code, message)
+
+
+def grpc_server(
+    forwarder: GrpcForwarder, listen: str, max_message_bytes: int, credentials: grpc.ServerCredentials | None
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """The replica's gRPC server (not started), its bound port and its health servicer."""
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    server.add_generic_rpc_handlers((forwarder,))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = (
+        server.add_secure_port(listen, credentials)
+        if credentials is not None
+        else server.add_insecure_port(listen)
+    )
+    if port == 0:
+        raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
+    return server, port, health
+
+
+def poll_owner(board: ReplicaBoard, route: OwnerRoute) -> None:
+    """One poll of a replica: renew its row, read the owner (errors recorded, never raised)."""
+    try:
+        board.announce()
+        route.update(board.owner())
+    except TRANSIENT as exc:
+        route.update(None, f"the store's database cannot be reached ({exc.__class__.__name__})")
+    except Exception as exc:  # a bug: say so, keep polling
+        log.exception("reading the store's owner failed")
+        route.update(None, f"reading the store's owner failed ({exc!r})")
+
+
+async def mirror_health(route: OwnerRoute, health: HealthServicer, halt: threading.Event) -> None:
+    """GRPC health says SERVING exactly while the replica has a live owner to forward to."""
+    serving: bool | None = None
+    while not halt.is_set():
+        ready = route.problem is None
+        if ready != serving:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if ready
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await health.set("", status)
+            await health.set(SERVICE_NAME, status)
+            serving = ready
+        await asyncio.sleep(0.25)
+
+
+__all__ = [
+    "CompletedReader",
+    "GrpcChannels",
+    "GrpcForwarder",
+    "OwnerRoute",
+    "ReplicaMetrics",
+    "grpc_server",
+    "http_app",
+    "mirror_health",
+    "poll_owner",
+]

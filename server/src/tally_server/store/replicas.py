@@ -1,0 +1,169 @@
+"""The replicas of a PostgreSQL store: who serves it, who owns it, and where to reach each.
+
+Every ``tally serve`` on a store writes a row to ``store_replicas`` at start and renews it every
+second (:meth:`ReplicaBoard.announce`); a clean stop deletes it. The owner is the replica named by
+``store_epoch.holder`` (it took the store's lock, see ``postgres.StoreLock``); the others read its
+addresses here to forward writers' calls to it, and status views list them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from tally_server.store.pg_schema import store_epoch_table, store_replicas_table
+from tally_server.store.postgres import TAKE_OVER_AFTER_S, TRANSIENT, StoreUnreachable, create_engine
+
+logger = logging.getLogger(__name__)
+
+_DB_NOW = "extract(epoch from clock_timestamp())"
+_ANNOUNCE = sa.text(
+    "INSERT INTO store_replicas (name, grpc_address, http_address, started_at, renewed_at) "
+    f"VALUES (:name, :grpc, :http, :started, {_DB_NOW}) ON CONFLICT (name) DO UPDATE SET "
+    "grpc_address = excluded.grpc_address, http_address = excluded.http_address, "
+    "started_at = excluded.started_at, renewed_at = excluded.renewed_at"
+)
+_LEAVE = sa.text("DELETE FROM store_replicas WHERE name = :name")
+# Rows of replicas gone an hour without a clean stop (kill -9, a lost host) are swept by the others.
+_SWEEP = sa.text(f"DELETE FROM store_replicas WHERE renewed_at < {_DB_NOW} - 3600")
+_OWNER = sa.text(
+    f"SELECT e.holder, e.epoch, e.since, {_DB_NOW} - e.renewed_at AS silent_s, "
+    "r.grpc_address, r.http_address "
+    "FROM store_epoch e LEFT JOIN store_replicas r ON r.name = e.holder WHERE e.id = 1"
+)
+_REPLICAS = sa.text(
+    f"SELECT name, grpc_address, http_address, started_at, {_DB_NOW} - renewed_at AS silent_s "
+    "FROM store_replicas ORDER BY name"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The replica that owns the store (holds its lock and fencing epoch)."""
+
+    name: str
+    epoch: int
+    since: float  # unix time it took the store
+    silent_s: float  # seconds since it last showed it is alive (the database's clock)
+    grpc_address: str  # "" if it has not announced itself (yet)
+    http_address: str
+
+    @property
+    def alive(self) -> bool:
+        """Whether it showed it is alive recently enough that no replica takes the store from it."""
+        return self.silent_s < TAKE_OVER_AFTER_S
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One ``tally serve`` on the store, as it announced itself."""
+
+    name: str
+    grpc_address: str
+    http_address: str
+    started_at: float
+    silent_s: float
+    owner: bool
+
+    @property
+    def alive(self) -> bool:
+        """Whether it renewed its row within the time after which the store's owner is replaced."""
+        return self.silent_s < TAKE_OVER_AFTER_S
+
+
+class ReplicaBoard:
+    """This replica's row in ``store_replicas`` and the look-ups of the others.
+
+    Thread-safe (the engine's pool hands each call its own connection); calls block, so the event
+    loop runs them on worker threads.
+
+    Args:
+        url: the store's URL.
+        name: this replica's name (the store lock's holder name when it owns the store).
+        grpc_address: where other replicas reach its gRPC port (``host:port``).
+        http_address: where other replicas reach its HTTP port (``host:port``).
+
+    Raises:
+        StoreUnreachable: the database cannot be reached to create the tables.
+    """
+
+    def __init__(self, url: sa.URL, name: str, grpc_address: str, http_address: str) -> None:
+        self.url = url
+        self.name = name
+        self.grpc_address = grpc_address
+        self.http_address = http_address
+        self._started = time.time()
+        self._engine: Engine = create_engine(url)
+        try:
+            with self._engine.begin() as conn:
+                store_epoch_table.create(conn, checkfirst=True)
+                store_replicas_table.create(conn, checkfirst=True)
+        except TRANSIENT as exc:
+            self._engine.dispose()
+            raise StoreUnreachable(url, exc) from None
+
+    def announce(self) -> None:
+        """Write (or renew) this replica's row; sweeps rows of replicas gone for an hour.
+
+        Raises:
+            sqlalchemy.exc.OperationalError: and the like when the database cannot be reached.
+        """
+        with self._engine.begin() as conn:
+            conn.execute(
+                _ANNOUNCE,
+                {
+                    "name": self.name,
+                    "grpc": self.grpc_address,
+                    "http": self.http_address,
+                    "started": self._started,
+                },
+            )
+            conn.execute(_SWEEP)
+
+    def leave(self) -> None:
+        """Delete this replica's row (a clean stop); errors are logged, the row then ages out."""
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(_LEAVE, {"name": self.name})
+        except TRANSIENT as exc:
+            logger.warning("could not remove replica %s from the store's list: %s", self.name, exc)
+
+    def owner(self) -> Owner | None:
+        """The store's owner, or None if no coordinator ever took the store."""
+        with self._engine.connect() as conn:
+            row = conn.execute(_OWNER).first()
+        if row is None:
+            return None
+        return Owner(
+            name=row.holder,
+            epoch=int(row.epoch),
+            since=float(row.since),
+            silent_s=float(row.silent_s) if row.silent_s is not None else 0.0,
+            grpc_address=row.grpc_address or "",
+            http_address=row.http_address or "",
+        )
+
+    def replicas(self) -> list[Replica]:
+        """Every replica that announced itself in the last hour, by name, the owner marked."""
+        with self._engine.connect() as conn:
+            holder = conn.execute(sa.text("SELECT holder FROM store_epoch WHERE id = 1")).scalar()
+            rows = conn.execute(_REPLICAS).all()
+        return [
+            Replica(
+                name=r.name,
+                grpc_address=r.grpc_address,
+                http_address=r.http_address,
+                started_at=float(r.started_at),
+                silent_s=float(r.silent_s),
+                owner=r.name == holder,
+            )
+            for r in rows
+        ]
+
+    def close(self) -> None:
+        """Close the board's connections."""
+        self._engine.dispose()

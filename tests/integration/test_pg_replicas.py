@@ -1,0 +1,173 @@
+"""Several ``tally serve`` on one PostgreSQL store serve as one service (issue #11's replicas).
+
+The first to start owns the store and applies every writer's deltas; the others serve at once as
+replicas: they answer ``are_completed`` from the database and forward every other call (gRPC and
+HTTP) to the owner. When the owner goes, one of them takes the store over on the same ports and the
+writers carry on through any replica. Every server here is a real ``tally serve`` process on a
+fresh database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+import tally
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.testing import RunningServer, running_server
+from tests.integration.workload import tree
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.postgres
+
+
+def serving_as_replica(server: RunningServer) -> bool:
+    return "serving as a replica" in server.log()
+
+
+@contextlib.contextmanager
+def replicas(tmp_path: Path, url: str, n: int, **options: object) -> Iterator[list[RunningServer]]:
+    """``n`` coordinators on one store: the first owns it (started first), the others are replicas."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running_server(tmp_path / "r0", store=url, **options))]  # type: ignore[arg-type]
+        for i in range(1, n):
+            server = stack.enter_context(running_server(tmp_path / f"r{i}", store=url, **options))  # type: ignore[arg-type]
+            assert serving_as_replica(server), server.log()
+            servers.append(server)
+        yield servers
+
+
+def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
+        with tally.Client(replica.grpc_address) as client:
+            with client.writer("rep/run", writer_id="w1") as w:
+                for source in ("a", "b", "c"):
+                    w.apply_deltas(tree(source))
+                w.apply_deltas(tree("half")[:3])
+                w.flush()
+                # Read back through the replica: answered from the database, flushed means seen.
+                assert client.are_completed("rep/run", ["a", "b", "c", "half", "never"]) == [
+                    True,
+                    True,
+                    True,
+                    False,
+                    False,
+                ]
+                # The writer's state lives at the owner: its status (read through the replica) shows it.
+                status = client.checkpoint("rep/run")
+                assert status.completed_count == 3 and [x.writer_id for x in status.writers] == ["w1"]
+        # The owner counted the replica's reads nowhere: it answered the forwarded calls only.
+        forwarded = httpx.get(f"http://{replica.http_address}/metrics").text
+        assert 'tally_replica_are_completed_calls_total 1.0' in forwarded
+        assert 'outcome="ok",transport="grpc"' in forwarded
+        owner_line = next(line for line in forwarded.splitlines() if line.startswith("tally_replica_up{"))
+        assert 'owner="' in owner_line and 'owner=""' not in owner_line
+        ready = httpx.get(f"http://{replica.http_address}/readyz")
+        assert ready.status_code == 200 and ready.json()["role"] == "replica"
+        # HTTP is forwarded as it came: the owner's JSON answer, through the replica's port.
+        listed = httpx.get(f"http://{replica.http_address}/v1/checkpoints/rep%2Frun")
+        assert listed.status_code == 200, listed.text
+        assert listed.json()["completed_count"] == 3
+        assert "tally_replica_up" not in httpx.get(f"http://{owner.http_address}/metrics").text
+
+
+def test_refusals_at_the_owner_come_back_through_the_replica_unchanged(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with replicas(tmp_path, postgres_url, 2) as (_owner, replica):
+        with grpc.insecure_channel(replica.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ApplyDeltas(
+                    pb.ApplyDeltasRequest(handle="no-such-handle", deltas=[]),
+                    metadata=[("x-request-id", "req-42")],
+                )
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "no-such-handle" in refused.value.details() or "writer" in refused.value.details()
+            trailers = dict(refused.value.trailing_metadata() or ())
+            assert trailers.get("x-request-id") == "req-42"
+            # Validated at the replica itself (answered from the database, never forwarded).
+            with pytest.raises(grpc.RpcError) as invalid:
+                stub.AreCompleted(pb.AreCompletedRequest(checkpoint="", source_ids=["a"]))
+            assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_replica_checks_tokens_itself_for_reads_and_the_owner_checks_forwarded_calls(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    tokens = {"TALLY_TOKENS": "w-token:worker,r-token:reader@team-a/"}
+    with replicas(tmp_path, postgres_url, 2, env=tokens) as (_owner, replica):
+        with grpc.insecure_channel(replica.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            request = pb.AreCompletedRequest(checkpoint="team-b/run", source_ids=["a"])
+            with pytest.raises(grpc.RpcError) as anonymous:
+                stub.AreCompleted(request)
+            assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as scoped:
+                stub.AreCompleted(request, metadata=[("authorization", "Bearer r-token")])
+            assert scoped.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            ok = stub.AreCompleted(
+                pb.AreCompletedRequest(checkpoint="team-a/run", source_ids=["a"]),
+                metadata=[("authorization", "Bearer r-token")],
+            )
+            assert list(ok.completed) == [False]
+            with pytest.raises(grpc.RpcError) as reader_writes:
+                stub.OpenWriter(
+                    pb.OpenWriterRequest(checkpoint="team-a/run", writer_id="w"),
+                    metadata=[("authorization", "Bearer r-token")],
+                )
+            assert reader_writes.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            opened = stub.OpenWriter(
+                pb.OpenWriterRequest(checkpoint="team-a/run", writer_id="w"),
+                metadata=[("authorization", "Bearer w-token")],
+            )
+            assert opened.handle
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_when_the_owner_goes_a_replica_takes_over_and_writers_on_every_replica_lose_nothing(
+    tmp_path: Path, postgres_url: str, how: signal.Signals
+) -> None:
+    """Writers through both replicas, the owner killed midway: the final set is exactly the model's."""
+    rng = random.Random(7)
+    with replicas(tmp_path, postgres_url, 3, settle_ms=0, lease_ttl_s=30) as servers:
+        owner, *others = servers
+        addresses = ",".join(s.grpc_address for s in others)
+        sources = [f"src-{i:03d}" for i in range(60)]
+        with tally.Client(addresses) as client:
+            writers = [client.writer("rep/fail", writer_id=f"w{i}") for i in range(2)]
+            for w in writers:
+                w.__enter__()
+            done: set[str] = set()
+            for i, source in enumerate(sources):
+                w = writers[i % 2]
+                if i == 25:
+                    for ww in writers:
+                        ww.flush()
+                    owner.process.send_signal(how)
+                    owner.process.wait(60)
+                deltas = tree(source)
+                if rng.random() < 0.2:
+                    w.apply_deltas(deltas[:2])  # left pending: never completed
+                else:
+                    w.apply_deltas(deltas)
+                    done.add(source)
+            for w in writers:
+                w.flush()
+            assert client.are_completed("rep/fail", sources) == [s in done for s in sources]
+            for w in writers:
+                w.__exit__(None, None, None)
+            status = client.checkpoint("rep/fail")
+            assert status.completed_count == len(done) and status.anomalies == 0
+        took = [s for s in others if "taking over store" in s.log()]
+        assert len(took) == 1, [s.log()[-2000:] for s in others]
