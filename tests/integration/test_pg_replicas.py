@@ -24,7 +24,6 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import tree
-from tests.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -68,7 +67,7 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
                 assert status.completed_count == 3 and [x.writer_id for x in status.writers] == ["w1"]
         # The owner counted the replica's reads nowhere: it answered the forwarded calls only.
         forwarded = httpx.get(f"http://{replica.http_address}/metrics").text
-        assert 'tally_replica_are_completed_calls_total 1.0' in forwarded
+        assert "tally_replica_are_completed_calls_total 1.0" in forwarded
         assert 'outcome="ok",transport="grpc"' in forwarded
         owner_line = next(line for line in forwarded.splitlines() if line.startswith("tally_replica_up{"))
         assert 'owner="' in owner_line and 'owner=""' not in owner_line

@@ -237,26 +237,27 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
 
 
-def test_a_second_coordinator_on_the_same_store_is_refused(tmp_path: Path, postgres_url: str) -> None:
+def test_a_second_coordinator_on_the_same_store_serves_as_a_replica_naming_the_owner(
+    tmp_path: Path, postgres_url: str
+) -> None:
     with (
         running_server(tmp_path / "first", settle_ms=0, store=postgres_url) as first,
         tally.Client(first.grpc_address) as client,
     ):
         with client.writer("pg/shared", writer_id="w1") as w:
             w.apply_deltas(tree("a"))
-        # Another data directory (the data-dir lock does not see it): the store's lock refuses.
-        second = serve("--data-dir", str(tmp_path / "second"), "--store", postgres_url)
-        assert second.returncode != 0
-        assert second.stdout == ""
-        (line,) = second.stderr.strip().splitlines()
-        assert "is in use by another tally serve" in line
-        assert f"tally serve pid {first.process.pid} on {socket.gethostname()}" in line
-        assert "stop that one first, give this one another --store, or start it with --standby" in line
-        # The first never noticed.
-        with client.writer("pg/shared", writer_id="w2") as w:
-            w.apply_deltas(tree("b"))
-        assert client.are_completed("pg/shared", ["a", "b"]) == [True, True]
-        assert first.process.poll() is None
+        # Another data directory (the data-dir lock does not see it): the store's lock is held, so
+        # the second serves as a replica of the first instead of refusing to start.
+        with running_server(tmp_path / "second", settle_ms=0, store=postgres_url) as second:
+            log = second.log()
+            assert f"tally serve pid {first.process.pid} on {socket.gethostname()}" in log
+            assert "serving as a replica of it" in log
+            with tally.Client(second.grpc_address) as through_replica:
+                with through_replica.writer("pg/shared", writer_id="w2") as w:
+                    w.apply_deltas(tree("b"))
+            assert client.are_completed("pg/shared", ["a", "b"]) == [True, True]
+            assert first.process.poll() is None
+            assert "taking over store" not in second.log()
 
 
 def test_a_bad_or_unreachable_store_is_a_one_line_startup_error(tmp_path: Path) -> None:
