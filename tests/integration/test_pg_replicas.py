@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,14 @@ from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import tree
 
 pytestmark = pytest.mark.postgres
+
+TALLY = str(Path(sys.executable).parent / "tally")
+
+
+def tally_cli(*args: str) -> str:
+    done = subprocess.run([TALLY, *args], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def serving_as_replica(server: RunningServer) -> bool:
@@ -65,6 +75,23 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
                 # The writer's state lives at the owner: its status (read through the replica) shows it.
                 status = client.checkpoint("rep/run")
                 assert status.completed_count == 3 and [x.writer_id for x in status.writers] == ["w1"]
+            # Who owns what, asked through either: the owner applies this checkpoint's deltas.
+            listed = client.replicas()
+            assert [r.owner for r in listed.replicas].count(True) == 1
+            owner_name = listed.owner.name if listed.owner is not None else ""
+            assert {r.grpc_address for r in listed.replicas} == {owner.grpc_address, replica.grpc_address}
+            assert listed.owner is not None and listed.owner.grpc_address == owner.grpc_address
+            assert listed.answered_by != owner_name and listed.epoch == 1  # answered by the replica
+            assert client.checkpoint("rep/run").owner == owner_name
+        with tally.Client(owner.grpc_address) as direct:
+            assert direct.replicas().answered_by == owner_name
+        over_http = httpx.get(f"http://{replica.http_address}/v1/replicas").json()
+        assert over_http["answered_by"] != owner_name and len(over_http["replicas"]) == 2
+        assert httpx.get(f"http://{owner.http_address}/v1/replicas").json()["answered_by"] == owner_name
+        # The operator's view, in a pipe: every replica by name, the owner marked, the epoch.
+        shown = tally_cli("replicas", "--address", replica.grpc_address)
+        assert owner_name in shown and "owner" in shown and "store epoch 1" in shown
+        assert f"owner: {owner_name}" in tally_cli("status", "--address", replica.grpc_address)
         # The owner counted the replica's reads nowhere: it answered the forwarded calls only.
         forwarded = httpx.get(f"http://{replica.http_address}/metrics").text
         assert "tally_replica_are_completed_calls_total 1.0" in forwarded
@@ -168,5 +195,9 @@ def test_when_the_owner_goes_a_replica_takes_over_and_writers_on_every_replica_l
                 w.__exit__(None, None, None)
             status = client.checkpoint("rep/fail")
             assert status.completed_count == len(done) and status.anomalies == 0
+            after = client.replicas()
+            assert after.epoch == 2 and after.owner is not None
+            assert after.owner.grpc_address in {s.grpc_address for s in others}
+            assert status.owner == after.owner.name
         took = [s for s in others if "taking over store" in s.log()]
         assert len(took) == 1, [s.log()[-2000:] for s in others]

@@ -29,6 +29,7 @@ from tally._types import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    Replicas,
     ResetResult,
     WriterSpec,
     WriterStatus,
@@ -152,6 +153,13 @@ class ListCheckpoints(Call[list[CheckpointStatus]]):
     @property
     def what(self) -> str:
         return "list checkpoints"
+
+
+@dataclass(frozen=True)
+class ListReplicas(Call[Replicas]):
+    @property
+    def what(self) -> str:
+        return "list the store's replicas"
 
 
 @dataclass(frozen=True)

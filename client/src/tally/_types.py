@@ -94,6 +94,8 @@ class CheckpointStatus:
         last_activity_at: Last change, seconds since the epoch.
         writers: The checkpoint's writers.
         fingerprint: The fingerprint recorded by the first writer.
+        owner: The coordinator applying the checkpoint's deltas: on a PostgreSQL store the name of
+            the replica that owns the store (see :meth:`Client.replicas`); empty on the LMDB store.
     """
 
     name: str
@@ -107,6 +109,7 @@ class CheckpointStatus:
     last_activity_at: float
     writers: tuple[WriterStatus, ...]
     fingerprint: Mapping[str, str]
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -301,3 +304,44 @@ class OpenedWriter:
     settle_ms: int
     # The coordinator reads a batch sent as columns (gRPC and HTTP); an older one does not.
     delta_columns: bool = False
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One coordinator serving a PostgreSQL store.
+
+    Attributes:
+        name: Its name (``TALLY_REPLICA_NAME``, default HOSTNAME-PID).
+        grpc_address: Where the other replicas reach its gRPC port.
+        http_address: Where the other replicas reach its HTTP port.
+        owner: Whether it owns the store (applies every writer's deltas; the others forward to it).
+        started_at: When it started, seconds since the epoch.
+        silent_s: Seconds since it last showed it is alive (it does every second).
+    """
+
+    name: str
+    grpc_address: str
+    http_address: str
+    owner: bool
+    started_at: float
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The coordinators serving the store.
+
+    Attributes:
+        replicas: Every one, by name; empty on the LMDB store (one coordinator, no replicas).
+        epoch: The store's fencing epoch: grows by one each time a replica takes the store over.
+        answered_by: The replica that answered.
+    """
+
+    replicas: tuple[Replica, ...]
+    epoch: int
+    answered_by: str
+
+    @property
+    def owner(self) -> Replica | None:
+        """The replica owning the store, if one is listed."""
+        return next((r for r in self.replicas if r.owner), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import signal
@@ -306,7 +307,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     datadir_lock.acquire()
     # Likewise one coordinator serves a PostgreSQL store at a time; a standby waits for it to go
     # (listening on no port meanwhile, so clients and load balancers pass it by).
-    store_lock = StoreLock(store_url(settings.store)) if settings.store is not None else None
+    store_lock = None
+    if settings.store is not None:
+        store_lock = StoreLock(store_url(settings.store), settings.resolved_replica_name())
     loop = asyncio.get_running_loop()
     if store_lock is not None and settings.standby:
         stopping = threading.Event()
@@ -355,12 +358,6 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     )
     http = _HttpThread(_Uvicorn(config), http_sock, http_loop)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    await grpc_server.start()
-    health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
     board = None
@@ -372,6 +369,13 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             settings.advertised(settings.http_listen, http_port),
         )
         await asyncio.to_thread(board.announce)
+        service.serve_replicas(store_lock.holder, functools.partial(replica.list_replicas, board))
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
     keeper = (
         _StoreKeeper(store_lock, board, loop, stop) if store_lock is not None and board is not None else None
     )
@@ -436,20 +440,18 @@ async def _serve_as_replica(
             settings.tls_client_ca is not None,
         )
     channels = replica.GrpcChannels(settings.max_message_bytes, tls)
-    forwarder = replica.GrpcForwarder(route, reader, authorizer, settings.limits, metrics, channels)
+    board = ReplicaBoard(lock.url, lock.holder, "", "")  # its addresses once the ports are bound
+    listing = functools.partial(replica.list_replicas, board)
+    forwarder = replica.GrpcForwarder(route, reader, authorizer, settings.limits, metrics, channels, listing)
     server, grpc_port, health = replica.grpc_server(
         forwarder, settings.grpc_listen, settings.max_message_bytes, credentials
     )
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
+    board.grpc_address = settings.advertised(settings.grpc_listen, grpc_port)
+    board.http_address = settings.advertised(settings.http_listen, http_port)
     bound = settings.model_copy(
         update={"grpc_listen": _address(grpc_host, grpc_port), "http_listen": _address(http_host, http_port)}
-    )
-    board = ReplicaBoard(
-        lock.url,
-        lock.holder,
-        settings.advertised(settings.grpc_listen, grpc_port),
-        settings.advertised(settings.http_listen, http_port),
     )
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
@@ -457,7 +459,7 @@ async def _serve_as_replica(
         cert=(str(settings.tls_cert), str(settings.tls_key)) if settings.tls_client_ca is not None else None,
     )
     config = uvicorn.Config(
-        replica.http_app(route, metrics, client, "https" if settings.tls else "http"),
+        replica.http_app(route, metrics, client, "https" if settings.tls else "http", authorizer, listing),
         log_config=None,
         access_log=False,
         lifespan="off",

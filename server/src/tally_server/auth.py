@@ -71,6 +71,7 @@ REQUIRED: dict[str, Role] = {
     "GetProgress": Role.READER,
     "WatchCheckpoint": Role.READER,
     "ListCompleted": Role.READER,
+    "ListReplicas": Role.READER,
     "OpenWriter": Role.WORKER,
     "KeepAlive": Role.WORKER,
     "ApplyDeltas": Role.WORKER,

@@ -21,6 +21,7 @@ journals: the writers re-attach, through any replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,10 +44,13 @@ from tally.v1 import coordinator_pb2 as pb
 from tally_server.auth import Authorizer
 from tally_server.domain import validation
 from tally_server.domain.validation import Limits
-from tally_server.errors import ErrorCode, Unavailable
+from tally_server.errors import ErrorCode, TallyServerError, Unavailable
+from tally_server.grpc_api import convert
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
+from tally_server.http_api.errors import HTTP_STATUS, error_response
 from tally_server.metrics import CONTENT_TYPE
+from tally_server.service.views import ReplicasView, ReplicaView
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
 from tally_server.store.replicas import Owner, ReplicaBoard
 
@@ -184,10 +188,12 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         limits: Limits,
         metrics: ReplicaMetrics,
         channel_for: Callable[[str], grpc.aio.Channel],
+        listing: Callable[[], ReplicasView],
     ) -> None:
         self._route, self._reader, self._authorizer, self._limits = route, reader, authorizer, limits
         self._metrics = metrics
         self._channel_for = channel_for
+        self._listing = listing
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         """The handler of one method: None outside tally.v1 (health and reflection answer those)."""
@@ -200,6 +206,12 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
                 self._are_completed,
                 request_deserializer=pb.AreCompletedRequest.FromString,
                 response_serializer=pb.AreCompletedResponse.SerializeToString,
+            )
+        if name == "ListReplicas":
+            return grpc.unary_unary_rpc_method_handler(
+                self._list_replicas,
+                request_deserializer=pb.ListReplicasRequest.FromString,
+                response_serializer=pb.ListReplicasResponse.SerializeToString,
             )
         if name in _STREAMS:
             return grpc.unary_stream_rpc_method_handler(self._stream(method))
@@ -214,6 +226,11 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         done = await asyncio.to_thread(self._reader.are_completed, request.checkpoint, ids)
         self._metrics.local_reads.inc()
         return pb.AreCompletedResponse(completed=done)
+
+    async def _list_replicas(self, request: pb.ListReplicasRequest, context: Any) -> pb.ListReplicasResponse:
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        self._authorizer.check("ListReplicas", header).require("ListReplicas", None)
+        return convert.replicas(await asyncio.to_thread(self._listing))
 
     def _target(self) -> tuple[Owner, grpc.aio.Channel]:
         owner = self._route.current()
@@ -312,7 +329,14 @@ class GrpcChannels:
         self._channels.clear()
 
 
-def http_app(route: OwnerRoute, metrics: ReplicaMetrics, client: httpx.AsyncClient, scheme: str) -> Starlette:
+def http_app(
+    route: OwnerRoute,
+    metrics: ReplicaMetrics,
+    client: httpx.AsyncClient,
+    scheme: str,
+    authorizer: Authorizer,
+    listing: Callable[[], ReplicasView],
+) -> Starlette:
     """The HTTP face of a replica: probes and ``/metrics`` here, every other request at the owner."""
 
     async def healthz(_request: Request) -> Response:
@@ -327,6 +351,15 @@ def http_app(route: OwnerRoute, metrics: ReplicaMetrics, client: httpx.AsyncClie
 
     async def prometheus(_request: Request) -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def replicas(request: Request) -> Response:
+        try:
+            principal = authorizer.check("ListReplicas", request.headers.get("authorization"))
+            principal.require("ListReplicas", None)
+            view = await asyncio.to_thread(listing)
+        except TallyServerError as exc:
+            return _error(HTTP_STATUS[exc.code], exc.code, exc.message)
+        return JSONResponse(dataclasses.asdict(view))
 
     async def forward(request: Request) -> Response:
         try:
@@ -363,6 +396,7 @@ def http_app(route: OwnerRoute, metrics: ReplicaMetrics, client: httpx.AsyncClie
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/v1/replicas", replicas, methods=["GET"]),
             Route("/{path:path}", forward, methods=methods),
         ]
     )
@@ -375,8 +409,6 @@ def _closing(answer: httpx.Response) -> Any:
 
 
 def _error(status: int, code: ErrorCode, message: str) -> Response:
-    from tally_server.http_api.errors import error_response
-
     return error_response(status, code, message)
 
 
@@ -407,6 +439,24 @@ def grpc_server(
     if port == 0:
         raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
     return server, port, health
+
+
+def list_replicas(board: ReplicaBoard) -> ReplicasView:
+    """The store's replicas and epoch, as the database says now (blocking).
+
+    Raises:
+        StoreUnavailable: the database cannot be read now (UNAVAILABLE: retry).
+    """
+    try:
+        owner = board.owner()
+        replicas = board.replicas()
+    except TRANSIENT as exc:
+        raise read_error(board.url, exc, "the store's replicas") from None
+    views = [
+        ReplicaView(r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s)
+        for r in replicas
+    ]
+    return ReplicasView(views, owner.epoch if owner is not None else 0, answered_by=board.name)
 
 
 def poll_owner(board: ReplicaBoard, route: OwnerRoute) -> None:
@@ -443,6 +493,7 @@ __all__ = [
     "GrpcChannels",
     "GrpcForwarder",
     "OwnerRoute",
+    "list_replicas",
     "ReplicaMetrics",
     "grpc_server",
     "http_app",

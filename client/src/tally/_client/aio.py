@@ -20,6 +20,7 @@ from tally._types import (
     ImportResult,
     OnMismatch,
     ProgressSample,
+    Replicas,
     ResetResult,
     WriterStatus,
 )
@@ -102,6 +103,10 @@ class AsyncClient(BaseClient):
     async def checkpoints(self) -> list[CheckpointStatus]:
         """Status of every checkpoint. See :meth:`Client.checkpoints`."""
         return await self._run(self._checkpoints_plan())
+
+    async def replicas(self) -> Replicas:
+        """The coordinators serving the store. See :meth:`Client.replicas`."""
+        return await self._run(self._replicas_plan())
 
     async def writers(
         self, checkpoint: str, *, include_closed: bool = False, limit: int = 100

@@ -20,6 +20,7 @@ from tally._types import (
     ImportResult,
     OnMismatch,
     ProgressSample,
+    Replicas,
     ResetResult,
     WriterSpec,
     WriterStatus,
@@ -237,6 +238,10 @@ class BaseClient:
     def _checkpoints_plan(self) -> calls.Plan[list[CheckpointStatus]]:
         self._check_open()
         return calls.single(calls.ListCheckpoints())
+
+    def _replicas_plan(self) -> calls.Plan[Replicas]:
+        self._check_open()
+        return calls.single(calls.ListReplicas())
 
     def _writers_plan(
         self, checkpoint: str, include_closed: bool, limit: int

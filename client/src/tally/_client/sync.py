@@ -20,6 +20,7 @@ from tally._types import (
     ImportResult,
     OnMismatch,
     ProgressSample,
+    Replicas,
     ResetResult,
     WriterStatus,
 )
@@ -159,6 +160,18 @@ class Client(BaseClient):
             Unavailable: No answer within the timeout.
         """
         return self._run(self._checkpoints_plan())
+
+    def replicas(self) -> Replicas:
+        """The coordinators serving a PostgreSQL store: which owns it, which are replicas.
+
+        Answered by whichever replica the client reaches (each reads the store's database); empty
+        on the default LMDB store, which one coordinator serves.
+
+        Raises:
+            Unavailable: No answer within the timeout.
+            PermissionDenied: The token is limited to some checkpoints (this lists infrastructure).
+        """
+        return self._run(self._replicas_plan())
 
     def writers(
         self, checkpoint: str, *, include_closed: bool = False, limit: int = 100

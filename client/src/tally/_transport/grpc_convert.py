@@ -26,6 +26,8 @@ from tally._types import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    Replica,
+    Replicas,
     ResetResult,
     Severity,
     WriterSpec,
@@ -153,6 +155,18 @@ def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
         last_activity_at=msg.last_activity_at,
         writers=tuple(writer_status_from_pb(w) for w in msg.writers),
         fingerprint=dict(msg.fingerprint),
+        owner=msg.owner,
+    )
+
+
+def replicas_from_pb(msg: pb.ListReplicasResponse) -> Replicas:
+    return Replicas(
+        replicas=tuple(
+            Replica(r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s)
+            for r in msg.replicas
+        ),
+        epoch=msg.epoch,
+        answered_by=msg.answered_by,
     )
 
 
@@ -269,6 +283,12 @@ _add(
     lambda stub: stub.ListCheckpoints,
     lambda c: pb.ListCheckpointsRequest(),
     lambda r: [checkpoint_from_pb(c) for c in r.checkpoints],
+)
+_add(
+    calls.ListReplicas,
+    lambda stub: stub.ListReplicas,
+    lambda c: pb.ListReplicasRequest(),
+    replicas_from_pb,
 )
 _add(
     calls.ListWriters,

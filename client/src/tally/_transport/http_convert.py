@@ -27,6 +27,8 @@ from tally._types import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    Replica,
+    Replicas,
     ResetResult,
     Severity,
     WriterSpec,
@@ -243,6 +245,26 @@ def checkpoint_from_json(body: Any) -> CheckpointStatus:
         last_activity_at=float(obj.get("last_activity_at", 0.0)),
         writers=tuple(writer_status_from_json(w) for w in obj.get("writers") or ()),
         fingerprint=_str_map(obj.get("fingerprint")),
+        owner=str(obj.get("owner") or ""),
+    )
+
+
+def replicas_from_json(body: Any) -> Replicas:
+    obj = _obj(body)
+    return Replicas(
+        replicas=tuple(
+            Replica(
+                name=str(r["name"]),
+                grpc_address=str(r.get("grpc_address", "")),
+                http_address=str(r.get("http_address", "")),
+                owner=bool(r.get("owner", False)),
+                started_at=float(r.get("started_at", 0.0)),
+                silent_s=float(r.get("silent_s", 0.0)),
+            )
+            for r in (_obj(x) for x in obj.get("replicas") or ())
+        ),
+        epoch=int(obj.get("epoch", 0)),
+        answered_by=str(obj.get("answered_by") or ""),
     )
 
 
@@ -341,6 +363,7 @@ _add(calls.Flush, "POST", lambda c: writer_path(c.handle, "flush"), flushed_from
 _add(calls.CloseWriter, "POST", lambda c: writer_path(c.handle, "close"), close_result_from_json)
 _add(calls.GetCheckpoint, "GET", lambda c: checkpoint_path(c.name), checkpoint_from_json)
 _add(calls.ListCheckpoints, "GET", lambda c: "/v1/checkpoints", checkpoints_from_json)
+_add(calls.ListReplicas, "GET", lambda c: "/v1/replicas", replicas_from_json)
 _add(
     calls.ListWriters,
     "GET",

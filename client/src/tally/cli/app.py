@@ -29,7 +29,7 @@ def build_app() -> typer.Typer:
     def _main() -> None:
         """Tally: checkpoint coordination for resumable batch pipelines."""
 
-    for command in (commands.status, commands.watch, commands.writers, commands.events):
+    for command in (commands.status, commands.watch, commands.writers, commands.events, commands.replicas):
         app.command()(command)
     app.command()(folders.export)
     app.command(name="import")(folders.import_)

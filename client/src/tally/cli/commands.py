@@ -73,6 +73,9 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
             age(c.last_activity_at),
         )
     out.print(table)
+    owners = sorted({c.owner for c in checkpoints if c.owner})
+    if owners:  # a PostgreSQL store: the replica applying these checkpoints' deltas
+        out.print(f"owner: {', '.join(owners)} (tally replicas lists every replica)")
 
 
 def _flag(count: int) -> Text:
@@ -94,9 +97,41 @@ def _status_one(c: tally.CheckpointStatus) -> None:
     grid.add_row("created", f"{clock(c.created_at)} ({age(c.created_at)})")
     grid.add_row("last activity", f"{clock(c.last_activity_at)} ({age(c.last_activity_at)})")
     grid.add_row("fingerprint", pairs(c.fingerprint) or "-")
+    if c.owner:
+        grid.add_row("owner", f"{c.owner} (the replica applying its deltas; tally replicas lists all)")
     out.print(grid)
     if c.writers:
         out.print(writers_table(c.writers, title="live writers"))
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def replicas(
+    address: Address = DEFAULT_ADDRESS,
+    token: Token = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> None:
+    """The coordinators serving a PostgreSQL store: which owns it, which are replicas."""
+    with connect(address, token, timeout) as client:
+        found = client.replicas()
+    if not found.replicas:
+        out.print("one coordinator, no replicas (the LMDB store; replicas need --store postgresql://...)")
+        return
+    table = Table()
+    for name in ("replica", "role", "grpc", "http", "started", "last seen"):
+        table.add_column(name)
+    for r in found.replicas:
+        table.add_row(
+            r.name,
+            Text("owner", style="bold") if r.owner else "replica",
+            r.grpc_address,
+            r.http_address,
+            age(r.started_at),
+            Text(duration(r.silent_s) + " ago", style="" if r.silent_s < 5 else "bold red"),
+        )
+    out.print(table)
+    out.print(f"store epoch {found.epoch}; answered by {found.answered_by}")
 
 
 # --------------------------------------------------------------------------- watch

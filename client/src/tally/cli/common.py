@@ -16,7 +16,17 @@ from rich.table import Table
 
 import tally
 
-out = Console(highlight=False)
+# In a pipe or a file nothing is cut or wrapped (rich would fit 80 columns): identifiers stay
+# whole, so `tally status | grep run-42` finds run-42.
+_PIPE_WIDTH = 100_000
+
+
+def _stdout() -> Console:
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=_PIPE_WIDTH)
+
+
+out = _stdout()
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 Address = Annotated[

@@ -213,7 +213,7 @@ class WriterStatus(_message.Message):
     def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ..., closed_at: _Optional[float] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint")
+    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class CheckpointStatus(_message.Message):
     LAST_ACTIVITY_AT_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     completed_count: int
     live_writers: int
@@ -243,7 +244,8 @@ class CheckpointStatus(_message.Message):
     last_activity_at: float
     writers: _containers.RepeatedCompositeFieldContainer[WriterStatus]
     fingerprint: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    owner: str
+    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ()
@@ -392,3 +394,33 @@ class ResetCheckpointResponse(_message.Message):
     files_moved: int
     writers_closed: int
     def __init__(self, moved_to: _Optional[str] = ..., files_moved: _Optional[int] = ..., writers_closed: _Optional[int] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("name", "grpc_address", "http_address", "owner", "started_at", "silent_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    grpc_address: str
+    http_address: str
+    owner: bool
+    started_at: float
+    silent_s: float
+    def __init__(self, name: _Optional[str] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., owner: _Optional[bool] = ..., started_at: _Optional[float] = ..., silent_s: _Optional[float] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas", "epoch", "answered_by")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    epoch: int
+    answered_by: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., epoch: _Optional[int] = ..., answered_by: _Optional[str] = ...) -> None: ...

@@ -111,6 +111,11 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/tally.v1.Coordinator/ListReplicas',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -221,6 +226,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +310,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResetCheckpoint,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -706,6 +723,33 @@ class Coordinator:
             '/tally.v1.Coordinator/ResetCheckpoint',
             tally_dot_v1_dot_coordinator__pb2.ResetCheckpointRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.ResetCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListReplicas',
+            tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,8 @@ class CoordinatorStub:
     """Adopt completed source ids from elsewhere (a folder NeMo Curator wrote) into their own file."""
     ResetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResetCheckpointRequest, _coordinator_pb2.ResetCheckpointResponse]
     """Admin: move the checkpoint's files to the trash folder and start it over."""
+    ListReplicas: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListReplicasRequest, _coordinator_pb2.ListReplicasResponse]
+    """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -102,6 +104,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Adopt completed source ids from elsewhere (a folder NeMo Curator wrote) into their own file."""
     ResetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResetCheckpointRequest, _coordinator_pb2.ResetCheckpointResponse]  # type: ignore[assignment]
     """Admin: move the checkpoint's files to the trash folder and start it over."""
+    ListReplicas: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListReplicasRequest, _coordinator_pb2.ListReplicasResponse]  # type: ignore[assignment]
+    """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """One domain service; every RPC is a thin translation of one domain operation."""
@@ -225,5 +229,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ResetCheckpointResponse, _abc.Awaitable[_coordinator_pb2.ResetCheckpointResponse]]:
         """Admin: move the checkpoint's files to the trash folder and start it over."""
+
+    @_abc_1.abstractmethod
+    def ListReplicas(
+        self,
+        request: _coordinator_pb2.ListReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListReplicasResponse, _abc.Awaitable[_coordinator_pb2.ListReplicasResponse]]:
+        """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -20,6 +20,7 @@ from tally_server.service import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    ReplicasView,
     ResetResult,
     WriterView,
 )
@@ -98,6 +99,26 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
         last_activity_at=v.last_activity_at,
         fingerprint=v.fingerprint,
         writers=[writer_status(w) for w in v.writers],
+        owner=v.owner,
+    )
+
+
+def replicas(v: ReplicasView) -> pb.ListReplicasResponse:
+    """The store's replicas as their message."""
+    return pb.ListReplicasResponse(
+        replicas=[
+            pb.Replica(
+                name=r.name,
+                grpc_address=r.grpc_address,
+                http_address=r.http_address,
+                owner=r.owner,
+                started_at=r.started_at,
+                silent_s=r.silent_s,
+            )
+            for r in v.replicas
+        ],
+        epoch=v.epoch,
+        answered_by=v.answered_by,
     )
 
 

@@ -156,6 +156,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return convert.completed_page(page)
 
+    async def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: Context
+    ) -> pb.ListReplicasResponse:
+        """The coordinators serving the store: which owns it, which are replicas."""
+        return convert.replicas(await self._service.list_replicas())
+
     async def ImportCompleted(
         self, request: pb.ImportCompletedRequest, context: Context
     ) -> pb.ImportCompletedResponse:

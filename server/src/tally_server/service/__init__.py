@@ -16,6 +16,8 @@ from tally_server.service.views import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    ReplicasView,
+    ReplicaView,
     ResetResult,
     WriterView,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "ImportResult",
     "OpenedWriter",
     "ProgressSample",
+    "ReplicaView",
+    "ReplicasView",
     "ResetResult",
     "ServiceStats",
     "WriterView",

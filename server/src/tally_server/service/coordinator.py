@@ -43,6 +43,7 @@ from tally_server.service.views import (
     ImportResult,
     OpenedWriter,
     ProgressSample,
+    ReplicasView,
     ResetResult,
     WriterView,
 )
@@ -379,6 +380,18 @@ class CoordinatorService:
         """A status snapshot now and then whenever it changes."""
         async for view in self._status.watch(checkpoint, interval_s=interval_s):
             yield view
+
+    def serve_replicas(self, name: str, listing: Callable[[], ReplicasView]) -> None:
+        """On a PostgreSQL store: this coordinator's replica name, and how to list the store's replicas."""
+        self._core.owner_name = name
+        self._core.list_replicas = listing
+
+    async def list_replicas(self) -> ReplicasView:
+        """The coordinators serving the store (none on the LMDB store), read from the database."""
+        listing = self._core.list_replicas
+        if listing is None:
+            return ReplicasView([], 0, answered_by="")
+        return await self._core.registry_read(listing)
 
     async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
         """Completed ids in byte order after ``after``, at most ``limit``."""

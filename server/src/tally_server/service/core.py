@@ -21,6 +21,7 @@ from tally_server.service.committer import GroupCommitter
 from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.sessions import SessionTable
 from tally_server.service.stats import ServiceStats
+from tally_server.service.views import ReplicasView
 
 log = logging.getLogger("tally_server.service")
 T = TypeVar("T")
@@ -60,6 +61,10 @@ class Core:
     # for longer than a standby waits before taking over), or None. Reads of completions are then
     # refused: another coordinator may have changed them since.
     store_unconfirmed: str | None = None
+    # On a PostgreSQL store: this coordinator's name among the store's replicas (it owns the store
+    # while it serves), and how to list them all (a blocking database read).
+    owner_name: str = ""
+    list_replicas: Callable[[], ReplicasView] | None = None
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking registry write on the registry's one writing thread."""

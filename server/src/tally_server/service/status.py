@@ -65,6 +65,7 @@ class Status:
             last_activity_at=cp.last_activity_at,
             writers=writers,
             fingerprint=dict(cp.fingerprint),
+            owner=self._core.owner_name,
         )
 
     def gauges(self) -> dict[str, CheckpointGauges]:

@@ -156,3 +156,25 @@ class CheckpointView:
     last_activity_at: float
     writers: list[WriterView]
     fingerprint: dict[str, str]
+    owner: str = ""  # the replica applying its deltas (a PostgreSQL store's owner); "" on LMDB
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One coordinator serving a PostgreSQL store, as it announced itself."""
+
+    name: str
+    grpc_address: str
+    http_address: str
+    owner: bool  # it owns the store: applies every writer's deltas; the others forward to it
+    started_at: float
+    silent_s: float  # seconds since it last showed it is alive (every second while it runs)
+
+
+@dataclass(frozen=True)
+class ReplicasView:
+    """The coordinators serving the store (none listed on the LMDB store) and its fencing epoch."""
+
+    replicas: list[ReplicaView]
+    epoch: int
+    answered_by: str

@@ -13,7 +13,7 @@ from tally_server.domain.validation import MAX_EVENT_ID
 from tally_server.http_api import replies as r
 from tally_server.http_api.auth import Guard
 from tally_server.http_api.errors import ERROR_REPLIES
-from tally_server.service import CheckpointView, CoordinatorService, EventPage
+from tally_server.service import CheckpointView, CoordinatorService, EventPage, ReplicasView
 
 _CHECKPOINT_JSON = TypeAdapter(CheckpointView)
 
@@ -37,6 +37,17 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         """Writers of a checkpoint: live ones, then (include_closed) past ones, newest first."""
         writers = await service.list_writers(checkpoint, include_closed=include_closed, limit=limit)
         return r.ListWritersReply(writers=writers)
+
+    @app.get(
+        "/v1/replicas",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=ReplicasView,
+        dependencies=[Depends(guard.requires("ListReplicas"))],
+    )
+    async def list_replicas() -> ReplicasView:
+        """The coordinators serving a PostgreSQL store: which owns it, which are replicas (none on LMDB)."""
+        return await service.list_replicas()
 
     @app.get(
         "/v1/events",
