@@ -36,6 +36,7 @@ from tally_server.errors import PermissionDenied, Unauthenticated
 
 __all__ = [
     "CHECKPOINT_FIELD",
+    "UNSCOPED_OPERATIONS",
     "HANDLE_OPERATIONS",
     "METRICS",
     "REQUIRED",
@@ -103,6 +104,8 @@ CHECKPOINT_FIELD: dict[str, str] = {
 HANDLE_OPERATIONS = frozenset({"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter"})
 # Answered with only the checkpoints the token may read (the handler filters), so nothing to check.
 _LISTINGS = frozenset({"ListCheckpoints"})
+#: Operations about the service itself, naming no checkpoint: only unscoped grants may call them.
+UNSCOPED_OPERATIONS = frozenset({"ListReplicas"})
 
 # A scope prefix is the start of a checkpoint name (see domain/validation.py).
 _PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/\-]*")

@@ -28,6 +28,8 @@ EXPECTED_ALL = [
     "NotFound",
     "PermissionDenied",
     "ProgressSample",
+    "Replica",
+    "Replicas",
     "ResetResult",
     "ResourceExhausted",
     "Severity",

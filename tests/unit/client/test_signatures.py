@@ -19,6 +19,7 @@ ASYNC_METHODS = {
         "events",
         "import_completed",
         "progress",
+        "replicas",
         "reset",
         "writers",
     },

@@ -26,6 +26,7 @@ WRITER = {
 }
 CHECKPOINT = {
     "name",
+    "owner",
     "completed_count",
     "live_writers",
     "pending_sources",
