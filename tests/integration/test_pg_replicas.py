@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 import tally
+from tally._transport import failover
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
@@ -201,3 +202,57 @@ def test_when_the_owner_goes_a_replica_takes_over_and_writers_on_every_replica_l
             assert status.owner == after.owner.name
         took = [s for s in others if "taking over store" in s.log()]
         assert len(took) == 1, [s.log()[-2000:] for s in others]
+
+
+def test_a_replica_stopped_and_a_paused_owner_cost_the_writers_on_each_replica_nothing(
+    tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers enter through each of three replicas. SIGTERM one replica: its writer moves on. SIGSTOP
+    the owner past its lease: a replica ends its session and takes over; SIGCONT: the paused owner
+    finds the store taken, its writes are refused by the epoch, and it stops. The final set is the
+    model's."""
+    sources = [f"p{i:03d}" for i in range(48)]
+    with replicas(tmp_path, postgres_url, 3, settle_ms=0) as servers:
+        owner, b, c = servers
+        every = [s.grpc_address for s in servers]
+        # Each writer starts at "its" replica (the first listed), with the others to move to.
+        monkeypatch.setattr(failover, "first_replica", lambda count: 0)
+        clients = [
+            tally.Client(",".join([s.grpc_address] + [x for x in every if x != s.grpc_address]), timeout=5)
+            for s in servers
+        ]
+        try:
+            writers = [cl.writer("rep/pause", writer_id=f"w{i}") for i, cl in enumerate(clients)]
+            for w in writers:
+                w.__enter__()
+            for i, source in enumerate(sources[:12]):
+                writers[i % 3].apply_deltas(tree(source))
+            assert c.terminate() == 0  # a replica stopped cleanly: nothing of it was the owner's
+            assert "taking over store" not in c.log()
+            for i, source in enumerate(sources[12:24]):
+                writers[i % 3].apply_deltas(tree(source))
+            for w in writers:
+                w.flush(timeout=120)
+            owner.process.send_signal(signal.SIGSTOP)
+            try:
+                for i, source in enumerate(sources[24:]):
+                    writers[i % 3].apply_deltas(tree(source))
+                for w in writers:
+                    w.flush(timeout=120)
+            finally:
+                owner.process.send_signal(signal.SIGCONT)
+            assert "taking over store" in b.log() and "has not shown it is alive" in b.log()
+            assert owner.process.wait(60) == 0
+            assert "lost the store's lock" in owner.log()
+            assert "no longer owns the PostgreSQL store" in owner.log()
+            for w in writers:
+                assert not w.health().lease_lost
+                w.__exit__(None, None, None)
+            with tally.Client(b.grpc_address) as survivor:
+                assert survivor.are_completed("rep/pause", sources) == [True] * len(sources)
+                status = survivor.checkpoint("rep/pause")
+                assert status.completed_count == len(sources) and status.anomalies == 0
+                assert survivor.replicas().epoch == 2
+        finally:
+            for client in clients:
+                client.close()
