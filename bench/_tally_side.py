@@ -385,3 +385,57 @@ def heartbeats(count: int, window_s: float) -> dict[str, Any]:
     if live != count or unhealthy:
         raise RuntimeError(f"{count} writers heartbeating: {live} live on the server, {unhealthy} unhealthy")
     return {"cpu_fraction": cpu / wall, "rss": rss, "opened_s": opened_s}
+
+
+# --------------------------------------------------------------------------- reads across replicas
+
+
+def _reader_main(address: str, checkpoint: str, ids: list[str], seconds: float, outbox: Any) -> None:
+    import tally
+
+    try:
+        with tally.Client(address, timeout=60) as client:
+            client.are_completed(checkpoint, ids[:10])  # connected before the clock starts
+            outbox.put(("ready",))
+            asked = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                done = client.are_completed(checkpoint, ids)
+                if not all(done):
+                    raise RuntimeError(f"{done.count(False)} of {len(ids)} completed ids said not completed")
+                asked += len(ids)
+            outbox.put(("done", asked, time.perf_counter() - t0))
+    except Exception:  # noqa: BLE001 - reported to the parent, which stops
+        outbox.put(("error", traceback.format_exc()))
+
+
+def replica_reads(
+    addresses: list[str], checkpoint: str, ids: list[str], readers: int, seconds: float
+) -> float:
+    """``are_completed`` ids/s of ``readers`` SDK processes spread over ``addresses`` (batches of ``ids``)."""
+    outbox = _CTX.Queue()
+    procs = [
+        _CTX.Process(
+            target=_reader_main,
+            args=(addresses[i % len(addresses)], checkpoint, ids, seconds, outbox),
+            daemon=True,
+            name=f"bench-reader-{i}",
+        )
+        for i in range(readers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        while len(results) < 2 * readers:
+            msg = outbox.get(timeout=_STEP_TIMEOUT_S)
+            if msg[0] == "error":
+                raise RuntimeError(f"a bench reader failed:\n{msg[1]}")
+            results.append(msg)
+        done = [m for m in results if m[0] == "done"]
+        return sum(m[1] for m in done) / max(m[2] for m in done)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

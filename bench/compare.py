@@ -51,6 +51,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 FIGURES = ("durable", "deltas", "latency", "load", "heartbeats")
 WRITERS = 4
+# are_completed across the PostgreSQL store's replicas: reader processes, ids per call.
+REPLICA_READERS = 4
+REPLICA_BATCH = 1_000
 STAMP = ".installed-nemo-curator-1.4.0"  # what tests/nemo/setup_env.sh leaves in a finished venv
 PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"  # where the PostgreSQL store's runs go by default
 
@@ -74,12 +77,13 @@ class Sizes:
     queries: int  # ids asked per are_completed ids/s run
     hb_writers: int
     hb_window_s: float
+    read_s: float  # how long each are_completed run across replicas lasts
 
 
 SIZES = {
-    "full": Sizes(3, 25_000, 2000, 100, (1_000_000, 10_000_000), 100, 1_000_000, 1000, 30.0),
-    "quick": Sizes(3, 5_000, 400, 50, (1_000_000,), 100, 200_000, 1000, 10.0),
-    "tiny": Sizes(1, 50, 20, 5, (10_000,), 100, 20_000, 10, 1.0),
+    "full": Sizes(3, 25_000, 2000, 100, (1_000_000, 10_000_000), 100, 1_000_000, 1000, 30.0, 5.0),
+    "quick": Sizes(3, 5_000, 400, 50, (1_000_000,), 100, 200_000, 1000, 10.0, 3.0),
+    "tiny": Sizes(1, 50, 20, 5, (10_000,), 100, 20_000, 10, 1.0, 0.5),
 }
 
 _T0 = time.monotonic()
@@ -395,6 +399,7 @@ class Bench:
                 if self.pg is not None:  # the same run as gRPC settle 0, on the PostgreSQL store
                     with running_server(settle_ms=0, store=self.pg.url) as server:
                         put("T:durable.pg.s0", self._durable(server, "grpc", f"pg-r{r}"))
+                        self._replica_reads(server, f"bench/durable-grpc-pg-r{r}")
         if "load" in figs:
             for count in s.load_counts:
                 res = tside.load(self.data[count].tally, count, s.queries)
@@ -411,6 +416,20 @@ class Bench:
             put("T:hb.cpu", res["cpu_fraction"])
             put("T:hb.rss", res["rss"])
             log(f"Tally, {s.hb_writers} writers heartbeating: {res['cpu_fraction']:.0%} of a core")
+
+    def _replica_reads(self, owner: Any, checkpoint: str) -> None:
+        """are_completed ids/s from the owner alone, then from the owner and a replica of the store."""
+        from tally_server.testing import running_server
+
+        assert self.pg is not None
+        ids = [wl.source_id(n) for n in range(min(REPLICA_BATCH, WRITERS * self.sizes.sources))]
+        one = tside.replica_reads([owner.grpc_address], checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
+        with running_server(self.work / "replica", settle_ms=0, store=self.pg.url) as replica:
+            both = [owner.grpc_address, replica.grpc_address]
+            two = tside.replica_reads(both, checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
+        self.results.put("T:reads.one", one)
+        self.results.put("T:reads.two", two)
+        log(f"are_completed: {one:,.0f} ids/s from the owner alone, {two:,.0f} ids/s from owner + replica")
 
     def pool_run(
         self, server: Any, transport: str, checkpoint: str, writers: int, complete: bool
@@ -634,6 +653,14 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
             Row(figure, key, "/s", "A:durable.ray1", "Ray, 1 actor", (at_least(1),)),
             Row(figure, key, "/s", "A:durable.inproc", "class in-process"),
             Row(figure, key, "/s", "T:durable.grpc.s0", "Tally gRPC, LMDB store"),
+            Row(
+                f"are_completed ids/s, {REPLICA_READERS} readers × {REPLICA_BATCH:,} ids, owner + 1 replica",
+                "T:reads.two",
+                "/s",
+                "T:reads.one",
+                "Tally, the owner alone",
+                (at_least(1.6),),
+            ),
         ]
     durable.append(
         Row(

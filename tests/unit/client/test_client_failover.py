@@ -235,7 +235,8 @@ def test_the_client_retries_on_the_next_replica_within_its_deadline() -> None:
     fakes[1].fail("get_checkpoint", tally.Unavailable("shutting down"))
     assert client.checkpoint("cp") == make_status("cp")
     assert [f.count("get_checkpoint") for f in fakes] == [1, 1, 1]
-    fakes[2].completed.add("a")
+    for fake in fakes:  # one store behind every replica
+        fake.completed.add("a")
     assert client.are_completed("cp", ["a", "b"]) == [True, False]
     with pytest.raises(tally.NotFound):
         client.checkpoint("missing")  # refused by the replica in use: asked once, nowhere else
@@ -255,6 +256,42 @@ def test_one_replica_down_costs_the_first_call_one_short_backoff(monkeypatch: py
     assert client.are_completed("cp", ["a"]) == [False]
     assert len(slept) == 1 and 0 < slept[0] <= ClientConfig.retry_initial_s <= 0.05
     client.close()
+
+
+def test_reads_go_round_the_replicas_and_everything_else_to_the_current_one() -> None:
+    fakes = replicas()
+    for fake in fakes:
+        fake.completed.add("a")
+    client = client_over(over(fakes, start=1))
+    for _ in range(6):
+        assert client.are_completed("cp", ["a", "b"]) == [True, False]
+        assert client.checkpoint("cp") == make_status("cp")
+    assert [f.count("are_completed") for f in fakes] == [2, 2, 2]
+    assert [f.count("get_checkpoint") for f in fakes] == [0, 6, 0]
+    client.close()
+
+
+def test_reads_pass_by_a_replica_that_did_not_answer_for_a_while(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(failover, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    fakes = replicas()
+    transport = over(fakes, start=0)
+    fakes[1].fail("are_completed", tally.Unavailable("connection refused"))
+    read = calls.AreCompleted("cp", ["a"])
+    assert transport.send(read, 1.0) == [False]  # r0
+    with caplog.at_level(logging.INFO, LOGGER), pytest.raises(tally.Unavailable):
+        transport.send(read, 1.0)  # r1: no answer
+    assert "grpc://r1:1 did not answer a read, reads pass it by for 5 s" in caplog.text
+    assert transport.current == NAMES[0]  # a read failing moves no writer
+    for _ in range(4):
+        transport.send(read, 1.0)
+    assert [f.count("are_completed") for f in fakes] == [3, 1, 2]  # r2 r0 r2 r0
+    now[0] += failover.READ_PAUSE_S
+    for _ in range(3):
+        transport.send(read, 1.0)
+    assert [f.count("are_completed") for f in fakes] == [4, 2, 3]  # r1 again, r2, r0
 
 
 def test_concurrent_failures_of_one_replica_move_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -8,6 +8,10 @@ on up unchanged: the layers that already retry ``Unavailable`` within the caller
 (``tally._retry.send``, a writer's batch resend and heartbeat) then retry on that replica. Every
 other error is the coordinator's answer and moves nothing.
 
+Reads are spread: each ``are_completed`` call goes to the next replica in turn (every replica
+answers them, from the store's database), skipping for ``READ_PAUSE_S`` one that did not answer
+the last time; everything else goes to the current replica.
+
 The first retry after a move waits ``retry_initial_s`` (50 ms by default, less jitter), so one
 replica down costs a call about that much: it was not worth teaching the retry layer about moves.
 
@@ -18,13 +22,15 @@ never skips a healthy replica.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
+import time
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Generic, TypeVar
 
-from tally._calls import Call, WatchCheckpoint
+from tally._calls import AreCompleted, Call, WatchCheckpoint
 from tally._transport.base import AsyncTransport, Transport  # base imports this module lazily
 from tally._types import CheckpointStatus
 from tally.errors import Unavailable
@@ -32,6 +38,8 @@ from tally.errors import Unavailable
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# How long reads pass by a replica that did not answer one (writers' calls move as described above).
+READ_PAUSE_S = 5.0
 Tr = TypeVar("Tr")  # a replica's transport (blocking or asyncio)
 
 
@@ -89,6 +97,29 @@ class _Replicas(Generic[Tr]):
         self._transports = [transport for _, transport in replicas]
         names = [name for name, _ in replicas]
         self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
+        self._reads = itertools.count(self._rotation.current()[0])  # next() is atomic in CPython
+        self._read_pause_until = [0.0] * len(names)
+
+    def _reader(self, call: Call[T]) -> int | None:
+        """The replica a read goes to (the next one answering reads), or None for other calls."""
+        if not isinstance(call, AreCompleted):
+            return None
+        now = time.monotonic()
+        count = len(self._transports)
+        for _ in range(count):
+            index = next(self._reads) % count
+            if self._read_pause_until[index] <= now:
+                return index
+        return None  # none answered lately: the current replica, like any other call
+
+    def _read_failed(self, index: int, err: Unavailable) -> None:
+        self._read_pause_until[index] = time.monotonic() + READ_PAUSE_S
+        logger.info(
+            "tally coordinator %s did not answer a read, reads pass it by for %.0f s: %s",
+            self._rotation.names[index],
+            READ_PAUSE_S,
+            err.message,
+        )
 
     @property
     def current(self) -> str:
@@ -100,6 +131,13 @@ class FailoverTransport(_Replicas[Transport]):
     """Blocking transport over several replicas' transports (see the module docstring)."""
 
     def send(self, call: Call[T], timeout: float) -> T:
+        reader = self._reader(call)
+        if reader is not None:
+            try:
+                return self._transports[reader].send(call, timeout)
+            except Unavailable as err:
+                self._read_failed(reader, err)
+                raise
         index, generation = self._rotation.current()
         try:
             return self._transports[index].send(call, timeout)
@@ -140,6 +178,13 @@ class AsyncFailoverTransport(_Replicas[AsyncTransport]):
     """asyncio twin of :class:`FailoverTransport`."""
 
     async def send(self, call: Call[T], timeout: float) -> T:
+        reader = self._reader(call)
+        if reader is not None:
+            try:
+                return await self._transports[reader].send(call, timeout)
+            except Unavailable as err:
+                self._read_failed(reader, err)
+                raise
         index, generation = self._rotation.current()
         try:
             return await self._transports[index].send(call, timeout)
