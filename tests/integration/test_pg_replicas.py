@@ -256,3 +256,30 @@ def test_a_replica_stopped_and_a_paused_owner_cost_the_writers_on_each_replica_n
         finally:
             for client in clients:
                 client.close()
+
+
+def test_a_flushed_completion_is_seen_at_once_through_every_replica(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Reads are spread over the replicas (each are_completed to the next one); whichever answers,
+    a completion is there as soon as the flush that made it durable returned, and a source whose
+    last delta is not sent yet is never reported completed."""
+    with replicas(tmp_path, postgres_url, 3) as servers:
+        addresses = ",".join(s.grpc_address for s in servers)
+        with tally.Client(addresses) as client, client.writer("rep/reads", writer_id="w") as w:
+            for i in range(12):
+                source = f"r{i}"
+                deltas = tree(source)
+                w.apply_deltas(deltas[:-1])
+                assert client.are_completed("rep/reads", [source] * 3) == [False] * 3
+                w.apply_deltas(deltas[-1:])
+                w.flush()
+                assert client.are_completed("rep/reads", [source] * 3) == [True] * 3
+        for replica in servers[1:]:
+            metrics = httpx.get(f"http://{replica.http_address}/metrics").text
+            answered = next(
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("tally_replica_are_completed_calls_total")
+            )
+            assert answered >= 8  # a third of the 24 reads each, give or take where the count started
