@@ -27,8 +27,8 @@ function replicaItem(r, answeredBy) {
     r.owner
       ? h("span", { class: "pill ok", "data-testid": "replica-role" }, "owner")
       : h("span", { class: "pill", "data-testid": "replica-role" }, "replica"),
-    r.name === answeredBy ? h("span", { class: "sub" }, "(this page’s server)") : null,
     h("span", { class: "mono replica-addr", "data-testid": "replica-grpc" }, r.grpc_address || "—"),
+    r.name === answeredBy ? h("span", { class: "sub" }, "this page’s server") : null,
     h(
       "span",
       { class: "replica-seen" + (alive ? "" : " bad"), "data-testid": "replica-seen" },
