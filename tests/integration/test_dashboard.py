@@ -86,7 +86,12 @@ def browser_page() -> Iterator[Any]:
                 # Chromium logs failed requests: a stopped server and a missing token are tested on
                 # purpose; any other error the page logs (a 404 from an API it reads, a script error) is not.
                 expected = ("ERR_CONNECTION_REFUSED", "status of 401 (Unauthorized)")
-                if msg.type == "error" and not any(e in msg.text for e in expected):
+                # So is a refused (403: a token scoped to some checkpoints) or failed (503) call for the
+                # replicas strip: the strip hides, nothing else changes.
+                refused_replicas = re.search(r"status of (403|503)\b", msg.text) and urlsplit(
+                    msg.location.get("url", "")
+                ).path.endswith("/v1/replicas")
+                if msg.type == "error" and not refused_replicas and not any(e in msg.text for e in expected):
                     problems.append(f"console.{msg.type}: {msg.text}")
 
             page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
@@ -436,6 +441,162 @@ def test_a_server_with_tokens_asks_for_one(tmp_path: Path, browser_page: Any) ->
         # Forgetting the token drops the stream that carries it.
         page.get_by_role("button", name="Forget token").click()
         expect(page.get_by_test_id("signin")).to_be_visible()
+
+
+def _replicas_call(token: str = "") -> Any:
+    """Matches the page's /v1/replicas answers (to a request with ``token``, if given)."""
+
+    def match(response: Any) -> bool:
+        if urlsplit(response.url).path != "/v1/replicas":
+            return False
+        return not token or response.request.headers.get("authorization") == f"Bearer {token}"
+
+    return match
+
+
+@pytest.mark.postgres
+def test_the_replicas_of_a_postgresql_store_show_through_any_replica(
+    tmp_path: Path, postgres_url: str, browser_page: Any
+) -> None:
+    """Two coordinators on one store, the page loaded through the replica: the strip lists both, the owner
+    marked (answered by the replica itself), and a checkpoint's page names the owner (forwarded to it)."""
+    from playwright.sync_api import expect
+
+    with (
+        running_server(
+            tmp_path / "r0", store=postgres_url, settle_ms=0, env={"TALLY_REPLICA_NAME": "pg-owner"}
+        ) as owner,
+        running_server(
+            tmp_path / "r1", store=postgres_url, settle_ms=0, env={"TALLY_REPLICA_NAME": "pg-replica"}
+        ) as replica,
+    ):
+        assert "serving as a replica" in replica.log(), replica.log()
+        with tally.Client(replica.grpc_address) as client, client.writer("rep/run", writer_id="w1") as writer:
+            _complete(writer, ["a", "b"])
+        page = browser_page
+        with page.expect_response(_replicas_call()) as answer:
+            page.goto(replica.http_url + "/")
+        assert answer.value.ok
+        panel = page.get_by_test_id("replicas")
+        expect(panel.get_by_test_id("replica")).to_have_count(2)
+        mine = panel.locator("[data-testid='replica'][data-name='pg-owner']")
+        expect(mine).to_have_attribute("data-role", "owner")
+        expect(mine.get_by_test_id("replica-role")).to_have_text("owner")
+        expect(mine.get_by_test_id("replica-role")).to_have_class(re.compile(r"\bok\b"))
+        expect(mine.get_by_test_id("replica-grpc")).to_have_text(owner.grpc_address)
+        other = panel.locator("[data-testid='replica'][data-name='pg-replica']")
+        expect(other).to_have_attribute("data-role", "replica")
+        expect(other.get_by_test_id("replica-role")).to_have_text("replica")
+        expect(other.get_by_test_id("replica-grpc")).to_have_text(replica.grpc_address)
+        for row in (mine, other):  # both renew their rows every second
+            expect(row).to_have_attribute("data-alive", "true")
+            expect(row.get_by_test_id("replica-seen")).to_have_text(re.compile(r"^last seen \d+ s ago$"))
+        expect(panel.get_by_test_id("replicas-epoch")).to_have_text("epoch 1")
+        expect(panel.get_by_test_id("replicas-answered-by")).to_have_text("pg-replica")
+        expect(page.locator("#banner")).to_be_hidden()
+        card = page.locator("[data-testid='checkpoint-card'][data-name='rep/run']")
+        expect(card.get_by_test_id("completed-count")).to_have_text("2")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-replicas.png"), full_page=True)
+
+        card.click()
+        expect(page.get_by_test_id("completed-value")).to_have_text("2")
+        expect(page.get_by_test_id("owner")).to_have_text("Owner: pg-owner")
+
+
+def test_the_lmdb_store_and_a_scoped_token_show_no_replicas(tmp_path: Path, browser_page: Any) -> None:
+    """LMDB lists no replicas: no strip. A token scoped to a prefix may not list them (403): no strip, no
+    banner, the list as usual, and the page stops asking for them with that token."""
+    from playwright.sync_api import expect
+
+    env = {"TALLY_TOKENS": "r3ader:reader,sc0ped:reader@team-a/,w0rker:worker"}
+    with (
+        running_server(tmp_path / "data", settle_ms=0, env=env) as server,
+        tally.Client(server.grpc_address, token="w0rker") as client,
+        client.writer("team-a/run") as writer,
+    ):
+        _complete(writer, ["a"])
+        page = browser_page
+        page.goto(server.http_url + "/")
+        page.get_by_test_id("signin").get_by_label("Bearer token").fill("r3ader")
+        with page.expect_response(_replicas_call("r3ader")) as answer:
+            page.get_by_test_id("signin").get_by_role("button", name="Sign in").click()
+        assert answer.value.json() == {"replicas": [], "epoch": 0, "answered_by": ""}
+        card = page.locator("[data-testid='checkpoint-card'][data-name='team-a/run']")
+        expect(card.get_by_test_id("completed-count")).to_have_text("1")
+        expect(page.get_by_test_id("replicas")).to_have_count(0)
+
+        page.get_by_role("button", name="Forget token").click()
+        requests = _requests(page)
+        page.get_by_test_id("signin").get_by_label("Bearer token").fill("sc0ped")
+        with page.expect_response(_replicas_call("sc0ped")) as answer:
+            page.get_by_test_id("signin").get_by_role("button", name="Sign in").click()
+        assert answer.value.status == 403
+        expect(card.get_by_test_id("completed-count")).to_have_text("1")
+        expect(page.get_by_test_id("replicas")).to_have_count(0)
+        expect(page.locator("#banner")).to_be_hidden()
+        expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
+        # The next poll of the list comes without another refused call for the strip.
+        with page.expect_response(lambda r: urlsplit(r.url).path == "/v1/checkpoints", timeout=TIMEOUT_MS):
+            pass
+        scoped = [
+            r
+            for r in requests
+            if urlsplit(r.url).path == "/v1/replicas" and r.headers.get("authorization") == "Bearer sc0ped"
+        ]
+        assert len(scoped) == 1, scoped
+
+
+def test_a_replica_that_stopped_renewing_is_flagged_and_a_failing_listing_hides_the_strip(
+    dash_server: RunningServer, browser_page: Any
+) -> None:
+    """Silent for 5 s or more: "not alive" in red. Any failure of /v1/replicas: no strip, no banner."""
+    from playwright.sync_api import expect
+
+    with tally.Client(dash_server.grpc_address) as client, client.writer("any/run") as writer:
+        _complete(writer, ["a"])
+
+    def replica(name: str, owner: bool, silent_s: float) -> dict[str, Any]:
+        host = "10.0.0.1" if owner else "10.0.0.2"
+        return {
+            "name": name,
+            "grpc_address": f"{host}:50051",
+            "http_address": f"{host}:8080",
+            "owner": owner,
+            "started_at": time.time() - 600,
+            "silent_s": silent_s,
+        }
+
+    listing = {
+        "replicas": [replica("b-gone", False, 12.4), replica("a-owner", True, 0.3)],
+        "epoch": 3,
+        "answered_by": "a-owner",
+    }
+    failing = False
+
+    def answer(route: Any) -> None:
+        if failing:
+            route.fulfill(status=503, json={"error": {"code": "UNAVAILABLE", "message": "database down"}})
+        else:
+            route.fulfill(json=listing)
+
+    page = browser_page
+    page.route(re.compile(r".*/v1/replicas$"), answer)
+    page.goto(dash_server.http_url + "/")
+    rows = page.get_by_test_id("replica")
+    expect(rows).to_have_count(2)
+    expect(rows.first).to_have_attribute("data-name", "a-owner")  # the owner first
+    gone = page.locator("[data-testid='replica'][data-name='b-gone']")
+    expect(gone).to_have_attribute("data-alive", "false")
+    expect(gone.get_by_test_id("replica-seen")).to_have_text("last seen 12 s ago · not alive")
+    expect(gone.get_by_test_id("replica-seen")).to_have_class(re.compile(r"\bbad\b"))
+    expect(rows.first.get_by_test_id("replica-seen")).to_have_text("last seen 0 s ago")
+    expect(page.get_by_test_id("replicas-epoch")).to_have_text("epoch 3")
+
+    failing = True
+    expect(page.get_by_test_id("replicas")).to_have_count(0)  # at the next poll
+    expect(page.locator("#banner")).to_be_hidden()
+    expect(page.locator("[data-testid='checkpoint-card'][data-name='any/run']")).to_be_visible()
 
 
 def test_page_and_assets_are_served_by_the_coordinator(dash_server: RunningServer) -> None:

@@ -7,7 +7,7 @@
  * as the stream says a writer came or went or a problem was counted.
  */
 
-import { ApiError, getJson, watch } from "./api.js";
+import { ApiError, getJson, getToken, watch } from "./api.js";
 import { EVENTS_PAGE, WRITERS_LIMIT, changed, prefs, state } from "./state.js";
 
 const POLL_MS = 5000;
@@ -37,12 +37,17 @@ function panelNote(what, err) {
     : `${what} could not be loaded: ${err.message}`;
 }
 
-/** The checkpoint list, polled. */
+// The token /v1/replicas refused (403: scoped to a checkpoint prefix) or any token when the server has
+// no such route (404, 405: older than replicas), so the list stops asking until the token changes.
+let replicasRefusedFor = null;
+
+/** The checkpoint list, polled; beside it the store's replicas (a panel that is there or not). */
 class ListSession {
   constructor() {
     this.ctrl = new AbortController();
     this.timer = 0;
     this.generation = 0;
+    this.replicasBusy = false;
   }
 
   start() {
@@ -63,6 +68,7 @@ class ListSession {
     const gen = ++this.generation;
     const stale = () => this.ctrl.signal.aborted || gen !== this.generation;
     let wait = POLL_MS;
+    this.readReplicas(); // on its own: a slow database read never holds the list back
     try {
       const reply = await getJson("v1/checkpoints", this.ctrl.signal);
       if (stale()) return;
@@ -75,6 +81,31 @@ class ListSession {
     }
     changed();
     this.timer = setTimeout(() => this.poll(), wait);
+  }
+
+  /** The replicas panel's data. Any failure only hides the panel: the list and the banner say how the
+   *  connection is, and a token scoped to some checkpoints may read them but not the replicas. */
+  async readReplicas() {
+    if (this.replicasBusy) return;
+    const stale = () => this.ctrl.signal.aborted;
+    const token = getToken();
+    if (replicasRefusedFor !== null && replicasRefusedFor === token) {
+      state.list.replicas = null;
+      return;
+    }
+    this.replicasBusy = true;
+    try {
+      const reply = await getJson("v1/replicas", this.ctrl.signal);
+      if (stale()) return;
+      state.list.setReplicas(reply);
+    } catch (err) {
+      if (stale()) return;
+      state.list.replicas = null;
+      if (err.status === 403 || err.status === 404 || err.status === 405) replicasRefusedFor = token;
+    } finally {
+      this.replicasBusy = false;
+    }
+    changed();
   }
 }
 

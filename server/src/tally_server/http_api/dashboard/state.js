@@ -71,10 +71,24 @@ export class ListPage {
   constructor() {
     this.checkpoints = null; // null until the first answer
     this.filter = "";
+    // The coordinators serving a PostgreSQL store, from /v1/replicas: {replicas, epoch, answeredBy};
+    // null when there is nothing to show (the LMDB store lists none, or the call failed or was refused).
+    this.replicas = null;
   }
 
   set(reply) {
     this.checkpoints = Array.isArray(reply.checkpoints) ? reply.checkpoints : [];
+  }
+
+  setReplicas(reply) {
+    const listed = reply && Array.isArray(reply.replicas) ? reply.replicas.filter((r) => r && typeof r.name === "string") : [];
+    this.replicas = listed.length
+      ? {
+          replicas: listed.slice().sort((a, b) => Number(Boolean(b.owner)) - Number(Boolean(a.owner)) || a.name.localeCompare(b.name)),
+          epoch: Number(reply.epoch) || 0,
+          answeredBy: typeof reply.answered_by === "string" ? reply.answered_by : "",
+        }
+      : null;
   }
 }
 

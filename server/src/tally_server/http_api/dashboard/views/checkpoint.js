@@ -32,6 +32,10 @@ function pageHead(cp, crumbs) {
         "div",
         { class: "page-sub" },
         h("span", { title: fmtStamp(cp.created_at) }, `created ${fmtAgo(cp.created_at)}`),
+        // On a PostgreSQL store: the replica applying this checkpoint's deltas (the store's owner).
+        cp.owner
+          ? [" · ", h("span", { "data-testid": "owner", title: "the replica applying this checkpoint's deltas" }, "Owner: ", h("b", { "data-testid": "owner-name" }, cp.owner))]
+          : null,
         fingerprint.length
           ? [" · fingerprint ", fingerprint.map(([k, v]) => h("span", { class: "chip" }, h("span", { class: "k" }, k + " "), h("span", { class: "v" }, v)))]
           : null,

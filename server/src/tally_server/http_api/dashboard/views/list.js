@@ -4,6 +4,7 @@ import { h } from "../dom.js";
 import { fmtAgo, fmtInt, fmtStamp, plural } from "../format.js";
 import { checkpointHref } from "../state.js";
 import { activityPill, severity } from "./common.js";
+import { replicasPanel } from "./replicas.js";
 
 function cardFact(value, label, level, testid) {
   return h(
@@ -70,7 +71,7 @@ export function listView(list) {
   document.title = "Tally · checkpoints";
   if (list.checkpoints === null) return [h("div", { class: "empty" }, "Connecting to Tally…")];
   const all = list.checkpoints.slice().sort((a, b) => a.name.localeCompare(b.name));
-  if (!all.length) return [emptyState()];
+  if (!all.length) return [replicasPanel(list.replicas), emptyState()];
   const needle = list.filter.trim().toLowerCase();
   const shown = needle ? all.filter((cp) => cp.name.toLowerCase().includes(needle)) : all;
   const sum = (f) => all.reduce((acc, cp) => acc + (Number(cp[f]) || 0), 0);
@@ -105,6 +106,7 @@ export function listView(list) {
           })
         : null,
     ),
+    replicasPanel(list.replicas),
     shown.length
       ? h("div", { class: "cards", "data-testid": "checkpoint-list" }, shown.map(checkpointCard))
       : h("div", { class: "panel empty" }, `No checkpoint matches “${list.filter}”.`),
