@@ -414,6 +414,86 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
             driver.kill()
 
 
+@pytest.mark.postgres
+def test_nemo_curator_through_replicas_of_a_postgresql_store(
+    tmp_path: Path, ray_env: dict[str, str], postgres_url: str
+) -> None:
+    """The pipeline reaches the coordinator through a replica of a PostgreSQL store (the owner listed
+    second). Killed midway; the owner is then killed -9 and the replica takes the store over; the
+    rerun processes exactly what was left; an export from the PostgreSQL store lets plain NeMo Curator
+    resume with nothing to do."""
+    inputs = tmp_path / "in"
+    _write_inputs(inputs)
+    common = ["--input", str(inputs)]
+    with (
+        running_server(tmp_path / "owner", store=postgres_url) as owner,
+        running_server(tmp_path / "replica", store=postgres_url) as replica,
+    ):
+        assert "serving as a replica" in replica.log()
+        address = f"grpc://{replica.grpc_address},grpc://{owner.grpc_address}"
+        output, gate = tmp_path / "out", tmp_path / "gate"
+        driver = Driver(
+            ray_env,
+            tmp_path / "run pg-b (killed).log",
+            [
+                *common,
+                "--output", str(output),
+                "--checkpoint-path", str(tmp_path / "unused-b"),
+                "--seen-dir", str(tmp_path / "seen-b"),
+                "--gate-dir", str(gate),
+                "--pass-limit", str(PASS_LIMIT),
+                "--tally-address", address, "--tally-checkpoint", "nemo/pg",
+            ],
+        )  # fmt: skip
+        with tally.Client(f"grpc://{replica.grpc_address}") as client:
+            try:
+                deadline = time.monotonic() + RUN_TIMEOUT_S
+                while True:
+                    passed = {p.read_text() for p in gate.glob("slot-*")} if gate.exists() else set()
+                    source_ids = _seen(tmp_path / "seen-b")
+                    if len(passed) == PASS_LIMIT and all(
+                        client.are_completed("nemo/pg", [source_ids[n] for n in passed])
+                    ):
+                        break
+                    assert driver.process.poll() is None, f"run ended before it was killed:\n{driver.tail()}"
+                    assert time.monotonic() < deadline, f"run did not complete {PASS_LIMIT}:\n{driver.tail()}"
+                    time.sleep(0.2)
+            finally:
+                driver.kill()
+        owner.kill()  # the replica takes the store over, on its own ports
+        _run(
+            ray_env, tmp_path, "run pg-c (rerun through the replica that took over)", *common,
+            "--output", str(output),
+            "--checkpoint-path", str(tmp_path / "unused-c"),
+            "--seen-dir", str(tmp_path / "seen-c"),
+            "--tally-address", address, "--tally-checkpoint", "nemo/pg",
+        )  # fmt: skip
+        assert "taking over store" in replica.log()
+        assert set(_seen(tmp_path / "seen-c")) == set(FILES) - passed
+        source_ids = {**_seen(tmp_path / "seen-b"), **_seen(tmp_path / "seen-c")}
+        assert sorted(source_ids) == FILES
+        ids = [source_ids[name] for name in FILES]
+        # 2 of 3 parts survive the filter, none of in-03's: what one uninterrupted run writes.
+        assert sum(_records(output).values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
+        with tally.Client(f"grpc://{replica.grpc_address}") as client:
+            assert client.are_completed("nemo/pg", ids) == [True] * len(FILES)
+        exported = tmp_path / "exported"
+        subprocess.run(
+            [str(TALLY_CLI), "export", "--address", replica.grpc_address, "nemo/pg", str(exported)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    _run(
+        ray_env, tmp_path, "run pg-d (plain NeMo Curator from the export)", *common,
+        "--output", str(tmp_path / "out-d"),
+        "--checkpoint-path", str(exported),
+        "--seen-dir", str(tmp_path / "seen-d"),
+    )  # fmt: skip
+    assert _seen(tmp_path / "seen-d") == {}
+    assert _records(tmp_path / "out-d") == collections.Counter()
+
+
 @pytest.fixture(autouse=True)
 def _print_timings(capsys: pytest.CaptureFixture[str]) -> Iterator[None]:
     TIMINGS.clear()

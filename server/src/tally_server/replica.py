@@ -448,8 +448,7 @@ def list_replicas(board: ReplicaBoard) -> ReplicasView:
         StoreUnavailable: the database cannot be read now (UNAVAILABLE: retry).
     """
     try:
-        owner = board.owner()
-        replicas = board.replicas()
+        owner, replicas = board.snapshot()
     except TRANSIENT as exc:
         raise read_error(board.url, exc, "the store's replicas") from None
     views = [

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from tally_server.store.pg_schema import store_epoch_table, store_replicas_table
 from tally_server.store.postgres import TAKE_OVER_AFTER_S, TRANSIENT, StoreUnreachable, create_engine
@@ -135,24 +135,15 @@ class ReplicaBoard:
     def owner(self) -> Owner | None:
         """The store's owner, or None if no coordinator ever took the store."""
         with self._engine.connect() as conn:
-            row = conn.execute(_OWNER).first()
-        if row is None:
-            return None
-        return Owner(
-            name=row.holder,
-            epoch=int(row.epoch),
-            since=float(row.since),
-            silent_s=float(row.silent_s) if row.silent_s is not None else 0.0,
-            grpc_address=row.grpc_address or "",
-            http_address=row.http_address or "",
-        )
+            return _owner(conn)
 
-    def replicas(self) -> list[Replica]:
-        """Every replica that announced itself in the last hour, by name, the owner marked."""
-        with self._engine.connect() as conn:
-            holder = conn.execute(sa.text("SELECT holder FROM store_epoch WHERE id = 1")).scalar()
+    def snapshot(self) -> tuple[Owner | None, list[Replica]]:
+        """The owner and every replica announced in the last hour (by name), read at one instant."""
+        with self._engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            owner = _owner(conn)
             rows = conn.execute(_REPLICAS).all()
-        return [
+        holder = owner.name if owner is not None else None
+        replicas = [
             Replica(
                 name=r.name,
                 grpc_address=r.grpc_address,
@@ -163,7 +154,22 @@ class ReplicaBoard:
             )
             for r in rows
         ]
+        return owner, replicas
 
     def close(self) -> None:
         """Close the board's connections."""
         self._engine.dispose()
+
+
+def _owner(conn: Connection) -> Owner | None:
+    row = conn.execute(_OWNER).first()
+    if row is None:
+        return None
+    return Owner(
+        name=row.holder,
+        epoch=int(row.epoch),
+        since=float(row.since),
+        silent_s=float(row.silent_s) if row.silent_s is not None else 0.0,
+        grpc_address=row.grpc_address or "",
+        http_address=row.http_address or "",
+    )
