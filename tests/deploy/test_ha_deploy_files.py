@@ -1,17 +1,17 @@
 """High availability on PostgreSQL: docker-compose.ha.yml and deploy/k8s-postgres, checked without
 Docker or a cluster, plus one run of the replicas' real command against a real PostgreSQL.
 
-Every coordinator runs ``tally serve --standby`` with the store from the environment (a Secret on
-Kubernetes); only the active one listens, so only it may be probed for readiness, and nothing may
-probe the standbys for liveness. The Service and the PodDisruptionBudget select the same pods.
+Every coordinator runs plain ``tally serve`` with the store from the environment (a Secret on
+Kubernetes): the first owns the store, the others serve at once as replicas (no ``--standby``), so
+every one is probed for readiness. Each tells the others where to reach it (``TALLY_ADVERTISE_HOST``:
+its Compose service name, its pod's IP) and goes by a name of its own (``TALLY_REPLICA_NAME``). The
+Service and the PodDisruptionBudget select the same pods.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy
 import yaml
 
-from tally_server import testing
-from tally_server.settings import Settings
+from tally_server.settings import Settings, split_listen
 from tally_server.testing import running_server
 from tests.deploy.test_deploy_files import (
     GRPC_PORT,
@@ -30,7 +30,6 @@ from tests.deploy.test_deploy_files import (
     REPO,
     STOP_MARGIN_S,
     TALLY_UID,
-    closed_port,
     compose_env,
     compose_mounts,
     container_port,
@@ -79,10 +78,9 @@ def serve_args(command: list[str]) -> list[str]:
 def settings_of(command: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
     """Settings of ``tally serve`` started with ``command`` (the flags this deployment uses) and ``env``."""
     args = serve_args(command)
-    flags = {"--standby": "TALLY_STANDBY"}
-    unknown = [a for a in args if a not in flags]
-    assert not unknown, f"flags this test does not map to settings: {unknown}"
-    return tally_settings({**env, **{flags[a]: "true" for a in args}}, monkeypatch)
+    assert "--standby" not in args, "a standby listens on no port: every replica serves now"
+    assert not args, f"flags this test does not map to settings: {args}"
+    return tally_settings(env, monkeypatch)
 
 
 def k8s_ha_docs() -> dict[str, list[dict[str, Any]]]:
@@ -127,7 +125,7 @@ def test_ha_compose_has_three_replicas_postgres_prometheus_and_grafana() -> None
         assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
 
 
-def test_ha_compose_every_replica_is_a_standby_on_the_postgres_store(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ha_compose_every_replica_serves_the_postgres_store(monkeypatch: pytest.MonkeyPatch) -> None:
     services = compose_ha()["services"]
     pg = compose_env(services["postgres"])
     expected = f"postgresql+psycopg://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
@@ -136,10 +134,10 @@ def test_ha_compose_every_replica_is_a_standby_on_the_postgres_store(monkeypatch
     data_volumes = set()
     for name, service in replicas.items():
         command = service["command"]
-        assert "--standby" in serve_args(command), name
+        assert "--standby" not in command, f"{name}: a standby would listen on no port"
         assert not any(arg.startswith("--store") for arg in command), f"{name}: the password would be in ps"
         settings = settings_of(command, {**image_tally_env(), **compose_env(service)}, monkeypatch)
-        assert settings.standby is True and settings.store == expected, name
+        assert settings.standby is False and settings.store == expected, name
         assert settings.resolved_registry_url() == expected, name
         assert service["depends_on"]["postgres"]["condition"] == "service_healthy", name
         assert duration_s(service["stop_grace_period"]) >= settings.shutdown_grace_s + STOP_MARGIN_S
@@ -152,10 +150,32 @@ def test_ha_compose_every_replica_is_a_standby_on_the_postgres_store(monkeypatch
     assert len({service["hostname"] for service in replicas.values()}) == len(REPLICAS)
 
 
-def test_ha_compose_replicas_turn_off_the_image_healthcheck_that_would_fail_standbys() -> None:
-    assert dockerfile_stages()[-1].all("HEALTHCHECK"), "the image has a healthcheck to turn off"
+def test_ha_compose_replicas_are_named_and_advertise_their_service_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = compose_env(compose_ha()["x-tally"])
     for name, service in replica_services().items():
-        assert service.get("healthcheck") == {"disable": True}, name
+        env = compose_env(service)
+        # Each service's environment is the shared one plus its own two (a plain `environment:`
+        # would replace the shared map, store included, instead of adding to it).
+        assert {k: v for k, v in env.items() if k in shared} == shared, name
+        assert env["TALLY_REPLICA_NAME"] == name and env["TALLY_ADVERTISE_HOST"] == name, name
+        settings = settings_of(service["command"], {**image_tally_env(), **env}, monkeypatch)
+        assert settings.replica_name == name and settings.resolved_replica_name() == name
+        # The address the other replicas forward to: the service name in the project's network, on
+        # the port the image listens on (all interfaces).
+        _, port = split_listen(settings.grpc_listen)
+        assert settings.advertised(settings.grpc_listen, port) == f"{name}:{GRPC_PORT}", name
+        _, port = split_listen(settings.http_listen)
+        assert settings.advertised(settings.http_listen, port) == f"{name}:{HTTP_PORT}", name
+
+
+def test_ha_compose_replicas_keep_the_image_healthcheck() -> None:
+    # Every replica answers /readyz now (ready while it knows a live owner): nothing to turn off.
+    assert dockerfile_stages()[-1].all("HEALTHCHECK"), "the image has a healthcheck"
+    for name, service in replica_services().items():
+        assert not service.get("healthcheck", {}).get("disable"), name
+        assert "healthcheck" not in service, f"{name}: the image's check (GET /readyz) is the one to use"
 
 
 def test_ha_compose_replicas_publish_their_ports_on_distinct_host_ports() -> None:
@@ -229,7 +249,7 @@ def test_ha_k8s_kustomize_renders() -> None:
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
 
 
-def test_ha_k8s_deployment_runs_three_standbys_with_the_store_from_a_secret(
+def test_ha_k8s_deployment_runs_three_replicas_with_the_store_from_a_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     deployment = k8s_ha_object("Deployment")
@@ -238,17 +258,17 @@ def test_ha_k8s_deployment_runs_three_standbys_with_the_store_from_a_secret(
     assert selects(spec["selector"]["matchLabels"], pod_template()["metadata"]["labels"])
     container = ha_container()
     command = container["command"]
-    assert "--standby" in serve_args(command)
+    assert "--standby" not in serve_args(command), "a standby would listen on no port"
     assert not any("--store" in arg or "$(TALLY_STORE)" in arg for arg in command + container.get("args", []))
     (store,) = [e for e in container.get("env", []) if e["name"] == "TALLY_STORE"]
     ref = store["valueFrom"]["secretKeyRef"]
     assert (ref["name"], ref["key"]) == (STORE_SECRET, "TALLY_STORE")
-    assert not ref.get("optional"), "without the store a standby is refused: fail visibly instead"
+    assert not ref.get("optional"), "without the store the pods would not share one: fail visibly instead"
     (config_ref,) = [s["configMapRef"]["name"] for s in container["envFrom"] if "configMapRef" in s]
     config = k8s_ha_object("ConfigMap", config_ref)["data"]
     assert "TALLY_STORE" not in config and "TALLY_REGISTRY_URL" not in config
     settings = settings_of(command, {**image_tally_env(), **config, "TALLY_STORE": SAMPLE_STORE}, monkeypatch)
-    assert settings.standby is True and settings.store == SAMPLE_STORE
+    assert settings.standby is False and settings.store == SAMPLE_STORE
     pod = pod_template()["spec"]
     assert pod["terminationGracePeriodSeconds"] >= settings.shutdown_grace_s + STOP_MARGIN_S
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -259,18 +279,39 @@ def test_ha_k8s_deployment_runs_three_standbys_with_the_store_from_a_secret(
     assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
 
 
-def test_ha_k8s_update_does_not_wait_for_standbys_to_become_ready() -> None:
-    # New pods are standbys until the old active one is gone: a rollout keeping old pods until new
-    # ones are ready would stall for ever.
+def test_ha_k8s_pods_advertise_their_ip_and_go_by_their_pod_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {e["name"]: e for e in ha_container()["env"]}
+    for name, field in (("TALLY_ADVERTISE_HOST", "status.podIP"), ("TALLY_REPLICA_NAME", "metadata.name")):
+        assert "value" not in env[name], name
+        assert env[name]["valueFrom"] == {"fieldRef": {"fieldPath": field}}, name
+    (config_ref,) = [s["configMapRef"]["name"] for s in ha_container()["envFrom"] if "configMapRef" in s]
+    config = k8s_ha_object("ConfigMap", config_ref)["data"]
+    assert "TALLY_ADVERTISE_HOST" not in config and "TALLY_REPLICA_NAME" not in config, "one per pod"
+    # What the kubelet would put there, read as tally serve reads it.
+    pod = {"TALLY_ADVERTISE_HOST": "10.1.2.3", "TALLY_REPLICA_NAME": "tally-7d9f8-abcde"}
+    settings = settings_of(
+        ha_container()["command"],
+        {**image_tally_env(), **config, "TALLY_STORE": SAMPLE_STORE, **pod},
+        monkeypatch,
+    )
+    assert settings.resolved_replica_name() == "tally-7d9f8-abcde"
+    _, port = split_listen(settings.grpc_listen)
+    assert settings.advertised(settings.grpc_listen, port) == f"10.1.2.3:{GRPC_PORT}"
+    _, port = split_listen(settings.http_listen)
+    assert settings.advertised(settings.http_listen, port) == f"10.1.2.3:{HTTP_PORT}"
+
+
+def test_ha_k8s_update_starts_every_new_pod_before_stopping_old_ones() -> None:
+    # New pods serve as replicas (ready) at once: old pods go only once new ones are ready, and all
+    # new ones start together, so the store usually moves once, to a new pod.
     strategy = k8s_ha_object("Deployment")["spec"]["strategy"]
-    if strategy["type"] == "Recreate":
-        return
+    assert strategy["type"] == "RollingUpdate"
     rolling = strategy["rollingUpdate"]
-    assert str(rolling["maxUnavailable"]) in {"100%", "3"}, rolling
-    assert str(rolling.get("maxSurge")) in {"0", "0%"}, rolling
+    assert str(rolling["maxUnavailable"]) in {"0", "0%"}, rolling
+    assert str(rolling["maxSurge"]) in {"100%", "3"}, rolling
 
 
-def test_ha_k8s_readiness_is_readyz_on_the_http_port_and_nothing_probes_standbys_for_liveness() -> None:
+def test_ha_k8s_readiness_is_readyz_on_the_http_port_and_nothing_probes_for_liveness() -> None:
     container = ha_container()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT}
@@ -278,7 +319,7 @@ def test_ha_k8s_readiness_is_readyz_on_the_http_port_and_nothing_probes_standbys
     assert readiness["path"] == "/readyz" and container_port(container, readiness["port"]) == HTTP_PORT
     assert readiness.get("scheme", "HTTP") == "HTTP"
     assert "livenessProbe" not in container and "startupProbe" not in container, (
-        "a standby listens on no port: the kubelet would kill every standby"
+        "a replica taking the store over closes its ports while it loads the journals: no kill for that"
     )
 
 
@@ -296,7 +337,7 @@ def test_ha_k8s_service_sends_traffic_to_ready_pods_only() -> None:
     service = k8s_ha_object("Service", "tally")
     spec = service["spec"]
     assert selects(spec["selector"], pod_template()["metadata"]["labels"])
-    assert not spec.get("publishNotReadyAddresses"), "standbys refuse connections: route to the ready one"
+    assert not spec.get("publishNotReadyAddresses"), "a replica without a live owner cannot forward"
     assert spec.get("clusterIP") != "None"
     container = ha_container()
     ports = {p["name"]: (p["port"], container_port(container, p["targetPort"])) for p in spec["ports"]}
@@ -306,15 +347,15 @@ def test_ha_k8s_service_sends_traffic_to_ready_pods_only() -> None:
     assert annotations["prometheus.io/path"] == "/metrics"
 
 
-def test_ha_k8s_pdb_covers_the_same_pods_and_keeps_the_active_one() -> None:
+def test_ha_k8s_pdb_covers_the_same_pods_and_evicts_one_at_a_time() -> None:
     pdb = k8s_ha_object("PodDisruptionBudget")
     deployment = k8s_ha_object("Deployment")
     selector = pdb["spec"]["selector"]
     assert set(selector) == {"matchLabels"}
     assert selector["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     assert selects(selector["matchLabels"], pod_template()["metadata"]["labels"])
-    # One pod is ever ready: minAvailable 1 protects it; a budget counting 3 would never be healthy.
-    assert pdb["spec"].get("minAvailable") == 1 and "maxUnavailable" not in pdb["spec"]
+    # Every pod is ready (owner and replicas): one eviction at a time leaves two serving.
+    assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"]
     assert pdb["spec"].get("unhealthyPodEvictionPolicy", "IfHealthyBudget") == "IfHealthyBudget"
 
 
@@ -335,7 +376,12 @@ def test_deploy_doc_ha_section_names_the_files_and_links_scale_out() -> None:
     assert "docker compose -f docker-compose.ha.yml up" in section
     assert "kubectl apply -k deploy/k8s-postgres" in section
     assert f"kubectl create secret generic {STORE_SECRET}" in section
-    assert "taking over store" in section and "/readyz" in section
+    assert "taking over store" in section and "serving as a replica" in section and "/readyz" in section
+    # --standby is still an option, but no replica here uses it: mentioned only with what it does.
+    for paragraph in section.split("\n\n"):
+        assert "--standby" not in paragraph or "no port" in paragraph, paragraph
+    for setting in ("TALLY_REPLICA_NAME", "TALLY_ADVERTISE_HOST"):
+        assert setting in section, setting
 
 
 def test_deploy_doc_ha_section_uses_only_real_flags_and_settings() -> None:
@@ -353,66 +399,70 @@ def test_deploy_doc_ha_section_uses_only_real_flags_and_settings() -> None:
 # --- the replicas' command, run for real -------------------------------------------------------
 
 
-def refuses_connections(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(2)
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
 @pytest.mark.postgres
-def test_ha_replica_command_one_serves_the_other_waits_then_takes_over(
+def test_ha_replica_command_one_owns_the_other_serves_as_replica_then_takes_over(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    """The compose replicas' command and environment, pointed at a test database."""
+    """The compose replicas' command and environment, pointed at a test database on loopback."""
     service = replica_services()[REPLICAS[0]]
-    env = {**compose_env(service), "TALLY_STORE": postgres_url}
+    # TALLY_ADVERTISE_HOST is the Compose service name there; here the replicas reach each other on
+    # loopback, where they listen.
+    env = {**compose_env(service), "TALLY_STORE": postgres_url, "TALLY_ADVERTISE_HOST": "127.0.0.1"}
     args = serve_args(service["command"])
     readyz = ha_container()["readinessProbe"]["httpGet"]["path"]
     taking_over = re.compile(r"taking over store .*\(epoch (\d+)\)")
-    standby_grpc, standby_http = closed_port(), closed_port()
-    log = tmp_path / "standby.log"
-    command = [
-        *testing._command(),
-        "--data-dir",
-        str(tmp_path / "b"),
-        "--grpc-listen",
-        f"127.0.0.1:{standby_grpc}",
-        "--http-listen",
-        f"127.0.0.1:{standby_http}",
-        *args,
-    ]
-    with running_server(tmp_path / "a", settle_ms=0, env=env, args=args) as active, open(log, "w") as stderr:
-        assert httpx.get(f"{active.http_url}{readyz}", timeout=10).status_code == 200
-        (first_epoch,) = taking_over.findall(active.log())
-        standby = subprocess.Popen(
-            command,
-            env={**_plain_env(), **env},
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-        )
-        try:
-            _wait(lambda: "standby: " in log.read_text(errors="replace"), "the standby to wait", 60)
-            # Waiting: its process runs, and a readiness probe (or a client) finds nothing listening.
-            assert standby.poll() is None
-            assert refuses_connections(standby_http) and refuses_connections(standby_grpc)
-            active.process.terminate()
-            assert active.process.wait(60) == 0
-            _wait(lambda: taking_over.search(log.read_text(errors="replace")) is not None, "the takeover", 60)
-            (second_epoch,) = taking_over.findall(log.read_text(errors="replace"))
-            assert int(second_epoch) > int(first_epoch)
+    with running_server(tmp_path / "a", settle_ms=0, env=env, args=args) as owner:
+        assert httpx.get(f"{owner.http_url}{readyz}", timeout=10).status_code == 200
+        first_epoch = _store_epoch(postgres_url)
+        with running_server(tmp_path / "b", settle_ms=0, env=env, args=args) as replica:
+            # Serving at once, as a replica: ready, and forwarding what it does not answer itself.
+            assert "serving as a replica" in replica.log()
+            _wait(lambda: _status(f"{replica.http_url}{readyz}") == 200, "the replica to be ready", 30)
+            ready = httpx.get(f"{replica.http_url}{readyz}", timeout=10).json()
+            assert ready["status"] == "ready" and ready["role"] == "replica", ready
+            assert httpx.get(f"{replica.http_url}/v1/checkpoints", timeout=10).status_code == 200
+            assert "tally_replica_up{" in httpx.get(f"{replica.http_url}/metrics", timeout=10).text
+            assert owner.terminate() == 0
+            _wait(lambda: taking_over.search(replica.log()) is not None, "the takeover", 60)
+            (second_epoch,) = taking_over.findall(replica.log())
+            assert int(second_epoch) == first_epoch + 1
             _wait(
-                lambda: _status(f"http://127.0.0.1:{standby_http}{readyz}") == 200,
-                "the new active one to be ready",
+                lambda: _status(f"{replica.http_url}{readyz}") == 200,
+                "the new owner to be ready",
                 60,
             )
-        finally:
-            standby.terminate()
-            assert standby.wait(60) == 0
+            assert "tally_replica_up" not in httpx.get(f"{replica.http_url}/metrics", timeout=10).text
+            assert replica.terminate() == 0
 
 
-def _plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+@pytest.mark.postgres
+@pytest.mark.xfail(
+    strict=True,
+    reason="tally serve does not use TALLY_REPLICA_NAME yet: app.serve builds StoreLock without a "
+    "holder, so every replica goes by 'tally serve pid N on HOST'",
+)
+def test_ha_replicas_go_by_their_tally_replica_name(tmp_path: Path, postgres_url: str) -> None:
+    service = replica_services()[REPLICAS[0]]
+    env = {**compose_env(service), "TALLY_STORE": postgres_url, "TALLY_ADVERTISE_HOST": "127.0.0.1"}
+    args = serve_args(service["command"])
+    with (
+        running_server(tmp_path / "a", env={**env, "TALLY_REPLICA_NAME": "first"}, args=args),
+        running_server(tmp_path / "b", env={**env, "TALLY_REPLICA_NAME": "second"}, args=args) as replica,
+    ):
+        _wait(lambda: _status(f"{replica.http_url}/readyz") == 200, "the replica to be ready", 30)
+        assert httpx.get(f"{replica.http_url}/readyz", timeout=10).json()["owner"] == "first"
+        metrics = httpx.get(f"{replica.http_url}/metrics", timeout=10).text
+        assert 'replica="second"' in metrics
+
+
+def _store_epoch(url: str) -> int:
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            epoch = conn.execute(sqlalchemy.text("SELECT epoch FROM store_epoch WHERE id = 1")).scalar_one()
+            return int(epoch)
+    finally:
+        engine.dispose()
 
 
 def _status(url: str) -> int | None:
