@@ -436,11 +436,6 @@ def test_ha_replica_command_one_owns_the_other_serves_as_replica_then_takes_over
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=True,
-    reason="tally serve does not use TALLY_REPLICA_NAME yet: app.serve builds StoreLock without a "
-    "holder, so every replica goes by 'tally serve pid N on HOST'",
-)
 def test_ha_replicas_go_by_their_tally_replica_name(tmp_path: Path, postgres_url: str) -> None:
     service = replica_services()[REPLICAS[0]]
     env = {**compose_env(service), "TALLY_STORE": postgres_url, "TALLY_ADVERTISE_HOST": "127.0.0.1"}

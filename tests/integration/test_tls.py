@@ -95,7 +95,9 @@ class Authority:
         self.pem = directory / f"{name}.crt"
         self.pem.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, stem: str, *, server: bool) -> Pair:
+    def issue(self, stem: str, *, server: bool, client: bool = False) -> Pair:
+        """A certificate for a server (127.0.0.1, localhost) or a client; ``client`` adds client use
+        to a server's (what replicas of a store present to each other under mutual TLS)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -109,7 +111,8 @@ class Authority:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+                    [ExtendedKeyUsageOID.SERVER_AUTH] * server
+                    + [ExtendedKeyUsageOID.CLIENT_AUTH] * (client or not server)
                 ),
                 critical=False,
             )
@@ -365,3 +368,31 @@ def test_the_sdk_refuses_tls_files_it_cannot_use(pki: Pki, tmp_path: Path) -> No
         (tmp_path / "garbage.pem").write_text("not a certificate")
         with pytest.raises(ValueError, match="not a PEM file"):
             tally.AsyncClient(url, ca_cert=tmp_path / "garbage.pem")
+
+
+# --- replicas of a PostgreSQL store forward over TLS ----------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
+def test_a_replica_forwards_to_the_owner_over_tls_with_a_ca_issued_certificate(
+    tmp_path: Path, postgres_url: str, mutual: bool
+) -> None:
+    """The replicas share one certificate issued by a CA (for server and client use); a replica
+    checks the owner's gRPC and HTTPS ports against it, and presents it under mutual TLS."""
+    ca = Authority(tmp_path, "replicas-ca")
+    shared = ca.issue("replica", server=True, client=True)
+    tls = {"tls_cert": shared.cert, "tls_key": shared.key, "tls_client_ca": ca.pem if mutual else None}
+    mine = {"client_cert": shared.cert, "client_key": shared.key} if mutual else {}
+    with (
+        running_server(tmp_path / "owner", settle_ms=0, store=postgres_url, **tls),  # type: ignore[arg-type]
+        running_server(tmp_path / "replica", settle_ms=0, store=postgres_url, **tls) as replica,  # type: ignore[arg-type]
+    ):
+        assert "serving as a replica" in replica.log()
+        for url in urls(replica):
+            with tally.Client(url, ca_cert=ca.pem, **mine) as client:  # type: ignore[arg-type]
+                round_trip(client, f"tls-replica/{url.split(':')[0]}")
+                assert (
+                    client.replicas().answered_by
+                    != client.checkpoint(f"tls-replica/{url.split(':')[0]}").owner
+                )

@@ -149,6 +149,25 @@ def _tls(settings: Settings) -> tuple[grpc.ServerCredentials | None, dict[str, A
     return server_credentials(cert, key, client_ca), options
 
 
+def _peer_tls(settings: Settings) -> ssl.SSLContext | None:
+    """How a replica checks the owner's HTTPS port (None without TLS).
+
+    The owner's certificate is trusted if the system's CAs, the replicas' own certificate (they
+    share one) or ``tls_client_ca`` vouch for it; under mutual TLS the replica presents its own.
+    """
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.create_default_context()
+    context.load_verify_locations(settings.tls_cert)
+    if settings.tls_client_ca is not None:
+        context.load_verify_locations(settings.tls_client_ca)
+    # The shared certificate is trusted as itself, CA-issued or not (Python 3.13's default).
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    if settings.tls_client_ca is not None:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return context
+
+
 def _warn_exposed(settings: Settings, authorizer: Authorizer) -> None:
     for listen in (settings.grpc_listen, settings.http_listen):
         host, _ = split_listen(listen)
@@ -323,6 +342,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     elif store_lock is not None:
         try:
             store_lock.acquire()
+            log.info("owning store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
         except StoreInUse as exc:
             log.info("%s: serving as a replica of it", exc.holder_text)
             bound = await _serve_as_replica(settings, store_lock, authorizer, credentials, ssl_options)
@@ -399,13 +419,15 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     log.info("shutting down: refusing new work, flushing completions")
     service.stop_accepting()
     health_task.cancel()
+    await health.enter_graceful_shutdown()
+    await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
+    # The store stays ours (renewed, reads checked) until the last completion is flushed: a drain
+    # longer than a replica's wait must not let one take over under the final flush.
+    await service.shutdown()
     if contact_task is not None:
         contact_task.cancel()
     if keeper is not None:
         keeper.close()
-    await health.enter_graceful_shutdown()
-    await asyncio.gather(grpc_server.stop(settings.shutdown_grace_s), http.stop())
-    await service.shutdown()
     if board is not None:
         await asyncio.to_thread(board.leave)
         board.close()
@@ -434,7 +456,11 @@ async def _serve_as_replica(
     reader = replica.CompletedReader(lock.url)
     tls = None
     if settings.tls_cert is not None and settings.tls_key is not None:
+        trusted = settings.tls_cert.read_bytes()
+        if settings.tls_client_ca is not None:
+            trusted += b"\n" + settings.tls_client_ca.read_bytes()
         tls = (
+            trusted,
             settings.tls_cert.read_bytes(),
             settings.tls_key.read_bytes(),
             settings.tls_client_ca is not None,
@@ -455,8 +481,7 @@ async def _serve_as_replica(
     )
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
-        verify=str(settings.tls_cert) if settings.tls_cert is not None else True,
-        cert=(str(settings.tls_cert), str(settings.tls_key)) if settings.tls_client_ca is not None else None,
+        verify=_peer_tls(settings) or True,
     )
     config = uvicorn.Config(
         replica.http_app(route, metrics, client, "https" if settings.tls else "http", authorizer, listing),

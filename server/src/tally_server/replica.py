@@ -290,13 +290,14 @@ class GrpcChannels:
     """One channel per owner address, TLS like this replica's own port when it serves TLS.
 
     With TLS, the owner's certificate is checked against this replica's own certificate (the replicas
-    of a store share one, naming every host they advertise); with mutual TLS, this replica presents it.
+    of a store share one, naming every host they advertise) and ``tls_client_ca``; with mutual TLS,
+    this replica presents its own.
     """
 
     def __init__(
         self,
         max_message_bytes: int,
-        tls: tuple[bytes, bytes, bool] | None = None,
+        tls: tuple[bytes, bytes, bytes, bool] | None = None,
     ) -> None:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -312,9 +313,9 @@ class GrpcChannels:
             if self._tls is None:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
             else:
-                cert, key, mutual = self._tls
+                trusted, cert, key, mutual = self._tls
                 credentials = grpc.ssl_channel_credentials(
-                    root_certificates=cert,
+                    root_certificates=trusted,
                     private_key=key if mutual else None,
                     certificate_chain=cert if mutual else None,
                 )

@@ -312,6 +312,8 @@ class StoreLock:
             except StoreUnreachable:
                 if not reachable:
                     raise
+                if poll is not None:
+                    poll()  # a replica records that the database is out of reach (not ready)
             stop.wait(_STANDBY_POLL_S)
         return False
 
