@@ -336,3 +336,33 @@ def test_a_coordinator_that_lost_the_lock_to_another_stops(tmp_path: Path, postg
             assert "is in use by another tally serve" in server.log()
     finally:
         engine.dispose()
+
+
+def test_after_a_restart_every_completion_is_listed_and_exported_earlier_writers_too(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A restarted coordinator loads the checkpoint's ids from the database; the writers that made
+    them are not live any more, yet listing (and so ``tally export``) must page through their rows
+    too, not only those of writers that completed something since (a bug found through replicas)."""
+    with running_server(tmp_path / "a", settle_ms=0, store=postgres_url) as first:
+        with tally.Client(first.grpc_address) as client, client.writer("pg/relist", writer_id="w1") as w:
+            for source in ("a", "b", "c"):
+                w.apply_deltas(tree(source))
+    with (
+        running_server(tmp_path / "b", settle_ms=0, store=postgres_url) as again,
+        tally.Client(again.grpc_address) as client,
+    ):
+        with client.writer("pg/relist", writer_id="w2") as w:
+            for source in ("d", "e"):
+                w.apply_deltas(tree(source))
+        assert list(client.completed("pg/relist")) == ["a", "b", "c", "d", "e"]
+        exported = tmp_path / "exported"
+        done = subprocess.run(
+            [TALLY, "export", "--address", again.grpc_address, "pg/relist", str(exported)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert nemo_read(exported) == {"a", "b", "c", "d", "e"}

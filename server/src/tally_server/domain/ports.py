@@ -27,6 +27,8 @@ class LoadedCheckpoint:
 
     completed: set[str]
     unreadable: list[UnreadableFile]
+    # The files (writer ids) holding them, where the store tells (a PostgreSQL store's origins).
+    origins: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -150,7 +150,9 @@ class CheckpointTable:
         store, hasher = self._core.completions, self.hasher
         if store.remote:
             whole = store.load(name)
-            return LoadedIndex(origins=[], hashes=[], files=[], unreadable=whole.unreadable), whole.completed
+            # Its origins too: listing completed ids pages through the rows of every one of them.
+            loaded = LoadedIndex(origins=whole.origins, hashes=[], files=[], unreadable=whole.unreadable)
+            return loaded, whole.completed
         loaded = store.load_index(name, hasher)
         index = CompactIndex.build(loaded.hashes)
         loaded.hashes = []
@@ -169,7 +171,7 @@ class CheckpointTable:
 
     def _new_set(self, name: str, index: CompactIndex | set[str], origins: list[str]) -> CompletedSet:
         if isinstance(index, set):  # a remote store's ids, held as they are: no lookup leaves memory
-            return CompletedSet(index, hasher=self.hasher)
+            return CompletedSet(index, origins=origins, hasher=self.hasher)
         confirm = functools.partial(self._core.completions.contains, name)
         completed = CompletedSet(index=index, origins=origins, confirm=confirm, hasher=self.hasher)
         completed.background_merges = True  # merge_overlays() builds them in a load thread

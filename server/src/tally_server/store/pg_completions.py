@@ -276,9 +276,11 @@ class PgCompletionStore:
     def load(self, checkpoint: str) -> LoadedCheckpoint:
         """Every completed id of the checkpoint (no unreadable files on PostgreSQL)."""
         c = completed_table.c
-        with self._engine.connect() as conn:
+        with self._engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             rows = conn.execute(sa.select(c.source_id).where(c.checkpoint == checkpoint).distinct())
-            return LoadedCheckpoint(completed={bytes(r[0]).decode() for r in rows}, unreadable=[])
+            completed = {bytes(r[0]).decode() for r in rows}
+            origins = conn.execute(sa.select(c.origin).where(c.checkpoint == checkpoint).distinct())
+            return LoadedCheckpoint(completed=completed, unreadable=[], origins=sorted(origins.scalars()))
 
     @_read
     def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
