@@ -404,15 +404,23 @@ def _reader_main(address: str, checkpoint: str, ids: list[str], seconds: float, 
                 if not all(done):
                     raise RuntimeError(f"{done.count(False)} of {len(ids)} completed ids said not completed")
                 asked += len(ids)
-            outbox.put(("done", asked, time.perf_counter() - t0))
+            outbox.put(("done", asked, time.perf_counter() - t0, address))
     except Exception:  # noqa: BLE001 - reported to the parent, which stops
         outbox.put(("error", traceback.format_exc()))
 
 
+@dataclass
+class Reads:
+    ids_per_s: float
+    cpu_s_per_id: dict[str, float]  # per address: the CPU seconds of its server over the ids it answered
+
+
 def replica_reads(
-    addresses: list[str], checkpoint: str, ids: list[str], readers: int, seconds: float
-) -> float:
-    """``are_completed`` ids/s of ``readers`` SDK processes spread over ``addresses`` (batches of ``ids``)."""
+    servers: list[RunningServer], checkpoint: str, ids: list[str], readers: int, seconds: float
+) -> Reads:
+    """``are_completed`` ids/s of ``readers`` SDK processes spread over ``servers`` (batches of ``ids``),
+    and what each server's process spent per id it answered (not counting PostgreSQL's)."""
+    addresses = [s.grpc_address for s in servers]
     outbox = _CTX.Queue()
     procs = [
         _CTX.Process(
@@ -427,13 +435,19 @@ def replica_reads(
         p.start()
     try:
         results = []
+        cpu0: dict[str, float] = {}
         while len(results) < 2 * readers:
+            if len([m for m in results if m[0] == "ready"]) == readers and not cpu0:
+                cpu0 = {s.grpc_address: cpu_seconds(s.process.pid) for s in servers}
             msg = outbox.get(timeout=_STEP_TIMEOUT_S)
             if msg[0] == "error":
                 raise RuntimeError(f"a bench reader failed:\n{msg[1]}")
             results.append(msg)
+        cpu = {s.grpc_address: cpu_seconds(s.process.pid) - cpu0[s.grpc_address] for s in servers}
         done = [m for m in results if m[0] == "done"]
-        return sum(m[1] for m in done) / max(m[2] for m in done)
+        asked = {a: sum(m[1] for m in done if m[3] == a) for a in addresses}
+        per_id = {a: cpu[a] / asked[a] for a in addresses if asked[a]}  # seconds
+        return Reads(sum(m[1] for m in done) / max(m[2] for m in done), per_id)
     finally:
         for p in procs:
             p.join(30)

@@ -423,12 +423,14 @@ class Bench:
 
         assert self.pg is not None
         ids = [wl.source_id(n) for n in range(min(REPLICA_BATCH, WRITERS * self.sizes.sources))]
-        one = tside.replica_reads([owner.grpc_address], checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
+        one = tside.replica_reads([owner], checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
         with running_server(self.work / "replica", settle_ms=0, store=self.pg.url) as replica:
-            both = [owner.grpc_address, replica.grpc_address]
-            two = tside.replica_reads(both, checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
-        self.results.put("T:reads.one", one)
-        self.results.put("T:reads.two", two)
+            two = tside.replica_reads([owner, replica], checkpoint, ids, REPLICA_READERS, self.sizes.read_s)
+        self.results.put("T:reads.one", one.ids_per_s)
+        self.results.put("T:reads.two", two.ids_per_s)
+        self.results.put("T:reads.owner_cpu", one.cpu_s_per_id[owner.grpc_address])
+        self.results.put("T:reads.replica_cpu", two.cpu_s_per_id[replica.grpc_address])
+        one, two = one.ids_per_s, two.ids_per_s
         log(f"are_completed: {one:,.0f} ids/s from the owner alone, {two:,.0f} ids/s from owner + replica")
 
     def pool_run(
@@ -660,6 +662,13 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
                 "T:reads.one",
                 "Tally, the owner alone",
                 (at_least(1.6),),
+            ),
+            Row(
+                "server CPU per id asked, a replica (PostgreSQL's own not counted)",
+                "T:reads.replica_cpu",
+                "µs",
+                "T:reads.owner_cpu",
+                "the owner, from memory",
             ),
         ]
     durable.append(
