@@ -424,3 +424,47 @@ class ListReplicasResponse(_message.Message):
     epoch: int
     answered_by: str
     def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., epoch: _Optional[int] = ..., answered_by: _Optional[str] = ...) -> None: ...
+
+class Cursor(_message.Message):
+    __slots__ = ("source_id", "data")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    data: bytes
+    def __init__(self, source_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SaveCursorsRequest(_message.Message):
+    __slots__ = ("handle", "cursors")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CURSORS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    cursors: _containers.RepeatedCompositeFieldContainer[Cursor]
+    def __init__(self, handle: _Optional[str] = ..., cursors: _Optional[_Iterable[_Union[Cursor, _Mapping]]] = ...) -> None: ...
+
+class SaveCursorsResponse(_message.Message):
+    __slots__ = ("saved", "completed")
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    saved: int
+    completed: int
+    def __init__(self, saved: _Optional[int] = ..., completed: _Optional[int] = ...) -> None: ...
+
+class GetCursorRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_id")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_id: str
+    def __init__(self, checkpoint: _Optional[str] = ..., source_id: _Optional[str] = ...) -> None: ...
+
+class GetCursorResponse(_message.Message):
+    __slots__ = ("found", "data", "saved_at", "writer_id")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    data: bytes
+    saved_at: float
+    writer_id: str
+    def __init__(self, found: _Optional[bool] = ..., data: _Optional[bytes] = ..., saved_at: _Optional[float] = ..., writer_id: _Optional[str] = ...) -> None: ...

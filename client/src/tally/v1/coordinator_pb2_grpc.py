@@ -116,6 +116,16 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.SaveCursors = channel.unary_unary(
+                '/tally.v1.Coordinator/SaveCursors',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.SaveCursorsRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.SaveCursorsResponse.FromString,
+                _registered_method=True)
+        self.GetCursor = channel.unary_unary(
+                '/tally.v1.Coordinator/GetCursor',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -233,6 +243,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCursors(self, request, context):
+        """Save where a writer got to inside long sources (a row or byte offset...): durable on return.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCursor(self, request, context):
+        """The cursor last saved for a source by any writer; none once the source is completed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +339,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'SaveCursors': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCursors,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.SaveCursorsRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.SaveCursorsResponse.SerializeToString,
+            ),
+            'GetCursor': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCursor,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +784,60 @@ class Coordinator:
             '/tally.v1.Coordinator/ListReplicas',
             tally_dot_v1_dot_coordinator__pb2.ListReplicasRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCursors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/SaveCursors',
+            tally_dot_v1_dot_coordinator__pb2.SaveCursorsRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.SaveCursorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCursor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/GetCursor',
+            tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
             options,
             channel_credentials,
             insecure,

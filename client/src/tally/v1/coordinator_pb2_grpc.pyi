@@ -68,6 +68,10 @@ class CoordinatorStub:
     """Admin: move the checkpoint's files to the trash folder and start it over."""
     ListReplicas: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListReplicasRequest, _coordinator_pb2.ListReplicasResponse]
     """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
+    SaveCursors: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SaveCursorsRequest, _coordinator_pb2.SaveCursorsResponse]
+    """Save where a writer got to inside long sources (a row or byte offset...): durable on return."""
+    GetCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]
+    """The cursor last saved for a source by any writer; none once the source is completed."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -106,6 +110,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Admin: move the checkpoint's files to the trash folder and start it over."""
     ListReplicas: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListReplicasRequest, _coordinator_pb2.ListReplicasResponse]  # type: ignore[assignment]
     """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
+    SaveCursors: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SaveCursorsRequest, _coordinator_pb2.SaveCursorsResponse]  # type: ignore[assignment]
+    """Save where a writer got to inside long sources (a row or byte offset...): durable on return."""
+    GetCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]  # type: ignore[assignment]
+    """The cursor last saved for a source by any writer; none once the source is completed."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """One domain service; every RPC is a thin translation of one domain operation."""
@@ -237,5 +245,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListReplicasResponse, _abc.Awaitable[_coordinator_pb2.ListReplicasResponse]]:
         """The coordinators serving this one's PostgreSQL store: which owns it, which are replicas."""
+
+    @_abc_1.abstractmethod
+    def SaveCursors(
+        self,
+        request: _coordinator_pb2.SaveCursorsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SaveCursorsResponse, _abc.Awaitable[_coordinator_pb2.SaveCursorsResponse]]:
+        """Save where a writer got to inside long sources (a row or byte offset...): durable on return."""
+
+    @_abc_1.abstractmethod
+    def GetCursor(
+        self,
+        request: _coordinator_pb2.GetCursorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCursorResponse, _abc.Awaitable[_coordinator_pb2.GetCursorResponse]]:
+        """The cursor last saved for a source by any writer; none once the source is completed."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
