@@ -73,6 +73,8 @@ REQUIRED: dict[str, Role] = {
     "WatchCheckpoint": Role.READER,
     "ListCompleted": Role.READER,
     "ListReplicas": Role.READER,
+    "GetCursor": Role.READER,
+    "SaveCursors": Role.WORKER,
     "OpenWriter": Role.WORKER,
     "KeepAlive": Role.WORKER,
     "ApplyDeltas": Role.WORKER,
@@ -99,9 +101,10 @@ CHECKPOINT_FIELD: dict[str, str] = {
     "ListCompleted": "checkpoint",
     "ImportCompleted": "checkpoint",
     "ResetCheckpoint": "name",
+    "GetCursor": "checkpoint",
 }
 #: Operations on an open writer, named by its ``handle``: checked against the handle's checkpoint.
-HANDLE_OPERATIONS = frozenset({"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter"})
+HANDLE_OPERATIONS = frozenset({"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter", "SaveCursors"})
 # Answered with only the checkpoints the token may read (the handler filters), so nothing to check.
 _LISTINGS = frozenset({"ListCheckpoints"})
 #: Operations about the service itself, naming no checkpoint: only unscoped grants may call them.

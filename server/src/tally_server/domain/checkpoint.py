@@ -66,6 +66,9 @@ class Checkpoint:
     unreadable_files: list[str] = field(default_factory=list)
     last_used: float = 0.0  # monotonic, for least-recently-used unloading
     pins: int = 0  # operations that hold the completed set across an await
+    # Sources whose cursor was saved since this coordinator started: their completion deletes it.
+    # (Cursors saved before are never shown once their source is completed, and deleted when read.)
+    cursored: set[str] = field(default_factory=set)
 
     @property
     def completed_count(self) -> int:

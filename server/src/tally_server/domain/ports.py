@@ -227,6 +227,17 @@ class ProgressRecord:
     completed_count: int
 
 
+@dataclass(frozen=True)
+class CursorRecord:
+    """Where a writer got to inside a source: opaque bytes, with who saved them and when."""
+
+    checkpoint: str
+    source_id: str
+    data: bytes
+    saved_at: float
+    writer_id: str
+
+
 class Registry(Protocol):
     """Checkpoints, writers and events in a SQL database.
 
@@ -273,6 +284,15 @@ class Registry(Protocol):
 
     def delete_samples(self, checkpoint: str) -> None:
         """Drop the checkpoint's progress samples (a reset starts its plot over)."""
+
+    def save_cursors(self, cursors: Sequence[CursorRecord]) -> None:
+        """Write cursors (each replacing its source's), in one transaction: durable on return."""
+
+    def get_cursor(self, checkpoint: str, source_id: str) -> CursorRecord | None:
+        """The cursor saved for a source, if any."""
+
+    def delete_cursors(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
+        """Drop these sources' cursors (every cursor of the checkpoint with None)."""
 
     def close(self) -> None:
         """Release the database connections."""

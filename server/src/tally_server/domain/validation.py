@@ -174,6 +174,32 @@ def source_ids(ids: Sequence[str], limits: Limits) -> CheckedIds:
     return CheckedIds(ids)
 
 
+MAX_CURSOR_BYTES = 4096
+
+
+def cursors(items: Sequence[tuple[str, bytes]], limits: Limits) -> dict[str, bytes]:
+    """Validate a SaveCursors call; the latest cursor of each source, in order."""
+    if len(items) > limits.max_ids_per_query:
+        raise too_many_ids(limits, len(items))
+    latest: dict[str, bytes] = {}
+    for i, (sid, data) in enumerate(items):
+        _id(f"cursors[{i}].source_id", sid, limits)
+        if len(data) > MAX_CURSOR_BYTES:
+            raise InvalidArgument(
+                f"cursors[{i}] for source {describe(sid)} holds {len(data)} bytes, over the limit of "
+                f"{MAX_CURSOR_BYTES}; keep a cursor small (an offset, a key) and the rest elsewhere"
+            )
+        latest.pop(sid, None)
+        latest[sid] = bytes(data)
+    return latest
+
+
+def source_id(value: str, limits: Limits) -> str:
+    """Validate one source id (named ``source_id``)."""
+    _id("source_id", value, limits)
+    return value
+
+
 def deltas(batch: Sequence[Delta], limits: Limits) -> CheckedDeltas:
     """Validate a whole ApplyDeltas batch before any of it is applied."""
     if isinstance(batch, CheckedDeltas):

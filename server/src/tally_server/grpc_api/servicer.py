@@ -156,6 +156,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return convert.completed_page(page)
 
+    async def SaveCursors(self, request: pb.SaveCursorsRequest, context: Context) -> pb.SaveCursorsResponse:
+        """Save where a writer got to inside sources: durable on return."""
+        saved = await self._service.save_cursors(
+            request.handle, [(c.source_id, c.data) for c in request.cursors]
+        )
+        return pb.SaveCursorsResponse(saved=saved.saved, completed=saved.completed)
+
+    async def GetCursor(self, request: pb.GetCursorRequest, context: Context) -> pb.GetCursorResponse:
+        """The cursor last saved for a source; none once it is completed."""
+        found = await self._service.get_cursor(request.checkpoint, request.source_id)
+        return pb.GetCursorResponse(
+            found=found.found, data=found.data, saved_at=found.saved_at, writer_id=found.writer_id
+        )
+
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: Context
     ) -> pb.ListReplicasResponse:

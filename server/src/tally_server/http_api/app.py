@@ -50,5 +50,15 @@ def create_app(
     app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
     check_declared(app)
     # Routes that read their bodies themselves publish the body models here.
-    bodies.document(app, [s.OpenWriterBody, s.ApplyDeltasBody, s.AreCompletedBody, s.ImportBody, s.ResetBody])
+    bodies.document(
+        app,
+        [
+            s.OpenWriterBody,
+            s.ApplyDeltasBody,
+            s.AreCompletedBody,
+            s.ImportBody,
+            s.ResetBody,
+            s.SaveCursorsBody,
+        ],
+    )
     return app

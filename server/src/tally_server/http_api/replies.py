@@ -39,6 +39,24 @@ class AreCompletedReply:
 
 
 @dataclass(frozen=True)
+class SaveCursorsReply:
+    """What a save of cursors did: ``saved`` are durable; ``completed`` were of completed sources."""
+
+    saved: int
+    completed: int
+
+
+@dataclass(frozen=True)
+class GetCursorReply:
+    """The cursor saved for a source: ``data`` base64 (empty when ``found`` is false)."""
+
+    found: bool
+    data: str
+    saved_at: float
+    writer_id: str
+
+
+@dataclass(frozen=True)
 class FlushReply:
     """Sources this writer has completed so far, all durable."""
 

@@ -93,6 +93,19 @@ class AreCompletedBody(RequestBody):
     source_ids: list[str]
 
 
+class CursorItem(BaseModel):
+    """Where a writer got to inside one source."""
+
+    source_id: str
+    data: str = Field(description="The cursor, base64 (at most 4,096 bytes decoded); opaque to Tally.")
+
+
+class SaveCursorsBody(RequestBody):
+    """Cursors to save, in order: a later one of a source replaces an earlier one."""
+
+    cursors: list[CursorItem]
+
+
 class ErrorDetail(BaseModel):
     """What went wrong: a code, a message for people, and machine-readable details."""
 

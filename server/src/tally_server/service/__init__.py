@@ -11,6 +11,7 @@ from tally_server.service.views import (
     CheckpointView,
     ClosedWriter,
     CompletedPage,
+    CursorView,
     EventPage,
     EventView,
     ImportResult,
@@ -19,6 +20,7 @@ from tally_server.service.views import (
     ReplicasView,
     ReplicaView,
     ResetResult,
+    SavedCursors,
     WriterView,
 )
 
@@ -27,6 +29,7 @@ __all__ = [
     "CheckpointView",
     "ClosedWriter",
     "CompletedPage",
+    "CursorView",
     "CoordinatorService",
     "EventPage",
     "EventView",
@@ -36,6 +39,7 @@ __all__ = [
     "ReplicaView",
     "ReplicasView",
     "ResetResult",
+    "SavedCursors",
     "ServiceStats",
     "WriterView",
 ]

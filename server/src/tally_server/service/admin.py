@@ -99,6 +99,8 @@ class Admin:
             self._writers.durability.forget_undeleted(name)
             self._checkpoints.forget_progress(name)
             await core.registry_write(core.registry.delete_samples, name)
+            await core.registry_write(core.registry.delete_cursors, name, None)
+            cp.cursored.clear()
             await core.registry_write(
                 lambda: core.registry.write_batch(
                     checkpoints=[CheckpointRecord(name, cp.created_at, cp.last_activity_at, {})]

@@ -39,12 +39,14 @@ from tally_server.service.views import (
     CheckpointView,
     ClosedWriter,
     CompletedPage,
+    CursorView,
     EventPage,
     ImportResult,
     OpenedWriter,
     ProgressSample,
     ReplicasView,
     ResetResult,
+    SavedCursors,
     WriterView,
 )
 from tally_server.service.writers import Writers
@@ -335,6 +337,14 @@ class CoordinatorService:
         """
         counts = await self._writers.apply(handle, batch, batch_seq)
         return AppliedBatch(counts, self._writers.settled(handle))  # no await since the answer
+
+    async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:
+        """Save where the writer got to inside sources (each at most 4 KiB): durable on return."""
+        return await self._writers.save_cursors(handle, cursors)
+
+    async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
+        """The cursor last saved for a source by any writer; none once the source is completed."""
+        return await self._status.get_cursor(checkpoint, source_id)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""

@@ -142,6 +142,26 @@ class Durability:
             )
         )
 
+    def cursors_done(self, cp: Checkpoint, sources: Sequence[str]) -> None:
+        """Sources completed: delete their cursors (behind; a completed source's is never shown)."""
+        done = cp.cursored.intersection(sources)
+        if not done:
+            return
+        cp.cursored.difference_update(done)
+        core = self._core
+
+        async def delete() -> None:
+            try:
+                await core.registry_write(core.registry.delete_cursors, cp.name, sorted(done))
+            except Exception as exc:  # the registry is down: read-time deletion covers it
+                log.warning(
+                    "could not delete the cursors of %d completed sources of %s: %s", len(done), cp.name, exc
+                )
+
+        task = asyncio.get_running_loop().create_task(delete(), name="tally-cursors-done")
+        self.finalizers.add(task)
+        task.add_done_callback(self.finalizers.discard)
+
     async def persist(
         self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False
     ) -> None:
@@ -163,6 +183,8 @@ class Durability:
             made_durable(cp.ids(), sources, session.writer_id)
             self.persisted(session, sources)
             self._core.stats.completions += len(sources)
+            if cp.cursored:
+                self.cursors_done(cp, sources)
         except Exception:
             session.failed_commits += 1
             self.revert(session, sources)

@@ -23,6 +23,7 @@ from tally_server.service.core import Core
 from tally_server.service.views import (
     CheckpointView,
     CompletedPage,
+    CursorView,
     EventPage,
     EventView,
     ProgressSample,
@@ -195,6 +196,28 @@ class Status:
                 last, quiet = key, 0
                 yield view
             await asyncio.sleep(interval_s)
+
+    async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
+        """The cursor last saved for a source; none once the source is completed (then it is deleted)."""
+        core = self._core
+        core.check_reads()
+        validation.checkpoint_name(checkpoint, core.limits)
+        validation.source_id(source_id, core.limits)
+        cp = await self._checkpoints.find(checkpoint, create=False)
+        if cp is None:
+            return CursorView(False)
+        record = await core.registry_read(core.registry.get_cursor, checkpoint, source_id)
+        if record is None:
+            return CursorView(False)
+        completed = await self._checkpoints.completed(cp)
+        if source_id in completed:  # saved before its completion, or before a restart: gone now
+            cp.cursored.discard(source_id)
+            try:
+                await core.registry_write(core.registry.delete_cursors, checkpoint, [source_id])
+            except Unavailable:
+                pass  # deleted at a later read
+            return CursorView(False)
+        return CursorView(True, record.data, record.saved_at, record.writer_id)
 
     async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
         """A page of completed ids in byte order after ``after`` (loads the set if needed)."""

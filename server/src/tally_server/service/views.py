@@ -178,3 +178,21 @@ class ReplicasView:
     replicas: list[ReplicaView]
     epoch: int
     answered_by: str
+
+
+@dataclass(frozen=True)
+class SavedCursors:
+    """What a SaveCursors call did."""
+
+    saved: int  # durable now
+    completed: int  # of sources already completed: not saved
+
+
+@dataclass(frozen=True)
+class CursorView:
+    """The cursor saved for a source (none once it is completed)."""
+
+    found: bool
+    data: bytes = b""
+    saved_at: float = 0.0
+    writer_id: str = ""

@@ -23,13 +23,13 @@ from tally_server.domain.events import EventKind
 from tally_server.domain.journal import Applied, Persisted
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
-from tally_server.domain.ports import CompletionOp, DeleteCompleted, PutCompleted
+from tally_server.domain.ports import CompletionOp, CursorRecord, DeleteCompleted, PutCompleted
 from tally_server.errors import FailedPrecondition, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.durability import Durability
 from tally_server.service.sessions import Session
-from tally_server.service.views import ClosedWriter
+from tally_server.service.views import ClosedWriter, SavedCursors
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
@@ -149,6 +149,8 @@ class Writers:
             if effects.complete:
                 made_durable(cp.ids(), effects.complete, session.writer_id)
                 self.durability.persisted(session, effects.complete)
+                if cp.cursored:
+                    self.durability.cursors_done(cp, effects.complete)
                 core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
             await session.notify()
@@ -170,6 +172,26 @@ class Writers:
                 old_delta=a.old_delta,
                 new_delta=a.new_delta,
             )
+
+    async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:
+        """Save where the writer got to inside sources: durable on return.
+
+        Cursors of sources already completed are not saved (a completed source has none).
+        """
+        core = self._core
+        core.check_accepting()
+        latest = validation.cursors(cursors, core.limits)
+        session = self.session(handle)
+        self.renew(session)
+        cp = self._checkpoints[session.checkpoint]
+        completed = cp.ids()
+        live = {sid: data for sid, data in latest.items() if sid not in completed}
+        if live:
+            now = core.wall()
+            records = [CursorRecord(cp.name, sid, data, now, session.writer_id) for sid, data in live.items()]
+            await core.registry_write(core.registry.save_cursors, records)
+            cp.cursored.update(live)
+        return SavedCursors(saved=len(live), completed=len(latest) - len(live))
 
     def settled(self, handle: str) -> bool:
         """Whether everything the writer applied is durable now: nothing settling or being committed.

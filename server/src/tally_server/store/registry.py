@@ -19,11 +19,18 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from tally_server.domain.checkpoint import WriterState
-from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
+from tally_server.domain.ports import (
+    CheckpointRecord,
+    CursorRecord,
+    EventRecord,
+    ProgressRecord,
+    WriterRecord,
+)
 from tally_server.errors import Unavailable
 from tally_server.store.registry_schema import (
     checkpoint_record,
     checkpoints_table,
+    cursors_table,
     event_record,
     events_table,
     metadata,
@@ -228,6 +235,43 @@ class SqlRegistry:
         """Forget a checkpoint's progress history (on reset)."""
         with self._engine.begin() as conn:
             conn.execute(sa.delete(progress_table).where(progress_table.c.checkpoint == checkpoint))
+
+    # ---------------------------------------------------------------- cursors
+
+    @_transient_as_unavailable
+    def save_cursors(self, cursors: Sequence[CursorRecord]) -> None:
+        """Write cursors (each replacing its source's), in one transaction: durable on return."""
+        with self._engine.begin() as conn:
+            for cursor in cursors:
+                self._upsert(conn, cursors_table, dataclasses.asdict(cursor))
+
+    @_transient_as_unavailable
+    def get_cursor(self, checkpoint: str, source_id: str) -> CursorRecord | None:
+        """The cursor saved for a source, if any."""
+        c = cursors_table.c
+        query = sa.select(cursors_table).where(c.checkpoint == checkpoint, c.source_id == source_id)
+        with self._engine.connect() as conn:
+            row = conn.execute(query).first()
+        if row is None:
+            return None
+        return CursorRecord(
+            row.checkpoint, row.source_id, bytes(row.data), float(row.saved_at), row.writer_id
+        )
+
+    @_transient_as_unavailable
+    def delete_cursors(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
+        """Drop these sources' cursors (every cursor of the checkpoint with None)."""
+        c = cursors_table.c
+        with self._engine.begin() as conn:
+            if source_ids is None:
+                conn.execute(sa.delete(cursors_table).where(c.checkpoint == checkpoint))
+                return
+            ids = list(source_ids)
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                conn.execute(
+                    sa.delete(cursors_table).where(c.checkpoint == checkpoint, c.source_id.in_(chunk))
+                )
 
     # -------------------------------------------------------------- lifecycle
 

@@ -83,6 +83,18 @@ progress_table = sa.Table(
     sa.Column("completed_count", _Count, nullable=False),
 )
 
+# Where a writer got to inside a long source (issue #12's cursors): the last one saved per source,
+# by any writer; deleted when the source completes or the checkpoint is reset.
+cursors_table = sa.Table(
+    "cursors",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("source_id", sa.String(), primary_key=True),
+    sa.Column("data", sa.LargeBinary(), nullable=False),
+    sa.Column("saved_at", _Time, nullable=False),
+    sa.Column("writer_id", sa.String(), nullable=False),
+)
+
 
 def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
     """A ``checkpoints`` row as a checkpoint record."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from enum import Enum
 
@@ -37,6 +38,21 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         """Writers of a checkpoint: live ones, then (include_closed) past ones, newest first."""
         writers = await service.list_writers(checkpoint, include_closed=include_closed, limit=limit)
         return r.ListWritersReply(writers=writers)
+
+    @app.get(
+        "/v1/cursors",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=r.GetCursorReply,
+        dependencies=[Depends(guard.requires("GetCursor"))],
+    )
+    async def get_cursor(checkpoint: str, source_id: str) -> r.GetCursorReply:
+        """The cursor last saved for a source by any writer; none once the source is completed."""
+        found = await service.get_cursor(checkpoint, source_id)
+        data = base64.b64encode(found.data).decode("ascii")
+        return r.GetCursorReply(
+            found=found.found, data=data, saved_at=found.saved_at, writer_id=found.writer_id
+        )
 
     @app.get(
         "/v1/replicas",

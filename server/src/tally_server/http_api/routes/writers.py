@@ -2,12 +2,15 @@
 
 # No "from __future__ import annotations": the Annotated dependencies name the local guard, which
 # FastAPI could not resolve from a string.
+import base64
+import binascii
 from enum import Enum
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
 from tally_server.auth import Principal
+from tally_server.errors import InvalidArgument
 from tally_server.http_api import bodies
 from tally_server.http_api import replies as r
 from tally_server.http_api import schemas as s
@@ -85,6 +88,21 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         return r.FlushReply(completed=await service.flush(handle))
 
     @app.post(
+        "/v1/writers/{handle}/cursors",
+        tags=TAGS,
+        responses=ERROR_REPLIES,
+        response_model=r.SaveCursorsReply,
+        dependencies=[Depends(guard.requires("SaveCursors"))],
+        openapi_extra=bodies.request_body(s.SaveCursorsBody),
+    )
+    async def save_cursors(handle: str, request: Request) -> r.SaveCursorsReply:
+        """Save where the writer got to inside sources (each at most 4 KiB): durable on return."""
+        body = await bodies.parse(request, lambda raw: bodies.model(s.SaveCursorsBody, raw))
+        items = [(c.source_id, _base64(i, c.data)) for i, c in enumerate(body.cursors)]
+        saved = await service.save_cursors(handle, items)
+        return r.SaveCursorsReply(saved=saved.saved, completed=saved.completed)
+
+    @app.post(
         "/v1/writers/{handle}/close",
         tags=TAGS,
         responses=ERROR_REPLIES,
@@ -94,3 +112,12 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     async def close_writer(handle: str) -> ClosedWriter:
         """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
         return await service.close_writer(handle)
+
+
+def _base64(index: int, text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(
+            f"cursors[{index}].data is not base64; send the cursor's bytes base64-encoded (RFC 4648)"
+        ) from None
