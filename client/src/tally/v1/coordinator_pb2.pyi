@@ -213,7 +213,7 @@ class WriterStatus(_message.Message):
     def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ..., closed_at: _Optional[float] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner")
+    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner", "failed_sources", "max_attempts")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,8 @@ class CheckpointStatus(_message.Message):
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     completed_count: int
     live_writers: int
@@ -245,7 +247,9 @@ class CheckpointStatus(_message.Message):
     writers: _containers.RepeatedCompositeFieldContainer[WriterStatus]
     fingerprint: _containers.ScalarMap[str, str]
     owner: str
-    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ...) -> None: ...
+    failed_sources: int
+    max_attempts: int
+    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ()
@@ -468,3 +472,99 @@ class GetCursorResponse(_message.Message):
     saved_at: float
     writer_id: str
     def __init__(self, found: _Optional[bool] = ..., data: _Optional[bytes] = ..., saved_at: _Optional[float] = ..., writer_id: _Optional[str] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("handle", "source_id", "reason")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    source_id: str
+    reason: str
+    def __init__(self, handle: _Optional[str] = ..., source_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("attempts", "failed", "max_attempts")
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    attempts: int
+    failed: bool
+    max_attempts: int
+    def __init__(self, attempts: _Optional[int] = ..., failed: _Optional[bool] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+
+class FailedAttempt(_message.Message):
+    __slots__ = ("reason", "at", "writer_id")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    at: float
+    writer_id: str
+    def __init__(self, reason: _Optional[str] = ..., at: _Optional[float] = ..., writer_id: _Optional[str] = ...) -> None: ...
+
+class SourceFailures(_message.Message):
+    __slots__ = ("source_id", "attempts", "failed", "recent")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    attempts: int
+    failed: bool
+    recent: _containers.RepeatedCompositeFieldContainer[FailedAttempt]
+    def __init__(self, source_id: _Optional[str] = ..., attempts: _Optional[int] = ..., failed: _Optional[bool] = ..., recent: _Optional[_Iterable[_Union[FailedAttempt, _Mapping]]] = ...) -> None: ...
+
+class ListFailuresRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_ids", "failed_only", "after", "limit")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_only: bool
+    after: str
+    limit: int
+    def __init__(self, checkpoint: _Optional[str] = ..., source_ids: _Optional[_Iterable[str]] = ..., failed_only: _Optional[bool] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListFailuresResponse(_message.Message):
+    __slots__ = ("sources", "next_after", "max_attempts")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[SourceFailures]
+    next_after: str
+    max_attempts: int
+    def __init__(self, sources: _Optional[_Iterable[_Union[SourceFailures, _Mapping]]] = ..., next_after: _Optional[str] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+
+class RetryFailedRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_ids")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint: _Optional[str] = ..., source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RetryFailedResponse(_message.Message):
+    __slots__ = ("cleared",)
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    cleared: int
+    def __init__(self, cleared: _Optional[int] = ...) -> None: ...
+
+class SetFailureBudgetRequest(_message.Message):
+    __slots__ = ("checkpoint", "max_attempts")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    max_attempts: int
+    def __init__(self, checkpoint: _Optional[str] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+
+class SetFailureBudgetResponse(_message.Message):
+    __slots__ = ("max_attempts", "failed_sources")
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    max_attempts: int
+    failed_sources: int
+    def __init__(self, max_attempts: _Optional[int] = ..., failed_sources: _Optional[int] = ...) -> None: ...

@@ -126,6 +126,26 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/tally.v1.Coordinator/ReportFailure',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
+        self.ListFailures = channel.unary_unary(
+                '/tally.v1.Coordinator/ListFailures',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListFailuresRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListFailuresResponse.FromString,
+                _registered_method=True)
+        self.RetryFailed = channel.unary_unary(
+                '/tally.v1.Coordinator/RetryFailed',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.RetryFailedRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.RetryFailedResponse.FromString,
+                _registered_method=True)
+        self.SetFailureBudget = channel.unary_unary(
+                '/tally.v1.Coordinator/SetFailureBudget',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -257,6 +277,34 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """Record a failed attempt at a source; at the checkpoint's max_attempts the source is failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFailures(self, request, context):
+        """Sources with failed attempts, by source id, paged; or just the ones asked about.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryFailed(self, request, context):
+        """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetFailureBudget(self, request, context):
+        """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -349,6 +397,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetCursor,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ReportFailureRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'ListFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFailures,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListFailuresRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListFailuresResponse.SerializeToString,
+            ),
+            'RetryFailed': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryFailed,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.RetryFailedRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.RetryFailedResponse.SerializeToString,
+            ),
+            'SetFailureBudget': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetFailureBudget,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -838,6 +906,114 @@ class Coordinator:
             '/tally.v1.Coordinator/GetCursor',
             tally_dot_v1_dot_coordinator__pb2.GetCursorRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.GetCursorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ReportFailure',
+            tally_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListFailures',
+            tally_dot_v1_dot_coordinator__pb2.ListFailuresRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListFailuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryFailed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/RetryFailed',
+            tally_dot_v1_dot_coordinator__pb2.RetryFailedRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.RetryFailedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetFailureBudget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/SetFailureBudget',
+            tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,14 @@ class CoordinatorStub:
     """Save where a writer got to inside long sources (a row or byte offset...): durable on return."""
     GetCursor: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]
     """The cursor last saved for a source by any writer; none once the source is completed."""
+    ReportFailure: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportFailureRequest, _coordinator_pb2.ReportFailureResponse]
+    """Record a failed attempt at a source; at the checkpoint's max_attempts the source is failed."""
+    ListFailures: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListFailuresRequest, _coordinator_pb2.ListFailuresResponse]
+    """Sources with failed attempts, by source id, paged; or just the ones asked about."""
+    RetryFailed: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RetryFailedRequest, _coordinator_pb2.RetryFailedResponse]
+    """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again."""
+    SetFailureBudget: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetFailureBudgetRequest, _coordinator_pb2.SetFailureBudgetResponse]
+    """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -114,6 +122,14 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Save where a writer got to inside long sources (a row or byte offset...): durable on return."""
     GetCursor: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCursorRequest, _coordinator_pb2.GetCursorResponse]  # type: ignore[assignment]
     """The cursor last saved for a source by any writer; none once the source is completed."""
+    ReportFailure: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportFailureRequest, _coordinator_pb2.ReportFailureResponse]  # type: ignore[assignment]
+    """Record a failed attempt at a source; at the checkpoint's max_attempts the source is failed."""
+    ListFailures: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListFailuresRequest, _coordinator_pb2.ListFailuresResponse]  # type: ignore[assignment]
+    """Sources with failed attempts, by source id, paged; or just the ones asked about."""
+    RetryFailed: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RetryFailedRequest, _coordinator_pb2.RetryFailedResponse]  # type: ignore[assignment]
+    """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again."""
+    SetFailureBudget: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetFailureBudgetRequest, _coordinator_pb2.SetFailureBudgetResponse]  # type: ignore[assignment]
+    """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """One domain service; every RPC is a thin translation of one domain operation."""
@@ -261,5 +277,37 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetCursorResponse, _abc.Awaitable[_coordinator_pb2.GetCursorResponse]]:
         """The cursor last saved for a source by any writer; none once the source is completed."""
+
+    @_abc_1.abstractmethod
+    def ReportFailure(
+        self,
+        request: _coordinator_pb2.ReportFailureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportFailureResponse, _abc.Awaitable[_coordinator_pb2.ReportFailureResponse]]:
+        """Record a failed attempt at a source; at the checkpoint's max_attempts the source is failed."""
+
+    @_abc_1.abstractmethod
+    def ListFailures(
+        self,
+        request: _coordinator_pb2.ListFailuresRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListFailuresResponse, _abc.Awaitable[_coordinator_pb2.ListFailuresResponse]]:
+        """Sources with failed attempts, by source id, paged; or just the ones asked about."""
+
+    @_abc_1.abstractmethod
+    def RetryFailed(
+        self,
+        request: _coordinator_pb2.RetryFailedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RetryFailedResponse, _abc.Awaitable[_coordinator_pb2.RetryFailedResponse]]:
+        """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again."""
+
+    @_abc_1.abstractmethod
+    def SetFailureBudget(
+        self,
+        request: _coordinator_pb2.SetFailureBudgetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SetFailureBudgetResponse, _abc.Awaitable[_coordinator_pb2.SetFailureBudgetResponse]]:
+        """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
