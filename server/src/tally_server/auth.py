@@ -75,6 +75,10 @@ REQUIRED: dict[str, Role] = {
     "ListReplicas": Role.READER,
     "GetCursor": Role.READER,
     "SaveCursors": Role.WORKER,
+    "ListFailures": Role.READER,
+    "ReportFailure": Role.WORKER,
+    "RetryFailed": Role.WORKER,
+    "SetFailureBudget": Role.WORKER,
     "OpenWriter": Role.WORKER,
     "KeepAlive": Role.WORKER,
     "ApplyDeltas": Role.WORKER,
@@ -102,9 +106,14 @@ CHECKPOINT_FIELD: dict[str, str] = {
     "ImportCompleted": "checkpoint",
     "ResetCheckpoint": "name",
     "GetCursor": "checkpoint",
+    "ListFailures": "checkpoint",
+    "RetryFailed": "checkpoint",
+    "SetFailureBudget": "checkpoint",
 }
 #: Operations on an open writer, named by its ``handle``: checked against the handle's checkpoint.
-HANDLE_OPERATIONS = frozenset({"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter", "SaveCursors"})
+HANDLE_OPERATIONS = frozenset(
+    {"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter", "SaveCursors", "ReportFailure"}
+)
 # Answered with only the checkpoints the token may read (the handler filters), so nothing to check.
 _LISTINGS = frozenset({"ListCheckpoints"})
 #: Operations about the service itself, naming no checkpoint: only unscoped grants may call them.

@@ -69,6 +69,16 @@ class Checkpoint:
     # Sources whose cursor was saved since this coordinator started: their completion deletes it.
     # (Cursors saved before are never shown once their source is completed, and deleted when read.)
     cursored: set[str] = field(default_factory=set)
+    # Failed attempts per source (issue #12's failure budgets; all in memory, failures are few) and
+    # the budget: a source with ``max_attempts`` of them (0: unlimited) is failed.
+    failures: dict[str, int] = field(default_factory=dict)
+    max_attempts: int = 0
+
+    @property
+    def failed_count(self) -> int:
+        """Sources at their failure budget (and not completed since)."""
+        budget = self.max_attempts
+        return sum(1 for attempts in self.failures.values() if attempts >= budget) if budget else 0
 
     @property
     def completed_count(self) -> int:

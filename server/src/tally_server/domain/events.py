@@ -29,6 +29,8 @@ class EventKind(StrEnum):
     UNREADABLE_FILE = "unreadable_file"
     FILE_QUARANTINED = "file_quarantined"
     IMPORTED = "imported"
+    SOURCE_FAILED = "source_failed"
+    FAILURES_CLEARED = "failures_cleared"
 
     @property
     def severity(self) -> Severity:
@@ -45,6 +47,7 @@ _SEVERITY = {
     EventKind.WRITER_RESET: Severity.WARNING,
     EventKind.CHECKPOINT_RESET: Severity.WARNING,
     EventKind.FINGERPRINT_MISMATCH_IGNORED: Severity.WARNING,
+    EventKind.SOURCE_FAILED: Severity.ERROR,
 }
 
 

@@ -238,6 +238,25 @@ class CursorRecord:
     writer_id: str
 
 
+@dataclass(frozen=True)
+class FailedAttemptRecord:
+    """One failed attempt at a source."""
+
+    reason: str
+    at: float
+    writer_id: str
+
+
+@dataclass(frozen=True)
+class SourceFailuresRecord:
+    """A source's failed attempts: how many, and the latest few."""
+
+    checkpoint: str
+    source_id: str
+    attempts: int
+    recent: list[FailedAttemptRecord]
+
+
 class Registry(Protocol):
     """Checkpoints, writers and events in a SQL database.
 
@@ -293,6 +312,23 @@ class Registry(Protocol):
 
     def delete_cursors(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
         """Drop these sources' cursors (every cursor of the checkpoint with None)."""
+
+    def record_failure(self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int) -> int:
+        """Count a failed attempt (keeping the latest ``keep`` reasons): the attempts so far."""
+
+    def list_failures(
+        self, checkpoint: str | None = None, source_ids: Sequence[str] | None = None
+    ) -> list[SourceFailuresRecord]:
+        """Sources with failed attempts, by checkpoint and source id (all checkpoints with None)."""
+
+    def clear_failures(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
+        """Forget these sources' failed attempts (every one of the checkpoint with None)."""
+
+    def set_budget(self, checkpoint: str, max_attempts: int) -> None:
+        """Record a checkpoint's failure budget (0: unlimited)."""
+
+    def list_budgets(self) -> dict[str, int]:
+        """Every checkpoint's failure budget that is set."""
 
     def close(self) -> None:
         """Release the database connections."""

@@ -17,6 +17,7 @@ from tally_server.service import (
     CompletedPage,
     EventPage,
     EventView,
+    FailurePage,
     ImportResult,
     OpenedWriter,
     ProgressSample,
@@ -100,6 +101,25 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
         fingerprint=v.fingerprint,
         writers=[writer_status(w) for w in v.writers],
         owner=v.owner,
+        failed_sources=v.failed_sources,
+        max_attempts=v.max_attempts,
+    )
+
+
+def failure_page(page: FailurePage) -> pb.ListFailuresResponse:
+    """A page of sources with failed attempts as its message."""
+    return pb.ListFailuresResponse(
+        sources=[
+            pb.SourceFailures(
+                source_id=s.source_id,
+                attempts=s.attempts,
+                failed=s.failed,
+                recent=[pb.FailedAttempt(reason=a.reason, at=a.at, writer_id=a.writer_id) for a in s.recent],
+            )
+            for s in page.sources
+        ],
+        next_after=page.next_after,
+        max_attempts=page.max_attempts,
     )
 
 

@@ -170,6 +170,41 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             found=found.found, data=found.data, saved_at=found.saved_at, writer_id=found.writer_id
         )
 
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: Context
+    ) -> pb.ReportFailureResponse:
+        """Count a failed attempt at a source (durable on return)."""
+        done = await self._service.report_failure(request.handle, request.source_id, request.reason)
+        return pb.ReportFailureResponse(
+            attempts=done.attempts, failed=done.failed, max_attempts=done.max_attempts
+        )
+
+    async def ListFailures(
+        self, request: pb.ListFailuresRequest, context: Context
+    ) -> pb.ListFailuresResponse:
+        """Sources with failed attempts: those asked about, or a page of all."""
+        page = await self._service.list_failures(
+            request.checkpoint,
+            source_ids=list(request.source_ids),
+            failed_only=request.failed_only,
+            after=request.after,
+            limit=request.limit,
+        )
+        return convert.failure_page(page)
+
+    async def RetryFailed(self, request: pb.RetryFailedRequest, context: Context) -> pb.RetryFailedResponse:
+        """Clear sources' failed attempts: they run again."""
+        return pb.RetryFailedResponse(
+            cleared=await self._service.retry_failed(request.checkpoint, list(request.source_ids))
+        )
+
+    async def SetFailureBudget(
+        self, request: pb.SetFailureBudgetRequest, context: Context
+    ) -> pb.SetFailureBudgetResponse:
+        """Set a checkpoint's failure budget (0: unlimited)."""
+        budget, failed = await self._service.set_failure_budget(request.checkpoint, request.max_attempts)
+        return pb.SetFailureBudgetResponse(max_attempts=budget, failed_sources=failed)
+
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: Context
     ) -> pb.ListReplicasResponse:

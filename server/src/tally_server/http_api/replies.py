@@ -57,6 +57,21 @@ class GetCursorReply:
 
 
 @dataclass(frozen=True)
+class RetryFailedReply:
+    """Sources whose failed attempts were cleared."""
+
+    cleared: int
+
+
+@dataclass(frozen=True)
+class FailureBudgetReply:
+    """The checkpoint's failure budget now, and the sources failed under it."""
+
+    max_attempts: int
+    failed_sources: int
+
+
+@dataclass(frozen=True)
 class FlushReply:
     """Sources this writer has completed so far, all durable."""
 

@@ -106,6 +106,29 @@ class SaveCursorsBody(RequestBody):
     cursors: list[CursorItem]
 
 
+class ReportFailureBody(RequestBody):
+    """A failed attempt at a source."""
+
+    source_id: str
+    reason: str = Field(
+        default="", description="What went wrong, for people (the first 1,000 characters are kept)."
+    )
+
+
+class RetryFailedBody(RequestBody):
+    """Sources whose failed attempts to clear."""
+
+    checkpoint: str
+    source_ids: list[str] = Field(default_factory=list, description="Empty: every source of the checkpoint.")
+
+
+class FailureBudgetBody(RequestBody):
+    """A checkpoint's failure budget."""
+
+    checkpoint: str
+    max_attempts: int = Field(description="Failed attempts after which a source is failed; 0: unlimited.")
+
+
 class ErrorDetail(BaseModel):
     """What went wrong: a code, a message for people, and machine-readable details."""
 

@@ -29,6 +29,7 @@ from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.core import Core
 from tally_server.service.durability import Durability
+from tally_server.service.failures import Failures
 from tally_server.service.loops import Loop, Sleep
 from tally_server.service.opening import Opening
 from tally_server.service.registry_writer import RegistryWriter
@@ -41,10 +42,12 @@ from tally_server.service.views import (
     CompletedPage,
     CursorView,
     EventPage,
+    FailurePage,
     ImportResult,
     OpenedWriter,
     ProgressSample,
     ReplicasView,
+    ReportedFailure,
     ResetResult,
     SavedCursors,
     WriterView,
@@ -130,6 +133,8 @@ class CoordinatorService:
             core, self._checkpoints, self._writers, lambda name: self._admin.reset_checkpoint(name)
         )
         self._admin = Admin(core, self._checkpoints, self._writers)
+        self._failures = Failures(core, self._checkpoints)
+        self._durability.on_failures_completed = self._failures.completed
         self._status = Status(core, self._checkpoints, lambda: core.accepting)
         self._loops: list[Loop] = []
         self._background: list[asyncio.Task[None]] = []
@@ -146,6 +151,10 @@ class CoordinatorService:
         records = await core.registry_read(core.registry.list_checkpoints)
         counts = await core.registry_read(core.registry.latest_counts)
         self._checkpoints.restore(records, counts)
+        failures: dict[str, dict[str, int]] = {}
+        for failed in await core.registry_read(core.registry.list_failures):
+            failures.setdefault(failed.checkpoint, {})[failed.source_id] = failed.attempts
+        self._failures.restore(failures, await core.registry_read(core.registry.list_budgets))
         journaled = await core.committer.run(self._journal.load)
         restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
@@ -345,6 +354,35 @@ class CoordinatorService:
     async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
         """The cursor last saved for a source by any writer; none once the source is completed."""
         return await self._status.get_cursor(checkpoint, source_id)
+
+    # ------------------------------------------------------------------ failure budgets
+
+    async def report_failure(self, handle: str, source_id: str, reason: str) -> ReportedFailure:
+        """Count a failed attempt at a source (durable on return); failed at the checkpoint's budget."""
+        cp, writer_id = self._writers.checkpoint_for(handle)
+        return await self._failures.report(cp, writer_id, source_id, reason)
+
+    async def list_failures(
+        self,
+        checkpoint: str,
+        *,
+        source_ids: Sequence[str] = (),
+        failed_only: bool = False,
+        after: str = "",
+        limit: int = 0,
+    ) -> FailurePage:
+        """Sources with failed attempts, by source id: those asked about, or a page of all."""
+        return await self._failures.list(
+            checkpoint, source_ids=source_ids, failed_only=failed_only, after=after, limit=limit
+        )
+
+    async def retry_failed(self, checkpoint: str, source_ids: Sequence[str] = ()) -> int:
+        """Clear failed attempts (every source's with no ids); how many sources were cleared."""
+        return await self._failures.retry(checkpoint, source_ids)
+
+    async def set_failure_budget(self, checkpoint: str, max_attempts: int) -> tuple[int, int]:
+        """Set a checkpoint's failure budget (0: unlimited); the budget and the sources failed now."""
+        return await self._failures.set_budget(checkpoint, max_attempts)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""

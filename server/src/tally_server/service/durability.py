@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tally_server.domain.checkpoint import Checkpoint, WriterState
@@ -56,6 +56,8 @@ class Durability:
         self.finalizers: set[asyncio.Task[None]] = set()
         # Un-completes whose commit failed, by checkpoint: retried until they are durable.
         self.undeleted: dict[str, set[str]] = {}
+        # Failure budgets' hook: sources completed lose their failed attempts (set by the service).
+        self.on_failures_completed: Callable[[Checkpoint, Sequence[str]], None] | None = None
 
     async def commit(
         self, session: Session, changes: Sequence[CompletionOp] = ()
@@ -142,7 +144,14 @@ class Durability:
             )
         )
 
-    def cursors_done(self, cp: Checkpoint, sources: Sequence[str]) -> None:
+    def completed_cleanup(self, cp: Checkpoint, sources: Sequence[str]) -> None:
+        """Sources completed: their cursors and failed attempts go (behind the answer)."""
+        if cp.failures and self.on_failures_completed is not None:
+            self.on_failures_completed(cp, sources)
+        if cp.cursored:
+            self._cursors_done(cp, sources)
+
+    def _cursors_done(self, cp: Checkpoint, sources: Sequence[str]) -> None:
         """Sources completed: delete their cursors (behind; a completed source's is never shown)."""
         done = cp.cursored.intersection(sources)
         if not done:
@@ -183,8 +192,8 @@ class Durability:
             made_durable(cp.ids(), sources, session.writer_id)
             self.persisted(session, sources)
             self._core.stats.completions += len(sources)
-            if cp.cursored:
-                self.cursors_done(cp, sources)
+            if cp.cursored or cp.failures:
+                self.completed_cleanup(cp, sources)
         except Exception:
             session.failed_commits += 1
             self.revert(session, sources)

@@ -67,6 +67,8 @@ class Status:
             writers=writers,
             fingerprint=dict(cp.fingerprint),
             owner=self._core.owner_name,
+            failed_sources=cp.failed_count,
+            max_attempts=cp.max_attempts,
         )
 
     def gauges(self) -> dict[str, CheckpointGauges]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tally_server.domain.events import Severity
 from tally_server.domain.ledger import ApplyCounts
-from tally_server.domain.ports import WriterRecord
+from tally_server.domain.ports import FailedAttemptRecord, WriterRecord
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,8 @@ class CheckpointView:
     writers: list[WriterView]
     fingerprint: dict[str, str]
     owner: str = ""  # the replica applying its deltas (a PostgreSQL store's owner); "" on LMDB
+    failed_sources: int = 0  # at the failure budget and not completed
+    max_attempts: int = 0  # the failure budget; 0: unlimited
 
 
 @dataclass(frozen=True)
@@ -196,3 +198,31 @@ class CursorView:
     data: bytes = b""
     saved_at: float = 0.0
     writer_id: str = ""
+
+
+@dataclass(frozen=True)
+class ReportedFailure:
+    """A failed attempt counted: the attempts so far, and whether the source is failed now."""
+
+    attempts: int
+    failed: bool
+    max_attempts: int
+
+
+@dataclass(frozen=True)
+class SourceFailuresView:
+    """A source's failed attempts: how many, whether at the budget, the latest ones."""
+
+    source_id: str
+    attempts: int
+    failed: bool
+    recent: list[FailedAttemptRecord]
+
+
+@dataclass(frozen=True)
+class FailurePage:
+    """Sources with failed attempts, by source id; ``next_after`` pages on ("" on the last page)."""
+
+    sources: list[SourceFailuresView]
+    next_after: str
+    max_attempts: int

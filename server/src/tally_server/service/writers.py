@@ -149,8 +149,8 @@ class Writers:
             if effects.complete:
                 made_durable(cp.ids(), effects.complete, session.writer_id)
                 self.durability.persisted(session, effects.complete)
-                if cp.cursored:
-                    self.durability.cursors_done(cp, effects.complete)
+                if cp.cursored or cp.failures:
+                    self.durability.completed_cleanup(cp, effects.complete)
                 core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
             await session.notify()
@@ -192,6 +192,13 @@ class Writers:
             await core.registry_write(core.registry.save_cursors, records)
             cp.cursored.update(live)
         return SavedCursors(saved=len(live), completed=len(latest) - len(live))
+
+    def checkpoint_for(self, handle: str) -> tuple[Checkpoint, str]:
+        """The checkpoint of a live writer (its set loaded) and the writer's id; renews its lease."""
+        self._core.check_accepting()
+        session = self.session(handle)
+        self.renew(session)
+        return self._checkpoints[session.checkpoint], session.writer_id
 
     def settled(self, handle: str) -> bool:
         """Whether everything the writer applied is durable now: nothing settling or being committed.

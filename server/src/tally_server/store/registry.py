@@ -23,16 +23,20 @@ from tally_server.domain.ports import (
     CheckpointRecord,
     CursorRecord,
     EventRecord,
+    FailedAttemptRecord,
     ProgressRecord,
+    SourceFailuresRecord,
     WriterRecord,
 )
 from tally_server.errors import Unavailable
 from tally_server.store.registry_schema import (
+    budgets_table,
     checkpoint_record,
     checkpoints_table,
     cursors_table,
     event_record,
     events_table,
+    failures_table,
     metadata,
     progress_table,
     writer_record,
@@ -272,6 +276,85 @@ class SqlRegistry:
                 conn.execute(
                     sa.delete(cursors_table).where(c.checkpoint == checkpoint, c.source_id.in_(chunk))
                 )
+
+    # ---------------------------------------------------------------- failures
+
+    @_transient_as_unavailable
+    def record_failure(self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int) -> int:
+        """Count a failed attempt (keeping the latest ``keep`` reasons): the attempts so far."""
+        c = failures_table.c
+        entry = dataclasses.asdict(attempt)
+        with self._engine.begin() as conn:
+            row = conn.execute(
+                sa.select(c.attempts, c.recent).where(c.checkpoint == checkpoint, c.source_id == source_id)
+            ).first()
+            attempts = (int(row.attempts) if row is not None else 0) + 1
+            recent = ([*list(row.recent), entry] if row is not None else [entry])[-keep:]
+            self._upsert(
+                conn,
+                failures_table,
+                {
+                    "checkpoint": checkpoint,
+                    "source_id": source_id,
+                    "attempts": attempts,
+                    "recent": recent,
+                    "last_at": attempt.at,
+                },
+            )
+        return attempts
+
+    @_transient_as_unavailable
+    def list_failures(
+        self, checkpoint: str | None = None, source_ids: Sequence[str] | None = None
+    ) -> list[SourceFailuresRecord]:
+        """Sources with failed attempts, by checkpoint and source id (all checkpoints with None)."""
+        c = failures_table.c
+        query = sa.select(failures_table).order_by(c.checkpoint, c.source_id)
+        if checkpoint is not None:
+            query = query.where(c.checkpoint == checkpoint)
+        if source_ids is not None:
+            query = query.where(c.source_id.in_(list(source_ids)))
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            SourceFailuresRecord(
+                row.checkpoint,
+                row.source_id,
+                int(row.attempts),
+                [
+                    FailedAttemptRecord(str(a["reason"]), float(a["at"]), str(a["writer_id"]))
+                    for a in row.recent
+                ],
+            )
+            for row in rows
+        ]
+
+    @_transient_as_unavailable
+    def clear_failures(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
+        """Forget these sources' failed attempts (every one of the checkpoint with None)."""
+        c = failures_table.c
+        with self._engine.begin() as conn:
+            if source_ids is None:
+                conn.execute(sa.delete(failures_table).where(c.checkpoint == checkpoint))
+                return
+            ids = list(source_ids)
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                conn.execute(
+                    sa.delete(failures_table).where(c.checkpoint == checkpoint, c.source_id.in_(chunk))
+                )
+
+    @_transient_as_unavailable
+    def set_budget(self, checkpoint: str, max_attempts: int) -> None:
+        """Record a checkpoint's failure budget (0: unlimited)."""
+        with self._engine.begin() as conn:
+            self._upsert(conn, budgets_table, {"checkpoint": checkpoint, "max_attempts": max_attempts})
+
+    @_transient_as_unavailable
+    def list_budgets(self) -> dict[str, int]:
+        """Every checkpoint's failure budget that is set."""
+        with self._engine.connect() as conn:
+            return {row.checkpoint: int(row.max_attempts) for row in conn.execute(sa.select(budgets_table))}
 
     # -------------------------------------------------------------- lifecycle
 

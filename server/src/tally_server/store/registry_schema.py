@@ -95,6 +95,26 @@ cursors_table = sa.Table(
     sa.Column("writer_id", sa.String(), nullable=False),
 )
 
+# Failed attempts at sources (issue #12's failure budgets): a count and the latest reasons per
+# source, deleted when the source completes or is retried.
+failures_table = sa.Table(
+    "source_failures",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("source_id", sa.String(), primary_key=True),
+    sa.Column("attempts", _Count, nullable=False),
+    sa.Column("recent", _Json, nullable=False),  # [{"reason", "at", "writer_id"}], oldest first
+    sa.Column("last_at", _Time, nullable=False),
+)
+
+# A checkpoint's failure budget: failed attempts after which a source is failed (absent: unlimited).
+budgets_table = sa.Table(
+    "failure_budgets",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("max_attempts", _Count, nullable=False),
+)
+
 
 def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
     """A ``checkpoints`` row as a checkpoint record."""
