@@ -130,7 +130,9 @@ class Writer(WriterBase):
         Raises:
             LeaseLost: The coordinator dropped this writer.
             InvalidArgument: A batch (or an ``apply_deltas`` call) was refused; the writer stopped.
+                Or the coordinator refused the cursors: they are dropped, the writer goes on.
             Unavailable: Not done within the timeout; the sender keeps retrying in the background.
+                Cursors not saved stay buffered for the next flush.
         """
         deadline = Deadline(self._timeout(timeout))
         with self._lock:
