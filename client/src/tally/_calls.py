@@ -44,6 +44,11 @@ T_co = TypeVar("T_co", covariant=True)
 ARE_COMPLETED_CHUNK = 10_000
 # Ids per ImportCompleted call: well under the server's ids-per-call limit and gRPC's message cap.
 IMPORT_CHUNK = 50_000
+# The most bytes of one cursor (SaveCursors refuses more with INVALID_ARGUMENT).
+MAX_CURSOR_BYTES = 4096
+# Cursor bytes per SaveCursors call: one call in practice (256 full-size cursors), always far
+# under gRPC's 4 MiB message cap.
+CURSORS_CHUNK_BYTES = 1 << 20
 
 
 class Call(Generic[T_co]):
@@ -137,6 +142,52 @@ class CloseWriter(Call[CloseResult]):
     @property
     def what(self) -> str:
         return f"close writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class CursorsSaved:
+    """A SaveCursors answer: cursors written (durable now), and cursors not written because their
+    source is completed already (a completed source has no cursor)."""
+
+    saved: int
+    completed: int
+
+
+@dataclass(frozen=True)
+class SaveCursors(Call[CursorsSaved]):
+    """The latest cursor of each source, in order; ``writer_id`` only names the writer in errors.
+
+    Safe to retry: a resent cursor replaces itself.
+    """
+
+    handle: str
+    cursors: Sequence[tuple[str, bytes]]
+    writer_id: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"save {len(self.cursors)} cursors of writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class SavedCursor:
+    """A GetCursor answer that found a cursor: its bytes, when it was saved and by which writer."""
+
+    data: bytes
+    saved_at: float = 0.0
+    writer_id: str = ""
+
+
+@dataclass(frozen=True)
+class GetCursor(Call[SavedCursor | None]):
+    """Answers None when the source has no cursor (never saved, or the source is completed)."""
+
+    checkpoint: str
+    source_id: str
+
+    @property
+    def what(self) -> str:
+        return f"get the cursor of {self.source_id!r} in {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -310,6 +361,56 @@ def reset(name: str, force: bool) -> Plan[ResetResult]:
             err.details,
         ) from None
     return result
+
+
+def cursor_bytes(source_id: object, data: object) -> bytes:
+    """Check a cursor locally and return an immutable copy of its bytes.
+
+    Raises:
+        TypeError: ``source_id`` is not a string, or ``data`` is not bytes-like.
+        ValueError: ``source_id`` is empty, or ``data`` is longer than :data:`MAX_CURSOR_BYTES`.
+    """
+    if not isinstance(source_id, str):
+        raise TypeError(f"a cursor's source id must be a string, got {source_id!r}")
+    if not source_id:
+        raise ValueError("a cursor's source id must be a non-empty string")
+    if isinstance(data, str):
+        raise TypeError(f"a cursor is bytes, not str: encode it first (e.g. {data[:20]!r}.encode())")
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]  # checked right here
+    except TypeError:
+        raise TypeError(f"a cursor is bytes-like, got {type(data).__name__}") from None
+    if view.nbytes > MAX_CURSOR_BYTES:
+        raise ValueError(
+            f"the cursor of {source_id!r} is {view.nbytes} bytes; a cursor holds at most "
+            f"{MAX_CURSOR_BYTES} bytes (4 KiB): save an offset, not the data"
+        )
+    return view.tobytes()
+
+
+def cursor_chunks(cursors: Sequence[tuple[str, bytes]]) -> list[list[tuple[str, bytes]]]:
+    """Split cursors into SaveCursors calls of at most :data:`CURSORS_CHUNK_BYTES` of data each."""
+    chunks: list[list[tuple[str, bytes]]] = []
+    size = 0
+    for source_id, data in cursors:
+        if not chunks or (chunks[-1] and size + len(data) > CURSORS_CHUNK_BYTES):
+            chunks.append([])
+            size = 0
+        chunks[-1].append((source_id, data))
+        size += len(data)
+    return chunks
+
+
+def get_cursor(checkpoint: str, source_id: str) -> Plan[bytes | None]:
+    """The cursor's bytes, or None when the source has none; ``source_id`` is checked now."""
+    if not isinstance(source_id, str) or not source_id:
+        raise InvalidArgument(f"source_id must be a non-empty string, got {source_id!r}")
+    return _get_cursor(GetCursor(checkpoint, source_id))
+
+
+def _get_cursor(call: GetCursor) -> Plan[bytes | None]:
+    found: SavedCursor | None = yield call
+    return None if found is None else found.data
 
 
 def drive(plan: Plan[T], send: Callable[[Call[Any]], Any]) -> T:

@@ -86,6 +86,9 @@ class FakeTransport:
         # list is raised at that point instead.
         self.watch_script: deque[list[CheckpointStatus | TallyError]] = deque()
         self.watch_closed = 0
+        # Cursors saved: source id -> (data, writer handle); every SaveCursors call's cursors.
+        self.cursors: dict[str, tuple[bytes, str]] = {}
+        self.cursor_calls: list[list[tuple[str, bytes]]] = []
 
     # ---------------------------------------------------------------- scripting
 
@@ -143,6 +146,8 @@ class FakeTransport:
                 c.checkpoint, c.source_ids, c.import_id, timeout
             ),
             calls.ResetCheckpoint: lambda c: self.reset_checkpoint(c.name, c.force, timeout),
+            calls.SaveCursors: lambda c: self.save_cursors(c.handle, c.cursors, timeout),
+            calls.GetCursor: lambda c: self.get_cursor(c.checkpoint, c.source_id, timeout),
         }
         return cast(T, operations[type(call)](call))
 
@@ -240,6 +245,31 @@ class FakeTransport:
         self.args["reset_checkpoint"].append((name, force))
         self._enter("reset_checkpoint")
         return ResetResult(f".trash/{name}/t", 2, 1 if force else 0)
+
+    def save_cursors(
+        self, handle: str, cursors: Sequence[tuple[str, bytes]], timeout: float
+    ) -> calls.CursorsSaved:
+        with self._cond:
+            self.cursor_calls.append(list(cursors))
+        self._enter("save_cursors")
+        saved = completed = 0
+        with self._cond:
+            for source_id, data in cursors:
+                if source_id in self.completed:  # a completed source has no cursor
+                    completed += 1
+                    continue
+                self.cursors[source_id] = (bytes(data), handle)
+                saved += 1
+        return calls.CursorsSaved(saved, completed)
+
+    def get_cursor(self, checkpoint: str, source_id: str, timeout: float) -> calls.SavedCursor | None:
+        self.args["get_cursor"].append((checkpoint, source_id))
+        self._enter("get_cursor")
+        with self._cond:
+            if source_id in self.completed or source_id not in self.cursors:
+                return None
+            data, handle = self.cursors[source_id]
+        return calls.SavedCursor(data, 1.0, handle)
 
     def watch_stream(
         self, checkpoint: str, interval_ms: int, timeout: float

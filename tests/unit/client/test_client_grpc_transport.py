@@ -145,6 +145,19 @@ class Servicer(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writers")
         return pb.ResetCheckpointResponse(moved_to=".trash/x/1", files_moved=3, writers_closed=1)
 
+    def SaveCursors(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("SaveCursors", request, context)
+        if any(len(c.data) > 4096 for c in request.cursors):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a cursor holds at most 4096 bytes")
+        done = sum(c.source_id.startswith("done") for c in request.cursors)
+        return pb.SaveCursorsResponse(saved=len(request.cursors) - done, completed=done)
+
+    def GetCursor(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("GetCursor", request, context)
+        if request.source_id == "never":
+            return pb.GetCursorResponse(found=False)
+        return pb.GetCursorResponse(found=True, data=b"\x00row=7", saved_at=3.5, writer_id="w1")
+
 
 def checkpoint_pb(name: str) -> Any:
     writer = pb.WriterStatus(
@@ -448,3 +461,25 @@ def test_client_status_methods_over_grpc(grpc_server: tuple[str, Servicer]) -> N
         stream = client.watch("cp", interval_s=0.5)
         assert [next(stream).completed_count for _ in range(4)] == [0, 1, 2, 0]  # reconnected once
         stream.close()  # type: ignore[attr-defined]
+
+
+def test_cursor_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> None:
+    target, servicer = grpc_server
+    transport = GrpcTransport(target)
+    try:
+        saved = transport.send(calls.SaveCursors("h1", [("a", b"\x00\x01"), ("done-1", b"")], "w1"), 5)
+        assert saved == calls.CursorsSaved(saved=1, completed=1)
+        with pytest.raises(tally.InvalidArgument, match="4096"):
+            transport.send(calls.SaveCursors("h1", [("a", bytes(4097))]), 5)
+        found = transport.send(calls.GetCursor("cp", "a"), 5)
+        assert found == calls.SavedCursor(b"\x00row=7", 3.5, "w1")
+        assert transport.send(calls.GetCursor("cp", "never"), 5) is None
+    finally:
+        transport.close()
+    requests = [(name, req) for name, req, _ in servicer.requests]
+    save = requests[0][1]
+    assert save.handle == "h1" and [(c.source_id, c.data) for c in save.cursors] == [
+        ("a", b"\x00\x01"),
+        ("done-1", b""),
+    ]
+    assert (requests[2][1].checkpoint, requests[2][1].source_id) == ("cp", "a")

@@ -126,6 +126,15 @@ class Recorder:
             ),
             ("POST", "/v1/import"): (200, {"imported": 2, "completed_count": 7}),
             ("POST", "/v1/reset"): (200, {"moved_to": ".trash/cp/1", "files_moved": 2, "writers_closed": 0}),
+            ("POST", "/v1/writers/h%2F1/cursors"): (200, {"saved": 1, "completed": 1}),
+            ("GET", "/v1/cursors?checkpoint=cp%2Fa&source_id=s+1"): (
+                200,
+                {"found": True, "data": "AHJvdz03", "saved_at": 3.5, "writer_id": "w1"},
+            ),
+            ("GET", "/v1/cursors?checkpoint=cp%2Fa&source_id=never"): (
+                200,
+                {"found": False, "data": "", "saved_at": 0.0, "writer_id": ""},
+            ),
             ("GET", "/v1/watch?checkpoint=cp&interval_ms=250"): (
                 200,
                 SseBody(
@@ -476,3 +485,17 @@ def test_client_pages_completed_and_watches_over_http(http_server: tuple[str, Re
         # The server ends the stream after two events; the client reconnects and carries on.
         assert [next(stream).completed_count for _ in range(3)] == [1, 2, 1]
         stream.close()  # type: ignore[attr-defined]
+
+
+def test_cursor_routes_follow_the_json_contract(http_server: tuple[str, Recorder]) -> None:
+    base, recorder = http_server
+    transport = HttpTransport(base)
+    saved = transport.send(calls.SaveCursors("h/1", [("a", b"\x00\x01"), ("done", b"")], "w1"), 5)
+    assert saved == calls.CursorsSaved(saved=1, completed=1)
+    assert transport.send(calls.GetCursor("cp/a", "s 1"), 5) == calls.SavedCursor(b"\x00row=7", 3.5, "w1")
+    assert transport.send(calls.GetCursor("cp/a", "never"), 5) is None
+    transport.close()
+    bodies = {path: body for method, path, _, body in recorder.requests if method == "POST"}
+    assert bodies["/v1/writers/h%2F1/cursors"] == {
+        "cursors": [{"source_id": "a", "data": "AAE="}, {"source_id": "done", "data": ""}]
+    }

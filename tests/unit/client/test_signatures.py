@@ -16,6 +16,7 @@ ASYNC_METHODS = {
         "checkpoint",
         "checkpoints",
         "close",
+        "cursor",
         "events",
         "import_completed",
         "progress",
@@ -23,7 +24,7 @@ ASYNC_METHODS = {
         "reset",
         "writers",
     },
-    (tally.Writer, tally.AsyncWriter): {"open", "are_completed", "flush", "close"},
+    (tally.Writer, tally.AsyncWriter): {"open", "are_completed", "cursor", "flush", "close"},
 }
 PAIRS = list(ASYNC_METHODS)
 

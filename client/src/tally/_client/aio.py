@@ -96,6 +96,10 @@ class AsyncClient(BaseClient):
         """Which of ``ids`` are completed in ``checkpoint``. See :meth:`Client.are_completed`."""
         return await self._run(self._are_completed_plan(checkpoint, ids))
 
+    async def cursor(self, checkpoint: str, source_id: str) -> bytes | None:
+        """The cursor last saved for a source. See :meth:`Client.cursor`."""
+        return await self._run(self._cursor_plan(checkpoint, source_id))
+
     async def checkpoint(self, name: str) -> CheckpointStatus:
         """Status of one checkpoint. See :meth:`Client.checkpoint`."""
         return await self._run(self._checkpoint_plan(name))

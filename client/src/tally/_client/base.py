@@ -231,6 +231,9 @@ class BaseClient:
         self._check_open()
         return calls.are_completed(checkpoint, ids)
 
+    def _cursor_plan(self, checkpoint: str, source_id: str) -> calls.Plan[bytes | None]:
+        return calls.get_cursor(self._name(checkpoint), source_id)
+
     def _checkpoint_plan(self, name: str) -> calls.Plan[CheckpointStatus]:
         self._check_open()
         return calls.single(calls.GetCheckpoint(name))

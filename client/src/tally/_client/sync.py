@@ -144,6 +144,19 @@ class Client(BaseClient):
         """
         return self._run(self._are_completed_plan(checkpoint, ids))
 
+    def cursor(self, checkpoint: str, source_id: str) -> bytes | None:
+        """The cursor last saved for a source by any writer of ``checkpoint`` (see
+        :meth:`Writer.save_cursor`); no writer needed.
+
+        Returns:
+            The cursor's bytes, or None: never saved, or the source is completed.
+
+        Raises:
+            InvalidArgument: An empty checkpoint name or source id.
+            Unavailable: No answer within the timeout.
+        """
+        return self._run(self._cursor_plan(checkpoint, source_id))
+
     def checkpoint(self, name: str) -> CheckpointStatus:
         """Status of one checkpoint.
 

@@ -217,6 +217,18 @@ def reset_result_from_pb(msg: pb.ResetCheckpointResponse) -> ResetResult:
     return ResetResult(moved_to=msg.moved_to, files_moved=msg.files_moved, writers_closed=msg.writers_closed)
 
 
+def save_cursors_request(call: calls.SaveCursors) -> pb.SaveCursorsRequest:
+    return pb.SaveCursorsRequest(
+        handle=call.handle, cursors=[pb.Cursor(source_id=s, data=d) for s, d in call.cursors]
+    )
+
+
+def cursor_from_pb(msg: pb.GetCursorResponse) -> calls.SavedCursor | None:
+    if not msg.found:
+        return None
+    return calls.SavedCursor(data=msg.data, saved_at=msg.saved_at, writer_id=msg.writer_id)
+
+
 def watch_request(call: calls.WatchCheckpoint) -> pb.WatchCheckpointRequest:
     return pb.WatchCheckpointRequest(checkpoint=call.checkpoint, interval_ms=call.interval_ms)
 
@@ -327,4 +339,16 @@ _add(
     lambda stub: stub.ResetCheckpoint,
     lambda c: pb.ResetCheckpointRequest(name=c.name, force=c.force),
     reset_result_from_pb,
+)
+_add(
+    calls.SaveCursors,
+    lambda stub: stub.SaveCursors,
+    save_cursors_request,
+    lambda r: calls.CursorsSaved(saved=r.saved, completed=r.completed),
+)
+_add(
+    calls.GetCursor,
+    lambda stub: stub.GetCursor,
+    lambda c: pb.GetCursorRequest(checkpoint=c.checkpoint, source_id=c.source_id),
+    cursor_from_pb,
 )

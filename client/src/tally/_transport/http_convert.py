@@ -9,6 +9,8 @@ ValueError, which the transport reports as ``Internal``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -104,6 +106,15 @@ def are_completed_body(checkpoint: str, source_ids: Sequence[str]) -> dict[str, 
 
 def import_completed_body(checkpoint: str, source_ids: Sequence[str], import_id: str) -> dict[str, Any]:
     return {"checkpoint": checkpoint, "source_ids": list(source_ids), "import_id": import_id}
+
+
+def save_cursors_body(cursors: Sequence[tuple[str, bytes]]) -> dict[str, Any]:
+    return {
+        "cursors": [
+            {"source_id": source_id, "data": base64.b64encode(data).decode("ascii")}
+            for source_id, data in cursors
+        ]
+    }
 
 
 def reset_body(name: str, force: bool) -> dict[str, Any]:
@@ -319,6 +330,27 @@ def import_result_from_json(body: Any) -> ImportResult:
     return ImportResult(imported=int(obj["imported"]), completed_count=int(obj["completed_count"]))
 
 
+def cursors_saved_from_json(body: Any) -> calls.CursorsSaved:
+    obj = _obj(body)
+    return calls.CursorsSaved(saved=int(obj.get("saved", 0)), completed=int(obj.get("completed", 0)))
+
+
+def cursor_from_json(body: Any) -> calls.SavedCursor | None:
+    obj = _obj(body)
+    if obj.get("found") is not True:
+        return None
+    text = obj.get("data") or ""
+    if not isinstance(text, str):
+        raise TypeError("'data' must be a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except binascii.Error as err:
+        raise ValueError(f"'data' is not base64: {err}") from None
+    return calls.SavedCursor(
+        data=data, saved_at=float(obj.get("saved_at", 0.0)), writer_id=str(obj.get("writer_id") or "")
+    )
+
+
 def reset_result_from_json(body: Any) -> ResetResult:
     obj = _obj(body)
     return ResetResult(
@@ -401,4 +433,17 @@ _add(
     lambda c: "/v1/reset",
     reset_result_from_json,
     lambda c: reset_body(c.name, c.force),
+)
+_add(
+    calls.SaveCursors,
+    "POST",
+    lambda c: writer_path(c.handle, "cursors"),
+    cursors_saved_from_json,
+    lambda c: save_cursors_body(c.cursors),
+)
+_add(
+    calls.GetCursor,
+    "GET",
+    lambda c: _query("/v1/cursors", {"checkpoint": c.checkpoint, "source_id": c.source_id}),
+    cursor_from_json,
 )

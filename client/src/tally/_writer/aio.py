@@ -18,7 +18,7 @@ from tally._types import CloseResult, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
-from tally.errors import NotFound, TallyError
+from tally.errors import InvalidArgument, LeaseLost, NotFound, TallyError
 
 logger = logging.getLogger("tally._writer")
 
@@ -43,6 +43,8 @@ class AsyncWriter(WriterBase):
         self._waiters: list[asyncio.Future[None]] = []  # touched only on the loop thread
         self._tasks: list[asyncio.Task[None]] = []
         self._lifecycle = asyncio.Lock()
+        # One SaveCursors at a time: an older value must never land after a newer one.
+        self._cursor_send = asyncio.Lock()
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -143,8 +145,18 @@ class AsyncWriter(WriterBase):
         plan = calls.are_completed(self.checkpoint, ids)
         return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
+    async def cursor(self, source_id: str) -> bytes | None:
+        """The buffered cursor of ``source_id``, else the saved one. See :meth:`Writer.cursor`."""
+        plan = calls.get_cursor(self.checkpoint, source_id)
+        with self._lock:
+            pending = self._core.cursors.get(source_id)
+        if pending is not None:
+            plan.close()
+            return pending
+        return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
     async def flush(self, timeout: float | None = None) -> None:
-        """Barrier over everything applied so far. See :meth:`Writer.flush`."""
+        """Barrier over everything applied so far; saves the cursors. See :meth:`Writer.flush`."""
         deadline = Deadline(self._timeout(timeout))
         with self._lock:
             handle = self._core.require_handle("flush")
@@ -155,9 +167,10 @@ class AsyncWriter(WriterBase):
                 raise self._core.barrier_timeout(target, deadline.timeout, "flush")
         with self._lock:
             self._core.raise_if_stopped()
-            if self._core.settled_through(target):
-                return  # the answer to the last batch said all of it is durable
-        await self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+            settled = self._core.settled_through(target)
+        if not settled:  # else the answer to the last batch said all of it is durable
+            await self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+        await self._save_cursors(handle, deadline, "flushing")
 
     async def close(self, timeout: float | None = None) -> CloseResult:
         """Deliver buffered deltas, close on the coordinator, stop the tasks. See :meth:`Writer.close`."""
@@ -197,10 +210,38 @@ class AsyncWriter(WriterBase):
             if self._core.lease_lost:
                 self._core.raise_if_stopped()
             refused = self._core.stop_error
+        try:
+            await self._save_cursors(handle, deadline, "closing")
+        except LeaseLost:
+            raise
+        except TallyError as err:
+            with self._lock:
+                self._core.drop_cursors(f"close could not save them: {err.message}")
+            try:  # the deltas are delivered: free the writer id now all the same
+                await self._call(close, self._close_grace())
+            except TallyError as close_err:
+                log_close_anyway_failed(self.writer_id, close_err)
+            raise
         result = await self._call_as_writer(close, deadline, "closing")
         if refused is not None:
             raise fresh(refused)
         return result
+
+    async def _save_cursors(self, handle: str, deadline: Deadline, during: str) -> None:
+        """Send the buffered cursors. See :meth:`Writer._save_cursors`."""
+        async with self._cursor_send:
+            with self._lock:
+                pending = self._core.pending_cursors()
+            for chunk in calls.cursor_chunks(pending):
+                call = calls.SaveCursors(handle, chunk, self.writer_id)
+                try:
+                    await self._call_as_writer(call, deadline, during)
+                except InvalidArgument as err:
+                    with self._lock:
+                        self._core.cursors_refused(chunk, err)
+                    raise
+                with self._lock:
+                    self._core.cursors_saved(chunk)
 
     async def _call(self, call: calls.Call[T], deadline: Deadline) -> T:
         return await async_send(self._transport, call, self._policy, deadline)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline
 from tally._types import CloseResult, Delta, WriterHealth, WriterSpec
@@ -100,6 +101,27 @@ class WriterBase:
             return
         if items:
             self._enqueue(items)
+
+    def save_cursor(self, source_id: str, data: bytes) -> None:
+        """Remember where this run got to inside a long source (a row or byte offset...). No I/O.
+
+        The latest cursor of each source is buffered and saved on the coordinator by the next
+        ``flush()`` (durable when it returns) or ``close()``; a flush that cannot reach the
+        coordinator keeps them for the next one. A saved cursor survives coordinator restarts and
+        writer changes, and goes when its source completes. Read it back with :meth:`cursor`.
+
+        Args:
+            source_id: The source, as in ``apply_deltas``.
+            data: At most 4096 bytes, opaque to Tally (e.g. ``str(row).encode()``).
+
+        Raises:
+            TypeError: ``source_id`` is not a string or ``data`` is not bytes-like.
+            ValueError: ``source_id`` is empty or ``data`` is longer than 4096 bytes.
+            FailedPrecondition: The writer is closed.
+        """
+        value = calls.cursor_bytes(source_id, data)
+        with self._lock:
+            self._core.save_cursor(source_id, value)
 
     def health(self) -> WriterHealth:
         """A snapshot of the writer's client-side state (no I/O).

@@ -122,6 +122,9 @@ class WriterCore:
         self._overflow_warned = False
         self._drop_warned = False
         self.close_outcome: object = None  # the CloseResult or TallyError of the first close()
+        # The latest cursor of each source not yet saved on the coordinator (flush and close send
+        # them); an entry goes once the value saved is still the latest.
+        self.cursors: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ identity and health
 
@@ -297,6 +300,7 @@ class WriterCore:
             lost = lease_lost_error(self.writer_id, self.checkpoint, err, during, self.buffered())
             self._stop(lost, discard=True)
             self.stopping = True
+            self.drop_cursors("lease lost")
         assert isinstance(self.stop_error, LeaseLost)
         return self.stop_error
 
@@ -306,6 +310,47 @@ class WriterCore:
         self.last_error = f"INTERNAL: {name} crashed: {exc!r}"
         self._stop(Internal(f"tally writer {self.writer_id!r}: {name} crashed: {exc!r}"), discard=True)
         self.stopping = True
+
+    # ------------------------------------------------------------------ cursors
+
+    def save_cursor(self, source_id: str, data: bytes) -> None:
+        """Buffer ``data`` (checked already) as the latest cursor of ``source_id``."""
+        if self.phase in (Phase.CLOSING, Phase.CLOSED):
+            raise FailedPrecondition(
+                f"tally writer {self.writer_id!r} is closed; save_cursor() is not possible"
+            )
+        self.cursors[source_id] = data
+
+    def pending_cursors(self) -> list[tuple[str, bytes]]:
+        return list(self.cursors.items())
+
+    def cursors_saved(self, sent: Sequence[tuple[str, bytes]]) -> None:
+        """``sent`` is durable: forget each cursor not replaced since it was sent."""
+        for source_id, data in sent:
+            if self.cursors.get(source_id) == data:
+                del self.cursors[source_id]
+
+    def cursors_refused(self, sent: Sequence[tuple[str, bytes]], err: TallyError) -> None:
+        """The coordinator refused ``sent`` (not a lost connection): resending would fail again."""
+        self.last_error = describe(err)
+        logger.error(
+            "tally writer %s: the coordinator refused %d cursors (%s); they are dropped",
+            self.writer_id,
+            len(sent),
+            err.message,
+        )
+        self.cursors_saved(sent)
+
+    def drop_cursors(self, why: str) -> None:
+        if self.cursors:
+            logger.warning(
+                "tally writer %s: %s; %d cursors not saved (those sources resume from their last "
+                "saved cursor)",
+                self.writer_id,
+                why,
+                len(self.cursors),
+            )
+            self.cursors.clear()
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -395,6 +440,7 @@ class WriterCore:
                     "tally writer %s closed unopened; discarding %d deltas", self.writer_id, len(self.pending)
                 )
                 self._stop(FailedPrecondition("writer closed before it was opened"), discard=True)
+            self.drop_cursors("closed unopened")
             return None
         self.phase = Phase.CLOSING
         self._accepting = False
@@ -410,6 +456,7 @@ class WriterCore:
             err.message,
         )
         self._stop(err, discard=True)
+        self.drop_cursors("close timed out")
         return err
 
     def finish_close(self) -> None:

@@ -16,7 +16,7 @@ from tally._types import CloseResult, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
-from tally.errors import NotFound, TallyError
+from tally.errors import InvalidArgument, LeaseLost, NotFound, TallyError
 
 logger = logging.getLogger("tally._writer")
 
@@ -39,6 +39,8 @@ class Writer(WriterBase):
         self._transport = transport
         self._threads: list[threading.Thread] = []
         self._lifecycle = threading.Lock()  # serializes open() and close()
+        # One SaveCursors at a time: an older value must never land after a newer one.
+        self._cursor_send = threading.Lock()
 
     def __enter__(self) -> Self:
         self.open()
@@ -99,8 +101,28 @@ class Writer(WriterBase):
         plan = calls.are_completed(self.checkpoint, ids)
         return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
+    def cursor(self, source_id: str) -> bytes | None:
+        """The cursor of ``source_id``: the one buffered by :meth:`save_cursor` if not saved yet,
+        else the one last saved on the checkpoint by any writer.
+
+        Returns:
+            The cursor's bytes, or None: never saved, or the source is completed.
+
+        Raises:
+            InvalidArgument: ``source_id`` is not a non-empty string.
+            Unavailable: No answer within the client's timeout.
+        """
+        plan = calls.get_cursor(self.checkpoint, source_id)
+        with self._lock:
+            pending = self._core.cursors.get(source_id)
+        if pending is not None:
+            plan.close()
+            return pending
+        return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every delta given before this call is applied and its completions are durable.
+        """Wait until every delta given before this call is applied and its completions are durable,
+        and save the cursors given before it (:meth:`save_cursor`).
 
         Args:
             timeout: Seconds to wait; defaults to the client's timeout.
@@ -108,7 +130,9 @@ class Writer(WriterBase):
         Raises:
             LeaseLost: The coordinator dropped this writer.
             InvalidArgument: A batch (or an ``apply_deltas`` call) was refused; the writer stopped.
+                Or the coordinator refused the cursors: they are dropped, the writer goes on.
             Unavailable: Not done within the timeout; the sender keeps retrying in the background.
+                Cursors not saved stay buffered for the next flush.
         """
         deadline = Deadline(self._timeout(timeout))
         with self._lock:
@@ -118,9 +142,10 @@ class Writer(WriterBase):
             if not self._changed.wait_for(lambda: self._core.barrier_reached(target), deadline.remaining()):
                 raise self._core.barrier_timeout(target, deadline.timeout, "flush")
             self._core.raise_if_stopped()
-            if self._core.settled_through(target):
-                return  # the answer to the last batch said all of it is durable
-        self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+            settled = self._core.settled_through(target)
+        if not settled:  # else the answer to the last batch said all of it is durable
+            self._call_as_writer(calls.Flush(handle, self.writer_id), deadline, "flushing")
+        self._save_cursors(handle, deadline, "flushing")
 
     def close(self, timeout: float | None = None) -> CloseResult:
         """Deliver buffered deltas, close the writer on the coordinator and stop the threads.
@@ -176,10 +201,38 @@ class Writer(WriterBase):
             except TallyError as err:
                 log_close_anyway_failed(self.writer_id, err)
             raise abandoned
+        try:
+            self._save_cursors(handle, deadline, "closing")
+        except LeaseLost:
+            raise
+        except TallyError as err:
+            with self._lock:
+                self._core.drop_cursors(f"close could not save them: {err.message}")
+            try:  # the deltas are delivered: free the writer id now all the same
+                self._call(close, self._close_grace())
+            except TallyError as close_err:
+                log_close_anyway_failed(self.writer_id, close_err)
+            raise
         result = self._call_as_writer(close, deadline, "closing")
         if refused is not None:
             raise fresh(refused)
         return result
+
+    def _save_cursors(self, handle: str, deadline: Deadline, during: str) -> None:
+        """Send the buffered cursors (one call unless there are very many); they stay buffered
+        unless the coordinator saved them or refused them."""
+        with self._cursor_send:
+            with self._lock:
+                pending = self._core.pending_cursors()
+            for chunk in calls.cursor_chunks(pending):
+                try:
+                    self._call_as_writer(calls.SaveCursors(handle, chunk, self.writer_id), deadline, during)
+                except InvalidArgument as err:
+                    with self._lock:
+                        self._core.cursors_refused(chunk, err)
+                    raise
+                with self._lock:
+                    self._core.cursors_saved(chunk)
 
     def _call(self, call: calls.Call[T], deadline: Deadline) -> T:
         return send(self._transport, call, self._policy, deadline)

@@ -26,6 +26,21 @@ Outcomes and their deltas (DESIGN §2):
 - ``task.drop()``: filtered, ``-1``.
 - ``task.failed()``: ``0``; the task stays open, so the source is not completed and replays.
 
+Long sources. ``tracker.save_cursor(source, data)`` remembers where the run got to inside a source
+(a row or byte offset, at most 4 KiB) and the next ``writer.flush()`` makes it durable;
+``tracker.cursor(source)`` reads it back, in this run or a later one (None once the source is
+completed), so a rerun resumes mid-source instead of redoing it::
+
+    for source in tracker.todo(sources):
+        task = tracker.start(source)
+        start = int(tracker.cursor(source) or b"0")
+        for row in range(start, total_rows(source)):
+            write_row(source, row)
+            if row % 10_000 == 0:
+                tracker.save_cursor(source, str(row + 1).encode())
+                writer.flush()
+        task.done()
+
 A task's outcome delta is keyed on ``<id>_0``, the id of its first child slot (NeMo Curator keys a
 fan-out on its first child's id), so one task has one key whatever its outcome: a task that
 ``failed()`` and is then retried within the run re-keys the same slot, which the coordinator
@@ -61,6 +76,10 @@ class _Writer(Protocol):
     def apply_deltas(self, deltas: Iterable[Delta]) -> None: ...
 
     def are_completed(self, ids: Iterable[str]) -> list[bool]: ...
+
+    def save_cursor(self, source_id: str, data: bytes) -> None: ...
+
+    def cursor(self, source_id: str) -> bytes | None: ...
 
 
 def root_task_id(source_id: str) -> str:
@@ -243,7 +262,8 @@ class Tracker(_Book):
     never raises (``flush()`` / ``close()`` report delivery problems).
 
     Args:
-        writer: An open writer (or anything with its ``apply_deltas`` and ``are_completed``).
+        writer: An open writer (or anything with its ``apply_deltas`` and ``are_completed``, and
+            ``save_cursor`` and ``cursor`` for cursors).
     """
 
     def __init__(self, writer: _Writer) -> None:
@@ -263,6 +283,28 @@ class Tracker(_Book):
             if not isinstance(sid, str) or not sid:
                 raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
         return [sid for sid, done in zip(ids, self.writer.are_completed(ids), strict=True) if not done]
+
+    def save_cursor(self, source_id: str, data: bytes) -> None:
+        """Remember where the run got to inside ``source_id`` (at most 4096 bytes, e.g. a row offset).
+
+        Buffered by the writer and durable once ``writer.flush()`` returns (``close()`` saves it
+        too); it survives coordinator restarts and writer changes and goes when the source
+        completes. No I/O.
+
+        Raises:
+            ValueError: ``source_id`` is empty or ``data`` is longer than 4096 bytes.
+            TypeError: ``data`` is not bytes-like.
+        """
+        if not isinstance(source_id, str) or not source_id:
+            raise ValueError(f"a source id must be a non-empty string, got {source_id!r}")
+        self.writer.save_cursor(source_id, data)
+
+    def cursor(self, source_id: str) -> bytes | None:
+        """Where a run got to inside ``source_id``: the latest cursor saved by this run or an
+        earlier one, or None (never saved, or the source is completed)."""
+        if not isinstance(source_id, str) or not source_id:
+            raise ValueError(f"a source id must be a non-empty string, got {source_id!r}")
+        return self.writer.cursor(source_id)
 
     def start(self, source_id: str) -> Task:
         """Begin a source: its root task (delta ``+1``, keyed on the root task's id).
