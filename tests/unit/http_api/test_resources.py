@@ -37,6 +37,8 @@ CHECKPOINT = {
     "last_activity_at",
     "writers",
     "fingerprint",
+    "failed_sources",
+    "max_attempts",
 }
 
 
