@@ -158,3 +158,31 @@ def test_cursors_over_http_travel_as_base64_and_a_reset_clears_them(tmp_path: Pa
         assert reset.status_code == 200, reset.text
         gone = http.get("/v1/cursors", params={"checkpoint": "cur/http", "source_id": "s"}, headers=reader)
         assert gone.json() == {"found": False, "data": "", "saved_at": 0.0, "writer_id": ""}
+
+
+def test_the_sdk_saves_a_cursor_at_flush_and_a_new_writer_resumes_from_it_after_a_kill(
+    tmp_path: Path, store: str | None
+) -> None:
+    """``save_cursor`` buffers; ``flush()`` makes it durable: a kill -9 right after loses nothing, and
+    the next writer (another id, another coordinator process) reads it; completing the source ends it."""
+    import tally
+
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0, store=store) as server:
+        with tally.Client(server.grpc_address) as client:
+            w = client.writer("cur/sdk", writer_id="first")
+            w.open()
+            w.apply_deltas(tree("big")[:1])
+            w.save_cursor("big", b"offset=4096")
+            assert client.cursor("cur/sdk", "big") is None  # buffered in the writer, not sent yet
+            assert w.cursor("big") == b"offset=4096"
+            w.flush()
+            assert client.cursor("cur/sdk", "big") == b"offset=4096"
+            server.kill()
+    with running_server(data, settle_ms=0, store=store) as again, tally.Client(again.grpc_address) as client:
+        with client.writer("cur/sdk", writer_id="second") as w:
+            assert w.cursor("big") == b"offset=4096"
+            w.apply_deltas(tree("big"))
+            w.flush()
+            assert w.cursor("big") is None
+        assert client.cursor("cur/sdk", "big") is None
