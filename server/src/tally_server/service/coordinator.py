@@ -372,7 +372,7 @@ class CoordinatorService:
         limit: int = 0,
     ) -> FailurePage:
         """Sources with failed attempts, by source id: those asked about, or a page of all."""
-        return await self._failures.list(
+        return await self._failures.listing(
             checkpoint, source_ids=source_ids, failed_only=failed_only, after=after, limit=limit
         )
 

@@ -74,7 +74,7 @@ class Failures:
             )
         return ReportedFailure(attempts, failed, cp.max_attempts)
 
-    async def list(
+    async def listing(
         self,
         checkpoint: str,
         *,
@@ -101,9 +101,7 @@ class Failures:
         page = names if asked else names[:limit]
         records = await core.registry_read(core.registry.list_failures, checkpoint, page) if page else []
         views = [
-            SourceFailuresView(
-                r.source_id, r.attempts, bool(budget) and r.attempts >= budget, [a for a in r.recent]
-            )
+            SourceFailuresView(r.source_id, r.attempts, bool(budget) and r.attempts >= budget, list(r.recent))
             for r in records
         ]
         more = not asked and len(names) > limit
