@@ -300,6 +300,38 @@ def test_problems_are_highlighted_and_the_event_log_pages(tmp_path: Path, browse
         expect(card.get_by_test_id("unreadable")).to_have_class(re.compile(r"\bbad\b"))
 
 
+def test_failed_sources_show_on_their_checkpoint_and_its_card(tmp_path: Path, browser_page: Any) -> None:
+    """A checkpoint with a failure budget shows its failed sources in red; one without shows no tile."""
+    import grpc
+    from playwright.sync_api import expect
+
+    from tally.v1 import coordinator_pb2 as pb
+    from tally.v1 import coordinator_pb2_grpc as pb_grpc
+
+    with (
+        running_server(tmp_path / "data", settle_ms=0) as server,
+        grpc.insecure_channel(server.grpc_address) as ch,
+    ):
+        stub = pb_grpc.CoordinatorStub(ch)
+        stub.SetFailureBudget(pb.SetFailureBudgetRequest(checkpoint="poison/run", max_attempts=1))
+        handle = stub.OpenWriter(pb.OpenWriterRequest(checkpoint="poison/run", writer_id="w")).handle
+        stub.ReportFailure(pb.ReportFailureRequest(handle=handle, source_id="bad", reason="corrupt input"))
+        stub.OpenWriter(pb.OpenWriterRequest(checkpoint="fine/run", writer_id="w"))
+        page = browser_page
+        page.goto(server.http_url + "/#/checkpoint/poison/run")
+        expect(page.get_by_test_id("failed-value")).to_have_text("1")
+        expect(page.get_by_test_id("failed")).to_have_class(re.compile(r"\bbad\b"))
+        expect(page.get_by_test_id("failed")).to_contain_text("1 failed attempts each")
+        page.goto(server.http_url + "/#/checkpoint/fine/run")
+        expect(page.get_by_test_id("completed-value")).to_have_text("0")
+        expect(page.get_by_test_id("failed")).to_have_count(0)
+        page.get_by_text("All checkpoints").click()
+        card = page.locator("[data-testid='checkpoint-card'][data-name='poison/run']")
+        expect(card.get_by_test_id("failed")).to_have_class(re.compile(r"\bbad\b"))
+        fine = page.locator("[data-testid='checkpoint-card'][data-name='fine/run']")
+        expect(fine.get_by_test_id("failed")).to_have_count(0)
+
+
 def test_the_event_log_styles_each_event_by_its_severity(tmp_path: Path, browser_page: Any) -> None:
     """Warnings amber, errors red, the rest plain: from the severity the server sends, not the kind's name
     (a quarantined file and an ignored fingerprint mismatch have names no pattern of problems knew)."""

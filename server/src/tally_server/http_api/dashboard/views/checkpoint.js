@@ -72,6 +72,16 @@ function tiles(cp, rate, closed) {
       cp.unreadable_files > 0 ? "bad" : "",
       "unreadable",
     ),
+    // Failure budgets: shown once the checkpoint has a budget or a failed source.
+    cp.max_attempts > 0 || cp.failed_sources > 0
+      ? tile(
+          "Failed sources",
+          fmtInt(cp.failed_sources || 0),
+          `${fmtInt(cp.max_attempts)} failed attempts each; skipped until tally retry`,
+          cp.failed_sources > 0 ? "bad" : "",
+          "failed",
+        )
+      : null,
   );
 }
 

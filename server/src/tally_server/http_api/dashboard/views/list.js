@@ -39,6 +39,7 @@ function checkpointCard(cp) {
       cardFact(cp.live_writers, "live writers", "", "live-writers"),
       cardFact(cp.anomalies, "anomalies", "warn", "anomalies"),
       cardFact(cp.unreadable_files, "unreadable", "bad", "unreadable"),
+      cp.failed_sources > 0 ? cardFact(cp.failed_sources, "failed", "bad", "failed") : null,
     ),
     h(
       "div",
