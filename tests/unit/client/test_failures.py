@@ -14,7 +14,7 @@ from tally._transport import grpc_convert, http_convert
 from tally._types import FailurePage
 from tally.integrations.tracker import Tracker
 from tally.v1 import coordinator_pb2 as pb
-from tests.unit.client.tally_fakes import FakeTransport, make_async_client, make_client
+from tests.unit.client.tally_fakes import FakeTransport, make_async_client
 
 # ------------------------------------------------------------------ Writer.report_failure
 
