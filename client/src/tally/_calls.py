@@ -55,10 +55,11 @@ MAX_CURSOR_BYTES = 4096
 CURSORS_CHUNK_BYTES = 1 << 20
 # Ids per ListFailures / RetryFailed call that names its sources (like ARE_COMPLETED_CHUNK).
 FAILURES_CHUNK = 10_000
-# ListFailures names its sources in the URL over HTTP (repeated ``source_id`` parameters), and the
-# coordinator's HTTP server takes a request head of at most 16 KiB: the ids of one call stay within
-# this many URL-encoded bytes (on gRPC too: the plan does not know the wire).
-FAILURES_QUERY_BYTES = 10_000
+# ListFailures names its sources in the URL over HTTP (repeated ``source_id`` parameters): httpx
+# refuses a URL over 64 KiB, and a proxy in front of a coordinator may cap the request line at 8 KiB
+# (nginx's default). The ids of one call stay within this many URL-encoded bytes, on gRPC too (the
+# plan does not know the wire; the calls are small either way).
+FAILURES_QUERY_BYTES = 6_000
 # The highest failure budget the coordinator accepts (SetFailureBudget refuses more).
 MAX_ATTEMPTS = 1_000_000
 
