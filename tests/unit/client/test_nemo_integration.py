@@ -84,6 +84,17 @@ def test_the_source_stage_skips_failed_sources_too(
     assert fake.applied == []  # nothing about failures reaches the completions
 
 
+def test_failures_reported_through_the_actor_make_a_source_skipped(
+    fake: FakeTransport, clients: list[tuple[Any, ...]]
+) -> None:
+    proxy = TallyResumabilityProxy(ADDRESS, "cp", max_attempts=1)
+    fake.max_attempts = 1  # what the budget call set on a real coordinator
+    report = proxy.report_failure("b", "bad row")
+    assert (report.attempts, report.failed) == (1, True)
+    assert proxy.are_completed(["a", "b"]) == [False, True]
+    proxy.close()
+
+
 def test_no_failures_call_when_every_source_is_completed(
     fake: FakeTransport, clients: list[tuple[Any, ...]]
 ) -> None:

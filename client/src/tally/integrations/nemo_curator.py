@@ -30,6 +30,7 @@ from typing import Any
 
 from tally._client import Client
 from tally._config import ClientConfig
+from tally._types import FailureReport
 from tally.errors import TallyError
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,15 @@ class TallyResumabilityProxy:
             self._checkpoint,
         )
         return [completed or sid in failed for sid, completed in zip(source_ids, done, strict=True)]
+
+    def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
+        """Count a failed attempt at a source for the checkpoint's failure budget (durable on return).
+
+        Not one of NeMo Curator's calls: a stage or the driver may call it on the actor
+        (``ray.get(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE).report_failure.remote(
+        source_id, reason))``). See :meth:`tally.Writer.report_failure`.
+        """
+        return self._writer.report_failure(source_id, reason)
 
     def apply_deltas(self, per_task: list[tuple[str, str, int]]) -> None:
         """Queue ``(task_id, source_id, delta)`` tuples for the coordinator. Never raises.
