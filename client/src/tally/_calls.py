@@ -15,6 +15,7 @@ is written once for both flavours.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -26,11 +27,14 @@ from tally._types import (
     CompletedPage,
     Delta,
     EventPage,
+    FailurePage,
+    FailureReport,
     ImportResult,
     OpenedWriter,
     ProgressSample,
     Replicas,
     ResetResult,
+    SourceFailures,
     WriterSpec,
     WriterStatus,
 )
@@ -49,6 +53,15 @@ MAX_CURSOR_BYTES = 4096
 # Cursor bytes per SaveCursors call: one call in practice (256 full-size cursors), always far
 # under gRPC's 4 MiB message cap.
 CURSORS_CHUNK_BYTES = 1 << 20
+# Ids per ListFailures / RetryFailed call that names its sources (like ARE_COMPLETED_CHUNK).
+FAILURES_CHUNK = 10_000
+# ListFailures names its sources in the URL over HTTP (repeated ``source_id`` parameters): httpx
+# refuses a URL over 64 KiB, and a proxy in front of a coordinator may cap the request line at 8 KiB
+# (nginx's default). The ids of one call stay within this many URL-encoded bytes, on gRPC too (the
+# plan does not know the wire; the calls are small either way).
+FAILURES_QUERY_BYTES = 6_000
+# The highest failure budget the coordinator accepts (SetFailureBudget refuses more).
+MAX_ATTEMPTS = 1_000_000
 
 
 class Call(Generic[T_co]):
@@ -188,6 +201,74 @@ class GetCursor(Call[SavedCursor | None]):
     @property
     def what(self) -> str:
         return f"get the cursor of {self.source_id!r} in {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ReportFailure(Call[FailureReport]):
+    """A failed attempt at a source, counted (durably) before the answer; ``writer_id`` only names
+    the writer in errors.
+
+    Retried like other calls: an attempt whose answer was lost on the way back (the coordinator
+    counted it, then became unreachable) is counted once more by the retry.
+    """
+
+    handle: str
+    source_id: str
+    reason: str
+    writer_id: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"report a failed attempt at {self.source_id!r} by writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class ListFailures(Call[FailurePage]):
+    """Sources with failed attempts: those of ``source_ids`` (others left out), or with none named a
+    page of every such source after ``after`` (at most ``limit``), by source id."""
+
+    checkpoint: str
+    source_ids: Sequence[str] = ()
+    failed_only: bool = False
+    after: str = ""
+    limit: int = 0
+
+    @property
+    def what(self) -> str:
+        return f"list failed attempts of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class RetryFailed(Call[int]):
+    """Clear failed attempts (of every source when ``source_ids`` is empty); answers how many
+    sources were cleared. Safe to retry: a second clear finds nothing left."""
+
+    checkpoint: str
+    source_ids: Sequence[str] = ()
+
+    @property
+    def what(self) -> str:
+        return f"retry failed sources of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class FailureBudget:
+    """A SetFailureBudget answer: the budget now, and how many sources are failed under it."""
+
+    max_attempts: int
+    failed_sources: int
+
+
+@dataclass(frozen=True)
+class SetFailureBudget(Call[FailureBudget]):
+    """``max_attempts`` 0 is unlimited; creates the checkpoint if it is new."""
+
+    checkpoint: str
+    max_attempts: int
+
+    @property
+    def what(self) -> str:
+        return f"set the failure budget of {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -411,6 +492,85 @@ def get_cursor(checkpoint: str, source_id: str) -> Plan[bytes | None]:
 def _get_cursor(call: GetCursor) -> Plan[bytes | None]:
     found: SavedCursor | None = yield call
     return None if found is None else found.data
+
+
+def failure_source_id(source_id: object) -> str:
+    """Check the source id of a failed attempt locally."""
+    if not isinstance(source_id, str) or not source_id:
+        raise InvalidArgument(f"source_id must be a non-empty string, got {source_id!r}")
+    return source_id
+
+
+def failure_reason(reason: object) -> str:
+    if not isinstance(reason, str):
+        raise InvalidArgument(f"reason must be a string, got {type(reason).__name__}")
+    return reason
+
+
+def max_attempts(value: object) -> int:
+    """Check a failure budget locally: 0 (unlimited) to :data:`MAX_ATTEMPTS`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ATTEMPTS:
+        raise InvalidArgument(
+            f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS}, or 0 for unlimited, got {value!r}"
+        )
+    return value
+
+
+def id_list(name: str, ids: Iterable[str]) -> list[str]:
+    """Materialize named source ids, refusing a bare string (it would iterate as characters)."""
+    if isinstance(ids, str | bytes):
+        raise InvalidArgument(f"{name} must be an iterable of source ids, not a single {type(ids).__name__}")
+    listed = list(ids)
+    for sid in listed:
+        failure_source_id(sid)
+    return listed
+
+
+def failures_of(checkpoint: str, source_ids: Sequence[str], failed_only: bool) -> Plan[list[SourceFailures]]:
+    """The failures of the named sources (those without any left out), in calls of
+    :data:`FAILURES_CHUNK` ids; no call at all for no ids."""
+    found: list[SourceFailures] = []
+    for chunk in query_chunks(source_ids):
+        page: FailurePage = yield ListFailures(checkpoint, tuple(chunk), failed_only)
+        found.extend(page.sources)
+    return found
+
+
+def query_chunks(source_ids: Sequence[str]) -> list[list[str]]:
+    """Split ids into ListFailures calls: at most :data:`FAILURES_CHUNK` ids and
+    :data:`FAILURES_QUERY_BYTES` bytes of them as query parameters each."""
+    chunks: list[list[str]] = []
+    size = 0
+    for sid in source_ids:
+        cost = len("&source_id=") + len(urllib.parse.quote(sid, safe=""))
+        if (
+            not chunks
+            or len(chunks[-1]) >= FAILURES_CHUNK
+            or (chunks[-1] and size + cost > FAILURES_QUERY_BYTES)
+        ):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(sid)
+        size += cost
+    return chunks
+
+
+def retry_failed(checkpoint: str, source_ids: Sequence[str] | None) -> Plan[int]:
+    """Clear failed attempts: every source's for None, else the named ones' (none: no call)."""
+    if source_ids is None:
+        cleared: int = yield RetryFailed(checkpoint, ())
+        return cleared
+    total = 0
+    for start in range(0, len(source_ids), FAILURES_CHUNK):
+        count: int = yield RetryFailed(checkpoint, tuple(source_ids[start : start + FAILURES_CHUNK]))
+        total += count
+    return total
+
+
+def failed_under(call: SetFailureBudget) -> Plan[int]:
+    """Set a budget; how many sources are failed under it."""
+    budget: FailureBudget = yield call
+    return budget.failed_sources
 
 
 def drive(plan: Plan[T], send: Callable[[Call[Any]], Any]) -> T:

@@ -96,6 +96,9 @@ class CheckpointStatus:
         fingerprint: The fingerprint recorded by the first writer.
         owner: The coordinator applying the checkpoint's deltas: on a PostgreSQL store the name of
             the replica that owns the store (see :meth:`Client.replicas`); empty on the LMDB store.
+        failed_sources: Sources that failed ``max_attempts`` times (skipped until retried; see
+            :meth:`Client.failures`). Always 0 with an unlimited budget.
+        max_attempts: The checkpoint's failure budget; 0 is unlimited (no source ever fails).
     """
 
     name: str
@@ -110,6 +113,8 @@ class CheckpointStatus:
     writers: tuple[WriterStatus, ...]
     fingerprint: Mapping[str, str]
     owner: str = ""
+    failed_sources: int = 0
+    max_attempts: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,6 +275,69 @@ class ResetResult:
 
 
 @dataclass(frozen=True)
+class FailedAttempt:
+    """One failed attempt at a source, as reported by :meth:`tally.Writer.report_failure`.
+
+    Attributes:
+        reason: What the writer said went wrong (at most 1000 characters kept).
+        at: When it was reported, seconds since the epoch.
+        writer_id: The writer that reported it.
+    """
+
+    reason: str
+    at: float
+    writer_id: str
+
+
+@dataclass(frozen=True)
+class SourceFailures:
+    """A source's failed attempts (see :meth:`tally.Client.failures`).
+
+    Attributes:
+        source_id: The source.
+        attempts: Failed attempts counted since it last completed or was retried.
+        failed: Whether ``attempts`` reached the checkpoint's ``max_attempts``: the source is
+            skipped (e.g. by the NeMo Curator drop-in) until :meth:`tally.Client.retry_failed`.
+        recent: The latest attempts, oldest first (the coordinator keeps the last 10).
+    """
+
+    source_id: str
+    attempts: int
+    failed: bool
+    recent: tuple[FailedAttempt, ...] = ()
+
+    @property
+    def last_reason(self) -> str:
+        """The reason of the latest failed attempt ("" when none is kept)."""
+        return self.recent[-1].reason if self.recent else ""
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """Outcome of :meth:`tally.Writer.report_failure`.
+
+    Attributes:
+        attempts: The source's failed attempts so far, this one included.
+        failed: Whether the source is failed now (``attempts`` reached ``max_attempts``).
+        max_attempts: The checkpoint's failure budget; 0 is unlimited.
+    """
+
+    attempts: int
+    failed: bool
+    max_attempts: int = 0
+
+
+@dataclass(frozen=True)
+class FailurePage:
+    """One page of sources with failed attempts (internal), by source id; ``next_after`` is ``""``
+    on the last page."""
+
+    sources: tuple[SourceFailures, ...]
+    next_after: str
+    max_attempts: int = 0
+
+
+@dataclass(frozen=True)
 class CompletedPage:
     """One page of completed source ids (internal); ``next_after`` is ``""`` on the last page."""
 
@@ -291,6 +359,8 @@ class WriterSpec:
     # Picked once per writer: an open retried after its answer was lost (a coordinator restart)
     # attaches to the session it created instead of being refused as a live writer id.
     session_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    # The checkpoint's failure budget, set (SetFailureBudget) before the writer opens; None: leave it.
+    max_attempts: int | None = None
 
 
 @dataclass(frozen=True)

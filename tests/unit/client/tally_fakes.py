@@ -26,15 +26,19 @@ from tally._types import (
     Delta,
     Event,
     EventPage,
+    FailedAttempt,
+    FailurePage,
+    FailureReport,
     ImportResult,
     OpenedWriter,
     ProgressSample,
     ResetResult,
+    SourceFailures,
     WriterSpec,
     WriterStatus,
 )
 from tally._writer import WriterBase
-from tally.errors import NotFound, TallyError
+from tally.errors import FailedPrecondition, NotFound, TallyError
 
 T = TypeVar("T")
 
@@ -89,6 +93,11 @@ class FakeTransport:
         # Cursors saved: source id -> (data, writer handle); every SaveCursors call's cursors.
         self.cursors: dict[str, tuple[bytes, str]] = {}
         self.cursor_calls: list[list[tuple[str, bytes]]] = []
+        # Failure budgets: source id -> reasons of its failed attempts (oldest first); the budget
+        # (0: unlimited); every ListFailures / RetryFailed call (see ``args``).
+        self.failed_attempts: dict[str, list[str]] = {}
+        self.max_attempts = 0
+        self.failures_page = 1000  # most sources per page when a listing names none
 
     # ---------------------------------------------------------------- scripting
 
@@ -148,6 +157,10 @@ class FakeTransport:
             calls.ResetCheckpoint: lambda c: self.reset_checkpoint(c.name, c.force, timeout),
             calls.SaveCursors: lambda c: self.save_cursors(c.handle, c.cursors, timeout),
             calls.GetCursor: lambda c: self.get_cursor(c.checkpoint, c.source_id, timeout),
+            calls.ReportFailure: lambda c: self.report_failure(c.handle, c.source_id, c.reason, timeout),
+            calls.ListFailures: lambda c: self.list_failures(c, timeout),
+            calls.RetryFailed: lambda c: self.retry_failed(c.checkpoint, c.source_ids, timeout),
+            calls.SetFailureBudget: lambda c: self.set_failure_budget(c.checkpoint, c.max_attempts, timeout),
         }
         return cast(T, operations[type(call)](call))
 
@@ -270,6 +283,60 @@ class FakeTransport:
                 return None
             data, handle = self.cursors[source_id]
         return calls.SavedCursor(data, 1.0, handle)
+
+    def _source_failures(self, source_id: str) -> SourceFailures:
+        reasons = self.failed_attempts[source_id]
+        failed = bool(self.max_attempts) and len(reasons) >= self.max_attempts
+        recent = tuple(FailedAttempt(r, 1.0, "w") for r in reasons[-10:])
+        return SourceFailures(source_id, len(reasons), failed, recent)
+
+    def report_failure(self, handle: str, source_id: str, reason: str, timeout: float) -> FailureReport:
+        self.args["report_failure"].append((handle, source_id, reason))
+        self._enter("report_failure")
+        with self._cond:
+            if source_id in self.completed:
+                raise FailedPrecondition(f"source {source_id!r} is completed")
+            self.failed_attempts.setdefault(source_id, []).append(reason)
+            found = self._source_failures(source_id)
+        return FailureReport(found.attempts, found.failed, self.max_attempts)
+
+    def list_failures(self, call: calls.ListFailures, timeout: float) -> FailurePage:
+        self.args["list_failures"].append(
+            (call.checkpoint, tuple(call.source_ids), call.failed_only, call.after)
+        )
+        self._enter("list_failures")
+        with self._cond:
+            asked = list(call.source_ids)
+            names = sorted(
+                s
+                for s in (asked or self.failed_attempts)
+                if s in self.failed_attempts and (asked or s > call.after)
+            )
+            found = [self._source_failures(s) for s in names]
+        if call.failed_only:
+            found = [f for f in found if f.failed]
+        limit = call.limit or self.failures_page
+        if asked or len(found) <= limit:
+            return FailurePage(tuple(found), "", self.max_attempts)
+        page = found[:limit]
+        return FailurePage(tuple(page), page[-1].source_id, self.max_attempts)
+
+    def retry_failed(self, checkpoint: str, source_ids: Sequence[str], timeout: float) -> int:
+        self.args["retry_failed"].append((checkpoint, tuple(source_ids)))
+        self._enter("retry_failed")
+        with self._cond:
+            cleared = [s for s in (source_ids or list(self.failed_attempts)) if s in self.failed_attempts]
+            for s in cleared:
+                del self.failed_attempts[s]
+        return len(cleared)
+
+    def set_failure_budget(self, checkpoint: str, max_attempts: int, timeout: float) -> calls.FailureBudget:
+        self.args["set_failure_budget"].append((checkpoint, max_attempts))
+        self._enter("set_failure_budget")
+        with self._cond:
+            self.max_attempts = max_attempts
+            failed = sum(self._source_failures(s).failed for s in self.failed_attempts)
+        return calls.FailureBudget(max_attempts, failed)
 
     def watch_stream(
         self, checkpoint: str, interval_ms: int, timeout: float

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tally import AlreadyExists
+from tally import AlreadyExists, Internal
 from tally.integrations import nemo_curator
 from tally.integrations.nemo_curator import (
     ACTOR_NAME,
@@ -66,6 +66,67 @@ def test_proxy_opens_a_writer_and_forwards(fake: FakeTransport, clients: list[tu
     assert fake.count("close_writer") == 1
     proxy.close()  # idempotent: NeMo Curator may call it again on a left-over actor
     assert fake.count("close_writer") == 1
+
+
+def test_the_source_stage_skips_failed_sources_too(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.completed = {"a"}
+    fake.max_attempts = 2
+    fake.failed_attempts = {"b": ["oom", "oom"], "c": ["oom"]}  # c is under the budget
+    proxy = TallyResumabilityProxy(ADDRESS, "cp")
+    with caplog.at_level("WARNING", logger=nemo_curator.__name__):
+        assert proxy.are_completed(["a", "b", "c", "d"]) == [True, True, False, False]
+    # One call, for the ids not completed, failed ones only.
+    assert fake.args["list_failures"] == [("cp", ("b", "c", "d"), True, "")]
+    assert "skipping 1 failed sources" in caplog.text and "tally retry cp" in caplog.text
+    proxy.close()
+    assert fake.applied == []  # nothing about failures reaches the completions
+
+
+def test_failures_reported_through_the_actor_make_a_source_skipped(
+    fake: FakeTransport, clients: list[tuple[Any, ...]]
+) -> None:
+    proxy = TallyResumabilityProxy(ADDRESS, "cp", max_attempts=1)
+    fake.max_attempts = 1  # what the budget call set on a real coordinator
+    report = proxy.report_failure("b", "bad row")
+    assert (report.attempts, report.failed) == (1, True)
+    assert proxy.are_completed(["a", "b"]) == [False, True]
+    proxy.close()
+
+
+def test_no_failures_call_when_every_source_is_completed(
+    fake: FakeTransport, clients: list[tuple[Any, ...]]
+) -> None:
+    fake.completed = {"a", "b"}
+    proxy = TallyResumabilityProxy(ADDRESS, "cp")
+    assert proxy.are_completed(["a", "b"]) == [True, True]
+    assert proxy.are_completed([]) == []
+    assert fake.count("list_failures") == 0
+    proxy.close()
+
+
+def test_an_unanswered_failures_call_skips_no_source_as_failed(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.max_attempts = 1
+    fake.failed_attempts = {"b": ["x"]}
+    fake.fail("list_failures", Internal("an older coordinator"))
+    proxy = TallyResumabilityProxy(ADDRESS, "cp")
+    with caplog.at_level("WARNING", logger=nemo_curator.__name__):
+        assert proxy.are_completed(["a", "b"]) == [False, False]
+    assert "none skipped as failed" in caplog.text
+    assert proxy.are_completed(["a", "b"]) == [False, True]  # answered again: skipped
+    proxy.close()
+
+
+def test_the_proxy_sets_the_failure_budget_as_it_opens(
+    fake: FakeTransport, clients: list[tuple[Any, ...]]
+) -> None:
+    proxy = TallyResumabilityProxy(ADDRESS, "cp", max_attempts=3)
+    assert fake.args["set_failure_budget"] == [("cp", 3)]
+    assert fake.calls[:2] == ["set_failure_budget", "open_writer"]
+    proxy.close()
 
 
 def test_apply_deltas_never_raises(fake: FakeTransport, clients: list[tuple[Any, ...]]) -> None:

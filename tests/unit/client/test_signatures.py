@@ -22,9 +22,18 @@ ASYNC_METHODS = {
         "progress",
         "replicas",
         "reset",
+        "retry_failed",
+        "set_max_attempts",
         "writers",
     },
-    (tally.Writer, tally.AsyncWriter): {"open", "are_completed", "cursor", "flush", "close"},
+    (tally.Writer, tally.AsyncWriter): {
+        "open",
+        "are_completed",
+        "cursor",
+        "flush",
+        "close",
+        "report_failure",
+    },
 }
 PAIRS = list(ASYNC_METHODS)
 

@@ -22,6 +22,7 @@ from tally._types import (
     ProgressSample,
     Replicas,
     ResetResult,
+    SourceFailures,
     WriterStatus,
 )
 from tally._writer import AsyncWriter
@@ -85,9 +86,10 @@ class AsyncClient(BaseClient):
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
         on_mismatch: OnMismatch = "refuse",
+        max_attempts: int | None = None,
     ) -> AsyncWriter:
         """Create a writer of ``checkpoint``; it opens on ``async with``. See :meth:`Client.writer`."""
-        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch)
+        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts)
         writer = AsyncWriter(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer
@@ -143,6 +145,40 @@ class AsyncClient(BaseClient):
             for sid in page.source_ids:
                 yield sid
             after = self._next_cursor(after, page)
+
+    def failures(
+        self,
+        checkpoint: str,
+        *,
+        source_ids: Iterable[str] | None = None,
+        failed_only: bool = False,
+        page_size: int = 1000,
+    ) -> AsyncIterator[SourceFailures]:
+        """Sources with failed attempts (``async for``). See :meth:`Client.failures`."""
+        args = self._failures_args(checkpoint, source_ids, page_size)
+        return self._failures(*args, bool(failed_only))
+
+    async def _failures(
+        self, name: str, source_ids: list[str] | None, page_size: int, failed_only: bool
+    ) -> AsyncIterator[SourceFailures]:
+        if source_ids is not None:
+            for found in await self._run(calls.failures_of(name, source_ids, failed_only)):
+                yield found
+            return
+        after: str | None = ""
+        while after is not None:
+            page = await self._send(calls.ListFailures(name, (), failed_only, after, page_size))
+            for found in page.sources:
+                yield found
+            after = self._next_failures(after, page)
+
+    async def retry_failed(self, checkpoint: str, source_ids: Iterable[str] | None = None) -> int:
+        """Clear sources' failed attempts. See :meth:`Client.retry_failed`."""
+        return await self._run(self._retry_failed_plan(checkpoint, source_ids))
+
+    async def set_max_attempts(self, checkpoint: str, max_attempts: int) -> int:
+        """Set the checkpoint's failure budget. See :meth:`Client.set_max_attempts`."""
+        return await self._run(self._set_max_attempts_plan(checkpoint, max_attempts))
 
     async def import_completed(
         self, checkpoint: str, source_ids: Iterable[str], *, import_id: str

@@ -17,6 +17,7 @@ from tally._types import (
     CheckpointStatus,
     CompletedPage,
     EventPage,
+    FailurePage,
     ImportResult,
     OnMismatch,
     ProgressSample,
@@ -158,8 +159,11 @@ class BaseClient:
         fingerprint: Mapping[str, str] | None,
         labels: Mapping[str, str] | None,
         on_mismatch: OnMismatch = "refuse",
+        max_attempts: int | None = None,
     ) -> WriterSpec:
         self._check_open()
+        if max_attempts is not None:
+            calls.max_attempts(max_attempts)
         if on_mismatch not in _ON_MISMATCH:
             raise InvalidArgument(
                 f"on_mismatch must be one of {', '.join(_ON_MISMATCH)}, got {on_mismatch!r}"
@@ -178,6 +182,7 @@ class BaseClient:
             host=socket.gethostname(),
             pid=os.getpid(),
             on_mismatch=on_mismatch,
+            max_attempts=max_attempts,
         )
 
     def _open_writers(self) -> list[WriterBase]:
@@ -268,6 +273,32 @@ class BaseClient:
 
     def _reset_plan(self, checkpoint: str, force: bool) -> calls.Plan[ResetResult]:
         return calls.reset(self._name(checkpoint), bool(force))
+
+    def _failures_args(
+        self, checkpoint: str, source_ids: Iterable[str] | None, page_size: int
+    ) -> tuple[str, list[str] | None, int]:
+        name, size = self._name(checkpoint), _positive_int("page_size", page_size)
+        return name, None if source_ids is None else calls.id_list("source_ids", source_ids), size
+
+    @staticmethod
+    def _next_failures(after: str, page: FailurePage) -> str | None:
+        """The cursor of the next page of failures, or None after the last one."""
+        if not page.next_after:
+            return None
+        if page.next_after <= after:
+            raise Internal(
+                f"the coordinator's failures cursor went backwards: {after!r} -> {page.next_after!r}"
+            )
+        return page.next_after
+
+    def _retry_failed_plan(self, checkpoint: str, source_ids: Iterable[str] | None) -> calls.Plan[int]:
+        name = self._name(checkpoint)
+        ids = None if source_ids is None else calls.id_list("source_ids", source_ids)
+        return calls.retry_failed(name, ids)
+
+    def _set_max_attempts_plan(self, checkpoint: str, max_attempts: int) -> calls.Plan[int]:
+        name = self._name(checkpoint)
+        return calls.failed_under(calls.SetFailureBudget(name, calls.max_attempts(max_attempts)))
 
     def _completed_args(self, checkpoint: str, page_size: int) -> tuple[str, int]:
         return self._name(checkpoint), _positive_int("page_size", page_size)

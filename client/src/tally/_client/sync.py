@@ -22,6 +22,7 @@ from tally._types import (
     ProgressSample,
     Replicas,
     ResetResult,
+    SourceFailures,
     WriterStatus,
 )
 from tally._writer import Writer
@@ -107,6 +108,7 @@ class Client(BaseClient):
         fingerprint: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
         on_mismatch: OnMismatch = "refuse",
+        max_attempts: int | None = None,
     ) -> Writer:
         """Create a writer of ``checkpoint``; it opens on ``with`` (or :meth:`Writer.open`).
 
@@ -120,11 +122,16 @@ class Client(BaseClient):
             labels: Free-form labels shown in status views (SLURM job ids are added automatically).
             on_mismatch: ``"refuse"`` (default), ``"reset"`` (start the checkpoint over: its files go
                 to the trash; refused while other writers are live) or ``"ignore"``.
+            max_attempts: Set the checkpoint's failure budget when the writer opens (see
+                :meth:`set_max_attempts`); None leaves it as it is.
 
         Returns:
             An unopened :class:`Writer`.
+
+        Raises:
+            InvalidArgument: A bad argument (e.g. ``max_attempts`` negative).
         """
-        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch)
+        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts)
         writer = Writer(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer
@@ -258,6 +265,80 @@ class Client(BaseClient):
             page = self._send(calls.ListCompleted(name, after, page_size))
             yield from page.source_ids
             after = self._next_cursor(after, page)
+
+    def failures(
+        self,
+        checkpoint: str,
+        *,
+        source_ids: Iterable[str] | None = None,
+        failed_only: bool = False,
+        page_size: int = 1000,
+    ) -> Iterator[SourceFailures]:
+        """Sources with failed attempts (:meth:`Writer.report_failure`), with their latest reasons.
+
+        Args:
+            checkpoint: Checkpoint name.
+            source_ids: Only these sources (those without a failed attempt are left out), in calls
+                of at most 10,000 ids; None for every source with a failed attempt, by source id,
+                fetched page by page.
+            failed_only: Only sources that are failed (reached the checkpoint's ``max_attempts``).
+            page_size: Sources fetched per call when ``source_ids`` is None.
+
+        Returns:
+            An iterator; the calls are made as it is used.
+
+        Raises:
+            NotFound: No such checkpoint (when iteration starts).
+            InvalidArgument: An empty source id, or ``source_ids`` is a single string.
+            Unavailable: A call got no answer within the timeout.
+        """
+        args = self._failures_args(checkpoint, source_ids, page_size)
+        return self._failures(*args, bool(failed_only))
+
+    def _failures(
+        self, name: str, source_ids: list[str] | None, page_size: int, failed_only: bool
+    ) -> Iterator[SourceFailures]:
+        if source_ids is not None:
+            yield from self._run(calls.failures_of(name, source_ids, failed_only))
+            return
+        after: str | None = ""
+        while after is not None:
+            page = self._send(calls.ListFailures(name, (), failed_only, after, page_size))
+            yield from page.sources
+            after = self._next_failures(after, page)
+
+    def retry_failed(self, checkpoint: str, source_ids: Iterable[str] | None = None) -> int:
+        """Clear sources' failed attempts, so that they run again (not failed any more).
+
+        Args:
+            checkpoint: Checkpoint name.
+            source_ids: The sources to clear; None clears every source of the checkpoint (an empty
+                list clears none and makes no call).
+
+        Returns:
+            How many sources had failed attempts that were cleared.
+
+        Raises:
+            NotFound: No such checkpoint.
+            Unavailable: No answer within the timeout.
+        """
+        return self._run(self._retry_failed_plan(checkpoint, source_ids))
+
+    def set_max_attempts(self, checkpoint: str, max_attempts: int) -> int:
+        """Set the checkpoint's failure budget: a source with that many failed attempts is failed.
+
+        Args:
+            checkpoint: Checkpoint name; created if it does not exist.
+            max_attempts: 1 to 1,000,000 attempts, or 0 for unlimited (the default: no source fails).
+
+        Returns:
+            How many sources are failed under the new budget.
+
+        Raises:
+            InvalidArgument: ``max_attempts`` out of range.
+            Unavailable: No answer within the timeout.
+        """
+        return self._run(self._set_max_attempts_plan(checkpoint, max_attempts))
 
     def import_completed(self, checkpoint: str, source_ids: Iterable[str], *, import_id: str) -> ImportResult:
         """Adopt completed source ids from elsewhere (e.g. a folder NeMo Curator wrote).

@@ -23,6 +23,9 @@ from tally._types import (
     CompletedPage,
     Event,
     EventPage,
+    FailedAttempt,
+    FailurePage,
+    FailureReport,
     ImportResult,
     OpenedWriter,
     ProgressSample,
@@ -30,6 +33,7 @@ from tally._types import (
     Replicas,
     ResetResult,
     Severity,
+    SourceFailures,
     WriterSpec,
     WriterStatus,
 )
@@ -156,6 +160,8 @@ def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
         writers=tuple(writer_status_from_pb(w) for w in msg.writers),
         fingerprint=dict(msg.fingerprint),
         owner=msg.owner,
+        failed_sources=msg.failed_sources,
+        max_attempts=msg.max_attempts,
     )
 
 
@@ -227,6 +233,32 @@ def cursor_from_pb(msg: pb.GetCursorResponse) -> calls.SavedCursor | None:
     if not msg.found:
         return None
     return calls.SavedCursor(data=msg.data, saved_at=msg.saved_at, writer_id=msg.writer_id)
+
+
+def failure_page_from_pb(msg: pb.ListFailuresResponse) -> FailurePage:
+    return FailurePage(
+        sources=tuple(
+            SourceFailures(
+                source_id=s.source_id,
+                attempts=s.attempts,
+                failed=s.failed,
+                recent=tuple(FailedAttempt(a.reason, a.at, a.writer_id) for a in s.recent),
+            )
+            for s in msg.sources
+        ),
+        next_after=msg.next_after,
+        max_attempts=msg.max_attempts,
+    )
+
+
+def list_failures_request(call: calls.ListFailures) -> pb.ListFailuresRequest:
+    return pb.ListFailuresRequest(
+        checkpoint=call.checkpoint,
+        source_ids=list(call.source_ids),
+        failed_only=call.failed_only,
+        after=call.after,
+        limit=call.limit,
+    )
 
 
 def watch_request(call: calls.WatchCheckpoint) -> pb.WatchCheckpointRequest:
@@ -351,4 +383,28 @@ _add(
     lambda stub: stub.GetCursor,
     lambda c: pb.GetCursorRequest(checkpoint=c.checkpoint, source_id=c.source_id),
     cursor_from_pb,
+)
+_add(
+    calls.ReportFailure,
+    lambda stub: stub.ReportFailure,
+    lambda c: pb.ReportFailureRequest(handle=c.handle, source_id=c.source_id, reason=c.reason),
+    lambda r: FailureReport(attempts=r.attempts, failed=r.failed, max_attempts=r.max_attempts),
+)
+_add(
+    calls.ListFailures,
+    lambda stub: stub.ListFailures,
+    list_failures_request,
+    failure_page_from_pb,
+)
+_add(
+    calls.RetryFailed,
+    lambda stub: stub.RetryFailed,
+    lambda c: pb.RetryFailedRequest(checkpoint=c.checkpoint, source_ids=list(c.source_ids)),
+    lambda r: r.cleared,
+)
+_add(
+    calls.SetFailureBudget,
+    lambda stub: stub.SetFailureBudget,
+    lambda c: pb.SetFailureBudgetRequest(checkpoint=c.checkpoint, max_attempts=c.max_attempts),
+    lambda r: calls.FailureBudget(max_attempts=r.max_attempts, failed_sources=r.failed_sources),
 )

@@ -26,6 +26,9 @@ from tally._types import (
     Delta,
     Event,
     EventPage,
+    FailedAttempt,
+    FailurePage,
+    FailureReport,
     ImportResult,
     OpenedWriter,
     ProgressSample,
@@ -33,6 +36,7 @@ from tally._types import (
     Replicas,
     ResetResult,
     Severity,
+    SourceFailures,
     WriterSpec,
     WriterStatus,
 )
@@ -150,6 +154,19 @@ def watch_path(call: calls.WatchCheckpoint) -> str:
     return _query("/v1/watch", {"checkpoint": call.checkpoint, "interval_ms": str(call.interval_ms)})
 
 
+def list_failures_path(call: calls.ListFailures) -> str:
+    # Repeated ``source_id`` parameters: a list of pairs, not a mapping.
+    query: list[tuple[str, str]] = [("checkpoint", call.checkpoint)]
+    query += [("source_id", sid) for sid in call.source_ids]
+    if call.failed_only:
+        query.append(("failed_only", "true"))
+    if call.after:
+        query.append(("after", call.after))
+    if call.limit:
+        query.append(("limit", str(call.limit)))
+    return f"/v1/failures?{urllib.parse.urlencode(query)}"
+
+
 def list_completed_query(checkpoint: str, after: str, limit: int) -> dict[str, str]:
     query = {"checkpoint": checkpoint, "limit": str(limit)}
     if after:
@@ -257,6 +274,8 @@ def checkpoint_from_json(body: Any) -> CheckpointStatus:
         writers=tuple(writer_status_from_json(w) for w in obj.get("writers") or ()),
         fingerprint=_str_map(obj.get("fingerprint")),
         owner=str(obj.get("owner") or ""),
+        failed_sources=int(obj.get("failed_sources", 0)),
+        max_attempts=int(obj.get("max_attempts", 0)),
     )
 
 
@@ -348,6 +367,44 @@ def cursor_from_json(body: Any) -> calls.SavedCursor | None:
         raise ValueError(f"'data' is not base64: {err}") from None
     return calls.SavedCursor(
         data=data, saved_at=float(obj.get("saved_at", 0.0)), writer_id=str(obj.get("writer_id") or "")
+    )
+
+
+def failure_report_from_json(body: Any) -> FailureReport:
+    obj = _obj(body)
+    return FailureReport(
+        attempts=int(obj.get("attempts", 0)),
+        failed=bool(obj.get("failed", False)),
+        max_attempts=int(obj.get("max_attempts", 0)),
+    )
+
+
+def _failed_attempt_from_json(value: Any) -> FailedAttempt:
+    obj = _obj(value)
+    return FailedAttempt(
+        reason=str(obj.get("reason") or ""),
+        at=float(obj.get("at", 0.0)),
+        writer_id=str(obj.get("writer_id") or ""),
+    )
+
+
+def failure_page_from_json(body: Any) -> FailurePage:
+    obj = _obj(body)
+    sources = []
+    for value in obj.get("sources") or ():
+        src = _obj(value)
+        sources.append(
+            SourceFailures(
+                source_id=str(src["source_id"]),
+                attempts=int(src.get("attempts", 0)),
+                failed=bool(src.get("failed", False)),
+                recent=tuple(_failed_attempt_from_json(a) for a in src.get("recent") or ()),
+            )
+        )
+    return FailurePage(
+        sources=tuple(sources),
+        next_after=str(obj.get("next_after") or ""),
+        max_attempts=int(obj.get("max_attempts", 0)),
     )
 
 
@@ -446,4 +503,34 @@ _add(
     "GET",
     lambda c: _query("/v1/cursors", {"checkpoint": c.checkpoint, "source_id": c.source_id}),
     cursor_from_json,
+)
+_add(
+    calls.ReportFailure,
+    "POST",
+    lambda c: writer_path(c.handle, "failures"),
+    failure_report_from_json,
+    lambda c: {"source_id": c.source_id, "reason": c.reason},
+)
+_add(
+    calls.ListFailures,
+    "GET",
+    list_failures_path,
+    failure_page_from_json,
+)
+_add(
+    calls.RetryFailed,
+    "POST",
+    lambda c: "/v1/failures/retry",
+    lambda body: int(_obj(body).get("cleared", 0)),
+    lambda c: {"checkpoint": c.checkpoint, "source_ids": list(c.source_ids)},
+)
+_add(
+    calls.SetFailureBudget,
+    "POST",
+    lambda c: "/v1/failures/budget",
+    lambda body: calls.FailureBudget(
+        max_attempts=int(_obj(body).get("max_attempts", 0)),
+        failed_sources=int(_obj(body).get("failed_sources", 0)),
+    ),
+    lambda c: {"checkpoint": c.checkpoint, "max_attempts": c.max_attempts},
 )

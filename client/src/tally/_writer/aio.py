@@ -14,7 +14,7 @@ from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, async_send
 from tally._transport.base import AsyncTransport
-from tally._types import CloseResult, WriterSpec
+from tally._types import CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
@@ -127,7 +127,11 @@ class AsyncWriter(WriterBase):
         async with self._lifecycle:
             if not self._open_ready():
                 return
-            opened = await self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
+            deadline = Deadline(self._config.timeout)
+            budget = self._budget_call()
+            if budget is not None:
+                await self._call(budget, deadline)
+            opened = await self._call(calls.OpenWriter(self._spec), deadline)
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
             with self._lock:
@@ -154,6 +158,14 @@ class AsyncWriter(WriterBase):
             plan.close()
             return pending
         return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    async def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
+        """Record a failed attempt at a source, durably before this returns.
+
+        See :meth:`Writer.report_failure`.
+        """
+        call = self._failure_call(source_id, reason)
+        return await self._call_as_writer(call, Deadline(self._config.timeout), "reporting a failure")
 
     async def flush(self, timeout: float | None = None) -> None:
         """Barrier over everything applied so far; saves the cursors. See :meth:`Writer.flush`."""

@@ -123,6 +123,18 @@ class WriterBase:
         with self._lock:
             self._core.save_cursor(source_id, value)
 
+    def _failure_call(self, source_id: str, reason: str) -> calls.ReportFailure:
+        calls.failure_source_id(source_id)
+        calls.failure_reason(reason)
+        with self._lock:
+            handle = self._core.require_handle("report_failure")
+        return calls.ReportFailure(handle, source_id, reason, self.writer_id)
+
+    def _budget_call(self) -> calls.SetFailureBudget | None:
+        """The budget to set before opening (``client.writer(..., max_attempts=n)``), if any."""
+        budget = self._spec.max_attempts
+        return None if budget is None else calls.SetFailureBudget(self._spec.checkpoint, budget)
+
     def health(self) -> WriterHealth:
         """A snapshot of the writer's client-side state (no I/O).
 

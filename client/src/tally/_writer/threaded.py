@@ -12,7 +12,7 @@ from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, send
 from tally._transport.base import Transport
-from tally._types import CloseResult, WriterSpec
+from tally._types import CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
@@ -72,7 +72,11 @@ class Writer(WriterBase):
         with self._lifecycle:
             if not self._open_ready():
                 return
-            opened = self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
+            deadline = Deadline(self._config.timeout)
+            budget = self._budget_call()
+            if budget is not None:
+                self._call(budget, deadline)
+            opened = self._call(calls.OpenWriter(self._spec), deadline)
             with self._lock:
                 self._core.open_done(opened)
                 self._notify_locked()
@@ -119,6 +123,35 @@ class Writer(WriterBase):
             plan.close()
             return pending
         return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
+        """Record a failed attempt at a source, durably on the coordinator before this returns.
+
+        A direct call: it sends nothing buffered and waits for no flush. When the checkpoint has a
+        failure budget (``max_attempts``, see :meth:`tally.Client.set_max_attempts`) and the source
+        has now failed that many times, it is *failed*: listed by :meth:`tally.Client.failures` and
+        ``tally failed``, counted in status, skipped by the NeMo Curator drop-in, until
+        :meth:`tally.Client.retry_failed` clears it. Completing the source clears its failures too.
+
+        Retried within the client's timeout like other calls; an attempt whose answer was lost may
+        be counted twice.
+
+        Args:
+            source_id: The source, as in ``apply_deltas``.
+            reason: What went wrong, for people (the coordinator keeps 1000 characters).
+
+        Returns:
+            The source's failed attempts so far, and whether it is failed now.
+
+        Raises:
+            InvalidArgument: ``source_id`` is empty or not a string, or ``reason`` not a string.
+            FailedPrecondition: The source is completed already (its failure is not counted), or
+                the writer is not open.
+            LeaseLost: The coordinator dropped this writer.
+            Unavailable: No answer within the client's timeout.
+        """
+        call = self._failure_call(source_id, reason)
+        return self._call_as_writer(call, Deadline(self._config.timeout), "reporting a failure")
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every delta given before this call is applied and its completions are durable,

@@ -1,4 +1,5 @@
-"""Operator commands over a running coordinator: status, watch, writers, events, reset.
+"""Operator commands over a running coordinator: status, watch, writers, events, failed, retry,
+reset.
 
 Each talks to the coordinator through the SDK (``tally.Client``), exactly as any other client.
 """
@@ -6,6 +7,8 @@ Each talks to the coordinator through the SDK (``tally.Client``), exactly as any
 from __future__ import annotations
 
 import collections
+import json
+import sys
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -61,17 +64,22 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
     table.add_column("checkpoint")
     for name in ("completed", "pending", "live writers", "anomalies", "unreadable files"):
         table.add_column(name, justify="right")
+    failures = any(c.failed_sources for c in checkpoints)
+    if failures:  # a column only when some checkpoint has failed sources
+        table.add_column("failed", justify="right")
     table.add_column("last activity")
     for c in sorted(checkpoints, key=lambda c: c.name):
-        table.add_row(
+        row: list[str | Text] = [
             c.name,
             str(c.completed_count),
             str(c.pending_sources),
             str(c.live_writers),
             _flag(c.anomalies),
             _flag(c.unreadable_files),
-            age(c.last_activity_at),
-        )
+        ]
+        if failures:
+            row.append(_flag(c.failed_sources))
+        table.add_row(*row, age(c.last_activity_at))
     out.print(table)
     owners = sorted({c.owner for c in checkpoints if c.owner})
     if owners:  # a PostgreSQL store: the replica applying these checkpoints' deltas
@@ -97,6 +105,12 @@ def _status_one(c: tally.CheckpointStatus) -> None:
     grid.add_row("created", f"{clock(c.created_at)} ({age(c.created_at)})")
     grid.add_row("last activity", f"{clock(c.last_activity_at)} ({age(c.last_activity_at)})")
     grid.add_row("fingerprint", pairs(c.fingerprint) or "-")
+    if c.max_attempts or c.failed_sources:
+        hint = f" (tally failed {c.name} lists them)" if c.failed_sources else ""
+        grid.add_row(
+            "failed", Text(str(c.failed_sources), style="bold red" if c.failed_sources else "").append(hint)
+        )
+        grid.add_row("max attempts", str(c.max_attempts) if c.max_attempts else "unlimited")
     if c.owner:
         grid.add_row("owner", f"{c.owner} (the replica applying its deltas; tally replicas lists all)")
     out.print(grid)
@@ -308,6 +322,109 @@ def _events_at_least(
         if page.next_before_id is None:
             return found, None
         before = page.next_before_id
+
+
+# --------------------------------------------------------------------------- failed, retry
+
+# Reasons shown per source by `tally failed` (newest first); --json gives every one kept.
+_REASONS_SHOWN = 3
+
+
+def _one_line(reason: str) -> str:
+    # A reason may be a traceback: one table row per source, whatever it holds.
+    return " ".join(reason.split()) or "(no reason given)"
+
+
+def failed(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint name.")],
+    all_: Annotated[
+        bool,
+        typer.Option("--all", help="Every source with a failed attempt, not only those at the budget."),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per source and line, with every reason kept.")
+    ] = False,
+    address: Address = DEFAULT_ADDRESS,
+    token: Token = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> None:
+    """Failed sources of a checkpoint (max_attempts failed attempts): attempts and latest reasons."""
+    with connect(address, token, timeout) as client:
+        current = client.checkpoint(checkpoint)
+        found = list(client.failures(checkpoint, failed_only=not all_))
+    if as_json:
+        for f in found:
+            recent = [{"reason": a.reason, "at": a.at, "writer_id": a.writer_id} for a in f.recent]
+            line = {"source_id": f.source_id, "attempts": f.attempts, "failed": f.failed, "recent": recent}
+            out.print(json.dumps(line), markup=False, soft_wrap=True)
+        return
+    budget = (
+        f"max attempts {current.max_attempts}" if current.max_attempts else "no failure budget (unlimited)"
+    )
+    if not found:
+        if all_:
+            out.print(f"no failed attempts in {checkpoint} ({budget})")
+        elif current.max_attempts:
+            out.print(
+                f"no failed sources in {checkpoint} ({budget}; tally failed --all shows any failed attempt)"
+            )
+        else:
+            out.print(
+                f"no failed sources in {checkpoint}: it has {budget}, so no source fails; "
+                "set one with client.set_max_attempts() or client.writer(..., max_attempts=n)"
+            )
+        return
+    table = Table()
+    table.add_column("source")
+    table.add_column("attempts", justify="right")
+    if all_:
+        table.add_column("failed")
+    for name in ("last attempt", "writer", "latest reasons (newest first)"):
+        table.add_column(name)
+    for f in found:
+        last = f.recent[-1] if f.recent else None
+        reasons = " | ".join(_one_line(a.reason) for a in reversed(f.recent[-_REASONS_SHOWN:]))
+        row: list[str | Text] = [Text(f.source_id), str(f.attempts)]
+        if all_:
+            row.append(Text("failed", style="bold red") if f.failed else "no")
+        row += [age(last.at) if last else "-", Text(last.writer_id if last else "-"), Text(reasons or "-")]
+        table.add_row(*row)
+    out.print(table)
+    what = "sources with failed attempts" if all_ else "failed sources"
+    out.print(
+        f"{len(found)} {what} in {checkpoint} ({budget}); tally retry {checkpoint} [IDS...] runs them again"
+    )
+
+
+def retry(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint name.")],
+    source_ids: Annotated[
+        list[str] | None, typer.Argument(help="Sources to run again; omit for every source with failures.")
+    ] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Do not ask before clearing every source.")
+    ] = False,
+    address: Address = DEFAULT_ADDRESS,
+    token: Token = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> None:
+    """Clear failed attempts so the sources run again: the ones named, or every one."""
+    with connect(address, token, timeout) as client:
+        if not source_ids and not yes:
+            current = client.checkpoint(checkpoint)
+            if not sys.stdin.isatty():
+                raise fail(
+                    f"tally retry {checkpoint} without ids clears the failed attempts of every source "
+                    f"({current.failed_sources} failed now): add --yes to do so without a terminal"
+                )
+            question = (
+                f"Clear the failed attempts of every source of {checkpoint} "
+                f"({current.failed_sources} failed now), so that they run again?"
+            )
+            if not typer.confirm(question, default=False):
+                raise fail("retry cancelled")
+        cleared = client.retry_failed(checkpoint, source_ids or None)
+    out.print(f"cleared the failed attempts of {cleared} sources of {checkpoint}; they run again")
 
 
 # --------------------------------------------------------------------------- reset

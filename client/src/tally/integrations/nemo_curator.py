@@ -10,6 +10,10 @@ of the pipeline talk to a Tally writer instead of NeMo Curator's LMDB files::
     with tally_for_nemo_curator(checkpoint="curation/run-42", address="grpc://coordinator:50051"):
         pipeline.run(executor, checkpoint_path="/unused/when/tally/is/active")
 
+Sources that are *failed* (reported failed ``max_attempts`` times, see
+:meth:`tally.Writer.report_failure`) are skipped by the source stage too, until ``tally retry``
+clears them; the NeMo-format files never hear of failures.
+
 The proxy keeps no state of its own: NeMo Curator ignores ``checkpoint_path`` when it adopts the
 actor, and closes and kills the actor at the end of every run, so each run is a new Tally writer
 whose completions are durable on the coordinator before the actor dies.
@@ -26,6 +30,8 @@ from typing import Any
 
 from tally._client import Client
 from tally._config import ClientConfig
+from tally._types import FailureReport
+from tally.errors import TallyError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class TallyResumabilityProxy:
         labels: Mapping[str, str] | None = None,
         token: str | None = None,
         timeout: float | None = None,
+        max_attempts: int | None = None,
     ) -> None:
         """Connect to the coordinator and open a writer of ``checkpoint``.
 
@@ -64,13 +71,17 @@ class TallyResumabilityProxy:
             labels: Free-form labels shown in status views.
             token: Bearer token, when the coordinator requires one.
             timeout: Seconds a coordinator call may take; the client's default when None.
+            max_attempts: Set the checkpoint's failure budget as the writer opens; None leaves it.
 
         Raises:
             tally.TallyError: The writer could not be opened (e.g. ``Unavailable``).
         """
         self._client = Client(address, token=token, timeout=timeout)
+        self._checkpoint = checkpoint
         try:
-            self._writer = self._client.writer(checkpoint, writer_id=writer_id, labels=labels)
+            self._writer = self._client.writer(
+                checkpoint, writer_id=writer_id, labels=labels, max_attempts=max_attempts
+            )
             self._writer.open()
         except BaseException:
             self._client.close()
@@ -91,7 +102,13 @@ class TallyResumabilityProxy:
         return self._writer.completed_at_open or 0
 
     def are_completed(self, source_ids: list[str]) -> list[bool]:
-        """Which of ``source_ids`` the checkpoint has completed (live, across all writers).
+        """Which of ``source_ids`` the source stage skips: those the checkpoint has completed (live,
+        across all writers), and those that are failed (reached the checkpoint's ``max_attempts``).
+
+        NeMo Curator asks only to skip sources (its source stage is the one caller), so a failed
+        source answers True here without being completed anywhere. The failed ones are found with
+        one more call, for the ids not completed, and logged; if that call fails, no source is
+        skipped as failed (a warning says why) and the run goes on.
 
         Args:
             source_ids: Source ids, as NeMo Curator's reader stage names them.
@@ -99,7 +116,42 @@ class TallyResumabilityProxy:
         Returns:
             One bool per id, in order.
         """
-        return self._writer.are_completed(source_ids)
+        done = self._writer.are_completed(source_ids)
+        left = [sid for sid, completed in zip(source_ids, done, strict=True) if not completed]
+        if not left:
+            return done
+        try:
+            failed = {
+                f.source_id
+                for f in self._client.failures(self._checkpoint, source_ids=left, failed_only=True)
+            }
+        except TallyError as err:
+            logger.warning(
+                "tally checkpoint %r: could not ask which sources are failed (none skipped as failed): %s",
+                self._checkpoint,
+                err,
+            )
+            return done
+        if not failed:
+            return done
+        logger.warning(
+            "tally checkpoint %r: skipping %d failed sources (they used up the checkpoint's failure "
+            "budget; list them with `tally failed %s`, run them again after `tally retry %s`)",
+            self._checkpoint,
+            len(failed),
+            self._checkpoint,
+            self._checkpoint,
+        )
+        return [completed or sid in failed for sid, completed in zip(source_ids, done, strict=True)]
+
+    def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
+        """Count a failed attempt at a source for the checkpoint's failure budget (durable on return).
+
+        Not one of NeMo Curator's calls: a stage or the driver may call it on the actor
+        (``ray.get(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE).report_failure.remote(
+        source_id, reason))``). See :meth:`tally.Writer.report_failure`.
+        """
+        return self._writer.report_failure(source_id, reason)
 
     def apply_deltas(self, per_task: list[tuple[str, str, int]]) -> None:
         """Queue ``(task_id, source_id, delta)`` tuples for the coordinator. Never raises.
@@ -180,6 +232,7 @@ def tally_for_nemo_curator(
     token: str | None = None,
     timeout: float | None = None,
     ray_address: str | None = None,
+    max_attempts: int | None = None,
 ) -> Iterator[None]:
     """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
 
@@ -209,6 +262,9 @@ def tally_for_nemo_curator(
             when None.
         ray_address: Ray cluster to connect to when Ray is not initialized yet; ``"auto"`` (the
             ``RAY_ADDRESS`` variable or the local cluster) when None.
+        max_attempts: Set the checkpoint's failure budget when the writer opens: a source reported
+            failed that many times (:meth:`tally.Writer.report_failure`) is skipped until
+            ``tally retry``. None leaves the budget as it is (0, unlimited, for a new checkpoint).
 
     Raises:
         ImportError: Ray is not installed.
@@ -231,7 +287,15 @@ def tally_for_nemo_curator(
             _close_and_kill(ray, stale, "replacing a left-over actor")
         actor = cls.options(
             name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=False
-        ).remote(address, checkpoint, writer_id=writer_id, labels=labels, token=token, timeout=timeout)
+        ).remote(
+            address,
+            checkpoint,
+            writer_id=writer_id,
+            labels=labels,
+            token=token,
+            timeout=timeout,
+            max_attempts=max_attempts,
+        )
         try:
             completed = ray.get(actor.wait.remote())
         except BaseException:

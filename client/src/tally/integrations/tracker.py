@@ -46,6 +46,11 @@ fan-out on its first child's id), so one task has one key whatever its outcome: 
 ``failed()`` and is then retried within the run re-keys the same slot, which the coordinator
 rewrites (``pending += new - old``) instead of counting twice.
 
+Failures. ``tracker.report_failure(source, reason)`` counts a failed attempt at a source on the
+coordinator at once; with a failure budget (``client.writer(..., max_attempts=3)``) a source that
+failed that many times is *failed*: ``tally failed CHECKPOINT`` lists it with its reasons and
+``tally retry CHECKPOINT`` clears it. Completing the source clears its failures too.
+
 Worker processes. A :class:`Task` pickles as its two ids and nothing else, so it can be shipped to
 a ``multiprocessing`` / ``concurrent.futures`` / Ray worker. There, a :class:`Report` adopts it and
 buffers its outcomes; the worker returns the report and the parent applies it with
@@ -61,6 +66,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from tally._types import FailureReport
 
 __all__ = ["Report", "Task", "Tracker"]
 
@@ -80,6 +87,8 @@ class _Writer(Protocol):
     def save_cursor(self, source_id: str, data: bytes) -> None: ...
 
     def cursor(self, source_id: str) -> bytes | None: ...
+
+    def report_failure(self, source_id: str, reason: str = "") -> FailureReport: ...
 
 
 def root_task_id(source_id: str) -> str:
@@ -262,8 +271,8 @@ class Tracker(_Book):
     never raises (``flush()`` / ``close()`` report delivery problems).
 
     Args:
-        writer: An open writer (or anything with its ``apply_deltas`` and ``are_completed``, and
-            ``save_cursor`` and ``cursor`` for cursors).
+        writer: An open writer (or anything with its ``apply_deltas`` and ``are_completed``,
+            ``save_cursor`` and ``cursor`` for cursors, and ``report_failure`` for failures).
     """
 
     def __init__(self, writer: _Writer) -> None:
@@ -305,6 +314,25 @@ class Tracker(_Book):
         if not isinstance(source_id, str) or not source_id:
             raise ValueError(f"a source id must be a non-empty string, got {source_id!r}")
         return self.writer.cursor(source_id)
+
+    def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
+        """Record a failed attempt at ``source_id`` on the coordinator (durable on return), for the
+        checkpoint's failure budget (``max_attempts``): a source that failed that many times is
+        *failed*, listed by ``tally failed`` and skipped by the NeMo Curator drop-in until
+        ``tally retry``. Unlike :meth:`Task.failed` (a delta of 0) it is a call, made at once.
+
+        Typically once per source attempt that gave up, after its tasks' ``failed()``.
+
+        Returns:
+            The source's failed attempts so far, and whether it is failed now.
+
+        Raises:
+            ValueError: ``source_id`` is empty.
+            tally.FailedPrecondition: The source is completed already.
+        """
+        if not isinstance(source_id, str) or not source_id:
+            raise ValueError(f"a source id must be a non-empty string, got {source_id!r}")
+        return self.writer.report_failure(source_id, reason)
 
     def start(self, source_id: str) -> Task:
         """Begin a source: its root task (delta ``+1``, keyed on the root task's id).
