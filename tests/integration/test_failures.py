@@ -164,3 +164,16 @@ def test_failures_over_http_with_scoped_tokens(tmp_path: Path) -> None:
         )
         retried = http.post("/v1/failures/retry", json={"checkpoint": "fail/http"}, headers=worker)
         assert retried.json() == {"cleared": 1}
+
+
+def test_a_reset_clears_failed_attempts_and_keeps_the_budget(server: RunningServer) -> None:
+    with stub(server) as coordinator:
+        coordinator.SetFailureBudget(pb.SetFailureBudgetRequest(checkpoint="fail/reset", max_attempts=1))
+        handle = coordinator.OpenWriter(pb.OpenWriterRequest(checkpoint="fail/reset", writer_id="w")).handle
+        coordinator.ReportFailure(pb.ReportFailureRequest(handle=handle, source_id="s", reason="x"))
+        assert coordinator.GetCheckpoint(pb.GetCheckpointRequest(name="fail/reset")).failed_sources == 1
+        coordinator.CloseWriter(pb.CloseWriterRequest(handle=handle))
+        coordinator.ResetCheckpoint(pb.ResetCheckpointRequest(name="fail/reset"))
+        status = coordinator.GetCheckpoint(pb.GetCheckpointRequest(name="fail/reset"))
+        assert (status.failed_sources, status.max_attempts) == (0, 1)
+        assert failures(coordinator, "fail/reset") == {}

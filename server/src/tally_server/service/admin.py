@@ -101,6 +101,9 @@ class Admin:
             await core.registry_write(core.registry.delete_samples, name)
             await core.registry_write(core.registry.delete_cursors, name, None)
             cp.cursored.clear()
+            # Every source runs again: failed attempts go too (the budget stays).
+            await core.registry_write(core.registry.clear_failures, name, None)
+            cp.failures.clear()
             await core.registry_write(
                 lambda: core.registry.write_batch(
                     checkpoints=[CheckpointRecord(name, cp.created_at, cp.last_activity_at, {})]

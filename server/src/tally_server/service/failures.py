@@ -94,6 +94,10 @@ class Failures:
             )
         asked = validation.source_ids(list(source_ids), core.limits) if source_ids else None
         cp = await self._checkpoints.existing(checkpoint)
+        if cp.failures:
+            # Completions whose clearing of failures did not reach the registry before a restart.
+            completed = await self._checkpoints.completed(cp)
+            self.completed(cp, [s for s in cp.failures if s in completed])
         budget = cp.max_attempts
         names = sorted(s for s in (asked or cp.failures) if s in cp.failures and (asked or s > after))
         if failed_only:
