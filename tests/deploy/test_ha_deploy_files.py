@@ -411,10 +411,12 @@ def test_ha_replica_command_one_owns_the_other_serves_as_replica_then_takes_over
     args = serve_args(service["command"])
     readyz = ha_container()["readinessProbe"]["httpGet"]["path"]
     taking_over = re.compile(r"taking over store .*\(epoch (\d+)\)")
+    second = {**compose_env(replica_services()[REPLICAS[1]]), "TALLY_STORE": postgres_url}
+    second["TALLY_ADVERTISE_HOST"] = "127.0.0.1"
     with running_server(tmp_path / "a", settle_ms=0, env=env, args=args) as owner:
         assert httpx.get(f"{owner.http_url}{readyz}", timeout=10).status_code == 200
         first_epoch = _store_epoch(postgres_url)
-        with running_server(tmp_path / "b", settle_ms=0, env=env, args=args) as replica:
+        with running_server(tmp_path / "b", settle_ms=0, env=second, args=args) as replica:
             # Serving at once, as a replica: ready, and forwarding what it does not answer itself.
             assert "serving as a replica" in replica.log()
             _wait(lambda: _status(f"{replica.http_url}{readyz}") == 200, "the replica to be ready", 30)

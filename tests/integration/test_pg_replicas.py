@@ -10,6 +10,7 @@ fresh database.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -283,3 +284,41 @@ def test_a_flushed_completion_is_seen_at_once_through_every_replica(
                 if line.startswith("tally_replica_are_completed_calls_total")
             )
             assert answered >= 8  # a third of the 24 reads each, give or take where the count started
+
+
+def test_a_second_coordinator_under_a_live_ones_name_is_refused_and_no_call_goes_round(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Two live coordinators under one replica name would forward to each other for ever: the second
+    is refused at start, in one line; and a call a replica already forwarded is never forwarded again."""
+    with replicas(tmp_path, postgres_url, 2) as (owner, replica):
+        with tally.Client(replica.grpc_address) as client:
+            taken = next(r.name for r in client.replicas().replicas if not r.owner)
+        done = subprocess.run(
+            [TALLY, "serve", "--data-dir", str(tmp_path / "dup"), "--store", postgres_url,
+             "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
+            env={**os.environ, "TALLY_REPLICA_NAME": taken},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0
+        (line,) = done.stderr.strip().splitlines()
+        assert "goes by the replica name" in line and "TALLY_REPLICA_NAME" in line
+        # A call marked as forwarded already is refused by a replica, naming both.
+        looped = httpx.get(
+            f"http://{replica.http_address}/v1/checkpoints", headers={"tally-forwarded-by": "elsewhere"}
+        )
+        assert looped.status_code == 503
+        assert "replica elsewhere forwarded this call" in looped.json()["error"]["message"]
+        with grpc.insecure_channel(replica.grpc_address) as channel:
+            with pytest.raises(grpc.RpcError) as again:
+                pb_grpc.CoordinatorStub(channel).ListCheckpoints(
+                    pb.ListCheckpointsRequest(), metadata=[("tally-forwarded-by", "elsewhere")]
+                )
+            assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The owner serves such a call as any other (it does not forward).
+        assert (
+            httpx.get(
+                f"http://{owner.http_address}/v1/checkpoints", headers={"tally-forwarded-by": "x"}
+            ).status_code
+            == 200
+        )

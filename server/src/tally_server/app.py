@@ -48,7 +48,7 @@ from tally_server.store.postgres import (
     store_url,
 )
 from tally_server.store.registry import SqlRegistry
-from tally_server.store.replicas import ReplicaBoard
+from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,8 @@ class _StoreKeeper:
                 return
             except StoreUnreachable as exc:
                 log.warning("cannot take the store's lock again yet: %s", exc)
+            except ReplicaNameInUse as exc:
+                log.error("cannot renew this coordinator's row among the store's replicas: %s", exc)
             except Exception:  # a bug: say so, keep checking (commits are fenced either way)
                 log.exception("checking the store's lock failed")
 
@@ -329,6 +331,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     store_lock = None
     if settings.store is not None:
         store_lock = StoreLock(store_url(settings.store), settings.resolved_replica_name())
+        # Two live coordinators under one name would forward to each other: refused here, in one line.
+        await asyncio.to_thread(check_name_free, store_lock.url, store_lock.holder)
     loop = asyncio.get_running_loop()
     if store_lock is not None and settings.standby:
         stopping = threading.Event()
@@ -468,7 +472,9 @@ async def _serve_as_replica(
     channels = replica.GrpcChannels(settings.max_message_bytes, tls)
     board = ReplicaBoard(lock.url, lock.holder, "", "")  # its addresses once the ports are bound
     listing = functools.partial(replica.list_replicas, board)
-    forwarder = replica.GrpcForwarder(route, reader, authorizer, settings.limits, metrics, channels, listing)
+    forwarder = replica.GrpcForwarder(
+        route, reader, authorizer, settings.limits, metrics, channels, listing, lock.holder
+    )
     server, grpc_port, health = replica.grpc_server(
         forwarder, settings.grpc_listen, settings.max_message_bytes, credentials
     )
@@ -484,7 +490,9 @@ async def _serve_as_replica(
         verify=_peer_tls(settings) or True,
     )
     config = uvicorn.Config(
-        replica.http_app(route, metrics, client, "https" if settings.tls else "http", authorizer, listing),
+        replica.http_app(
+            route, metrics, client, "https" if settings.tls else "http", authorizer, listing, lock.holder
+        ),
         log_config=None,
         access_log=False,
         lifespan="off",

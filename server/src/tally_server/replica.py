@@ -52,12 +52,15 @@ from tally_server.http_api.errors import HTTP_STATUS, error_response
 from tally_server.metrics import CONTENT_TYPE
 from tally_server.service.views import ReplicasView, ReplicaView
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
-from tally_server.store.replicas import Owner, ReplicaBoard
+from tally_server.store.replicas import Owner, ReplicaBoard, ReplicaNameInUse
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "/tally.v1.Coordinator/"
 _STREAMS = frozenset({"WatchCheckpoint"})
+# Set on every call a replica forwards: a replica that receives one refuses to forward it again
+# (two coordinators sharing a name, or a stale address, would otherwise pass it around for ever).
+FORWARDED_BY = "tally-forwarded-by"
 # Metadata a forwarded call does not carry over: HTTP/2 pseudo-headers and the transport's own.
 _NOT_FORWARDED = ("user-agent", "grpc-", ":")
 # HTTP headers a forwarded request or answer does not carry over (hop-by-hop, or set anew).
@@ -189,7 +192,9 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         metrics: ReplicaMetrics,
         channel_for: Callable[[str], grpc.aio.Channel],
         listing: Callable[[], ReplicasView],
+        name: str,
     ) -> None:
+        self._name = name
         self._route, self._reader, self._authorizer, self._limits = route, reader, authorizer, limits
         self._metrics = metrics
         self._channel_for = channel_for
@@ -232,9 +237,13 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self._authorizer.check("ListReplicas", header).require("ListReplicas", None)
         return convert.replicas(await asyncio.to_thread(self._listing))
 
-    def _target(self) -> tuple[Owner, grpc.aio.Channel]:
+    def _target(self, context: Any) -> tuple[Owner, grpc.aio.Channel, list[tuple[str, Any]]]:
+        metadata = _forwarded_metadata(context.invocation_metadata())
+        came_from = next((v for k, v in metadata if k == FORWARDED_BY), None)
+        if came_from is not None:
+            raise Unavailable(_loop(came_from, self._name))
         owner = self._route.current()
-        return owner, self._channel_for(owner.grpc_address)
+        return owner, self._channel_for(owner.grpc_address), [*metadata, (FORWARDED_BY, self._name)]
 
     async def _refused(self, context: Any, owner: Owner, err: grpc.aio.AioRpcError) -> None:
         """Answer with the owner's status; an owner that cannot be reached says so, naming it."""
@@ -251,10 +260,10 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
 
     def _unary(self, method: str) -> Callable[[bytes, Any], Any]:
         async def forward(request: bytes, context: Any) -> bytes:
-            owner, channel = self._target()
+            owner, channel, metadata = self._target(context)
             call = channel.unary_unary(method, None, None)(
                 request,
-                metadata=_forwarded_metadata(context.invocation_metadata()),
+                metadata=metadata,
                 timeout=context.time_remaining(),
             )
             try:
@@ -271,10 +280,10 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
 
     def _stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
         async def forward(request: bytes, context: Any) -> AsyncIterator[bytes]:
-            owner, channel = self._target()
+            owner, channel, metadata = self._target(context)
             call = channel.unary_stream(method, None, None)(
                 request,
-                metadata=_forwarded_metadata(context.invocation_metadata()),
+                metadata=metadata,
                 timeout=context.time_remaining(),
             )
             try:
@@ -337,6 +346,7 @@ def http_app(
     scheme: str,
     authorizer: Authorizer,
     listing: Callable[[], ReplicasView],
+    name: str,
 ) -> Starlette:
     """The HTTP face of a replica: probes and ``/metrics`` here, every other request at the owner."""
 
@@ -363,6 +373,9 @@ def http_app(
         return JSONResponse(dataclasses.asdict(view))
 
     async def forward(request: Request) -> Response:
+        came_from = request.headers.get(FORWARDED_BY)
+        if came_from is not None:
+            return _error(503, ErrorCode.UNAVAILABLE, _loop(came_from, name))
         try:
             owner = route.current()
         except Unavailable as exc:
@@ -373,6 +386,7 @@ def http_app(
             f"{scheme}://{owner.http_address}{request.url.path}", query=request.url.query.encode()
         )
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        headers.append((FORWARDED_BY, name))
         outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
         try:
             answer = await client.send(outgoing, stream=True)
@@ -400,6 +414,14 @@ def http_app(
             Route("/v1/replicas", replicas, methods=["GET"]),
             Route("/{path:path}", forward, methods=methods),
         ]
+    )
+
+
+def _loop(came_from: str, here: str) -> str:
+    return (
+        f"replica {came_from} forwarded this call to replica {here}, which does not own the store either; "
+        "each coordinator of a store needs its own TALLY_REPLICA_NAME and a TALLY_ADVERTISE_HOST that "
+        "reaches it — retry once the store's owner is known again"
     )
 
 
@@ -464,6 +486,8 @@ def poll_owner(board: ReplicaBoard, route: OwnerRoute) -> None:
     try:
         board.announce()
         route.update(board.owner())
+    except ReplicaNameInUse as exc:
+        route.update(None, str(exc))
     except TRANSIENT as exc:
         route.update(None, f"the store's database cannot be reached ({exc.__class__.__name__})")
     except Exception as exc:  # a bug: say so, keep polling

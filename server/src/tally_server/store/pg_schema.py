@@ -96,6 +96,8 @@ store_replicas_table = sa.Table(
     "store_replicas",
     metadata,
     sa.Column("name", sa.Text(), primary_key=True),
+    # A random token per process: a second live process under the same name is refused its row.
+    sa.Column("instance", sa.Text(), nullable=False),
     sa.Column("grpc_address", sa.Text(), nullable=False),
     sa.Column("http_address", sa.Text(), nullable=False),
     sa.Column("started_at", sa.Double[float](), nullable=False),

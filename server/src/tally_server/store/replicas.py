@@ -9,6 +9,7 @@ addresses here to forward writers' calls to it, and status views list them all.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -20,14 +21,21 @@ from tally_server.store.postgres import TAKE_OVER_AFTER_S, TRANSIENT, StoreUnrea
 
 logger = logging.getLogger(__name__)
 
+# This process among the store's coordinators (every board of it: a replica's, then the owner's).
+_INSTANCE = secrets.token_hex(8)
+
 _DB_NOW = "extract(epoch from clock_timestamp())"
+# The row of this name is taken over only from this very process or from one silent long enough to
+# be taken for gone: two live coordinators under one name would forward to each other.
 _ANNOUNCE = sa.text(
-    "INSERT INTO store_replicas (name, grpc_address, http_address, started_at, renewed_at) "
-    f"VALUES (:name, :grpc, :http, :started, {_DB_NOW}) ON CONFLICT (name) DO UPDATE SET "
-    "grpc_address = excluded.grpc_address, http_address = excluded.http_address, "
-    "started_at = excluded.started_at, renewed_at = excluded.renewed_at"
+    "INSERT INTO store_replicas (name, instance, grpc_address, http_address, started_at, renewed_at) "
+    f"VALUES (:name, :instance, :grpc, :http, :started, {_DB_NOW}) ON CONFLICT (name) DO UPDATE SET "
+    "instance = excluded.instance, grpc_address = excluded.grpc_address, "
+    "http_address = excluded.http_address, started_at = excluded.started_at, "
+    "renewed_at = excluded.renewed_at "
+    f"WHERE store_replicas.instance = excluded.instance OR store_replicas.renewed_at < {_DB_NOW} - :gone"
 )
-_LEAVE = sa.text("DELETE FROM store_replicas WHERE name = :name")
+_LEAVE = sa.text("DELETE FROM store_replicas WHERE name = :name AND instance = :instance")
 # Rows of replicas gone an hour without a clean stop (kill -9, a lost host) are swept by the others.
 _SWEEP = sa.text(f"DELETE FROM store_replicas WHERE renewed_at < {_DB_NOW} - 3600")
 _OWNER = sa.text(
@@ -39,6 +47,18 @@ _REPLICAS = sa.text(
     f"SELECT name, grpc_address, http_address, started_at, {_DB_NOW} - renewed_at AS silent_s "
     "FROM store_replicas ORDER BY name"
 )
+
+
+class ReplicaNameInUse(OSError):
+    """Another live coordinator of the store goes by this replica's name (an ``OSError``: one line)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"another tally serve on this store, alive within the last {TAKE_OVER_AFTER_S:.0f} s, goes by "
+            f"the replica name {name!r}: give each coordinator of a store its own TALLY_REPLICA_NAME (the "
+            "default, HOSTNAME-PID, is unique), or wait until that one has stopped"
+        )
+        self.name = name
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +117,7 @@ class ReplicaBoard:
         self.grpc_address = grpc_address
         self.http_address = http_address
         self._started = time.time()
+        self._instance = _INSTANCE
         self._engine: Engine = create_engine(url)
         try:
             with self._engine.begin() as conn:
@@ -110,25 +131,30 @@ class ReplicaBoard:
         """Write (or renew) this replica's row; sweeps rows of replicas gone for an hour.
 
         Raises:
+            ReplicaNameInUse: another live coordinator of the store goes by this name.
             sqlalchemy.exc.OperationalError: and the like when the database cannot be reached.
         """
         with self._engine.begin() as conn:
-            conn.execute(
+            written = conn.execute(
                 _ANNOUNCE,
                 {
                     "name": self.name,
+                    "instance": self._instance,
                     "grpc": self.grpc_address,
                     "http": self.http_address,
                     "started": self._started,
+                    "gone": TAKE_OVER_AFTER_S,
                 },
-            )
+            ).rowcount
             conn.execute(_SWEEP)
+        if not written:
+            raise ReplicaNameInUse(self.name)
 
     def leave(self) -> None:
         """Delete this replica's row (a clean stop); errors are logged, the row then ages out."""
         try:
             with self._engine.begin() as conn:
-                conn.execute(_LEAVE, {"name": self.name})
+                conn.execute(_LEAVE, {"name": self.name, "instance": self._instance})
         except TRANSIENT as exc:
             logger.warning("could not remove replica %s from the store's list: %s", self.name, exc)
 
@@ -173,3 +199,26 @@ def _owner(conn: Connection) -> Owner | None:
         grpc_address=row.grpc_address or "",
         http_address=row.http_address or "",
     )
+
+
+def check_name_free(url: sa.URL, name: str) -> None:
+    """At start: refuse a replica name that a live coordinator of the store goes by.
+
+    Raises:
+        ReplicaNameInUse: one renewed its row under ``name`` within ``TAKE_OVER_AFTER_S``.
+        StoreUnreachable: the database cannot be reached.
+    """
+    engine = create_engine(url, pooled=False)
+    try:
+        with engine.begin() as conn:
+            store_replicas_table.create(conn, checkfirst=True)
+            silent = conn.execute(
+                sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_replicas WHERE name = :name"),
+                {"name": name},
+            ).scalar()
+    except TRANSIENT as exc:
+        raise StoreUnreachable(url, exc) from None
+    finally:
+        engine.dispose()
+    if silent is not None and silent < TAKE_OVER_AFTER_S:
+        raise ReplicaNameInUse(name)
