@@ -15,7 +15,6 @@ from typing import Annotated
 
 import typer
 from rich.live import Live
-from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -175,23 +174,21 @@ class RateMeter:
 
 
 def progress_line(s: tally.CheckpointStatus, rate: float | None) -> str:
-    eta = "unknown"
-    if s.pending_sources > 0 and rate is not None and rate > 0:
-        eta = duration(s.pending_sources / rate)
+    """Count, rate and what is in flight: no bar and no ETA, since the total is not known.
+
+    Completed plus pending is not the total (sources not started yet are in neither), so a bar or
+    an ETA drawn from them would say "almost done" early in every run.
+    """
     rate_text = "unknown" if rate is None else f"{rate:.2f}/s"
+    failed = f"  failed {s.failed_sources}" if s.failed_sources else ""
     return (
         f"{s.name}: completed {s.completed_count}  pending {s.pending_sources}  "
-        f"live writers {s.live_writers}  anomalies {s.anomalies}  rate {rate_text}  ETA {eta}"
+        f"live writers {s.live_writers}  anomalies {s.anomalies}{failed}  rate {rate_text}"
     )
 
 
-def _progress_view(s: tally.CheckpointStatus, rate: float | None) -> Table:
-    total = s.completed_count + s.pending_sources
-    bar = ProgressBar(total=float(total or 1), completed=float(s.completed_count if total else 0), width=60)
-    view = Table.grid()
-    view.add_row(bar)
-    view.add_row(Text(progress_line(s, rate)))
-    return view
+def _progress_view(s: tally.CheckpointStatus, rate: float | None) -> Text:
+    return Text(progress_line(s, rate))
 
 
 def watch(
@@ -205,7 +202,10 @@ def watch(
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Live progress of a checkpoint: completed, pending, rate and ETA."""
+    """Live progress of a checkpoint: completed, pending (in flight), rate.
+
+    No bar and no ETA: the checkpoint's total is not known (completed + pending is not it).
+    """
     meter = RateMeter()
     with connect(address, token, timeout) as client:
         if once:
