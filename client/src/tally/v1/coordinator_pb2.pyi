@@ -213,7 +213,7 @@ class WriterStatus(_message.Message):
     def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ..., closed_at: _Optional[float] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner", "failed_sources", "max_attempts")
+    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner", "failed_sources", "max_attempts", "total", "remaining")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class CheckpointStatus(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     FAILED_SOURCES_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
     name: str
     completed_count: int
     live_writers: int
@@ -249,7 +251,9 @@ class CheckpointStatus(_message.Message):
     owner: str
     failed_sources: int
     max_attempts: int
-    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+    total: int
+    remaining: int
+    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ..., total: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ()
@@ -568,3 +572,39 @@ class SetFailureBudgetResponse(_message.Message):
     max_attempts: int
     failed_sources: int
     def __init__(self, max_attempts: _Optional[int] = ..., failed_sources: _Optional[int] = ...) -> None: ...
+
+class DeclareSourcesRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_ids", "count")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    count: int
+    def __init__(self, checkpoint: _Optional[str] = ..., source_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class DeclareSourcesResponse(_message.Message):
+    __slots__ = ("total", "remaining")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    total: int
+    remaining: int
+    def __init__(self, total: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
+
+class ListRemainingRequest(_message.Message):
+    __slots__ = ("checkpoint", "after", "limit")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    after: str
+    limit: int
+    def __init__(self, checkpoint: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListRemainingResponse(_message.Message):
+    __slots__ = ("source_ids", "next_after")
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    next_after: str
+    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., next_after: _Optional[str] = ...) -> None: ...

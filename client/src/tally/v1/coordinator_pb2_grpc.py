@@ -146,6 +146,16 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.FromString,
                 _registered_method=True)
+        self.DeclareSources = channel.unary_unary(
+                '/tally.v1.Coordinator/DeclareSources',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.DeclareSourcesRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.DeclareSourcesResponse.FromString,
+                _registered_method=True)
+        self.ListRemaining = channel.unary_unary(
+                '/tally.v1.Coordinator/ListRemaining',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -305,6 +315,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeclareSources(self, request, context):
+        """Declare a checkpoint's sources (idempotent, additive), or only how many there are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRemaining(self, request, context):
+        """Declared sources not completed yet, in byte order, paged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -417,6 +441,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SetFailureBudget,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.SerializeToString,
+            ),
+            'DeclareSources': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclareSources,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.DeclareSourcesRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.DeclareSourcesResponse.SerializeToString,
+            ),
+            'ListRemaining': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRemaining,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1014,6 +1048,60 @@ class Coordinator:
             '/tally.v1.Coordinator/SetFailureBudget',
             tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.SetFailureBudgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclareSources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/DeclareSources',
+            tally_dot_v1_dot_coordinator__pb2.DeclareSourcesRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.DeclareSourcesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRemaining(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/ListRemaining',
+            tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.FromString,
             options,
             channel_credentials,
             insecure,

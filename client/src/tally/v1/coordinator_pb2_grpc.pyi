@@ -80,6 +80,10 @@ class CoordinatorStub:
     """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again."""
     SetFailureBudget: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetFailureBudgetRequest, _coordinator_pb2.SetFailureBudgetResponse]
     """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
+    DeclareSources: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DeclareSourcesRequest, _coordinator_pb2.DeclareSourcesResponse]
+    """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
+    ListRemaining: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListRemainingRequest, _coordinator_pb2.ListRemainingResponse]
+    """Declared sources not completed yet, in byte order, paged."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -130,6 +134,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Clear sources' failed attempts (every one of the checkpoint with no ids): they run again."""
     SetFailureBudget: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetFailureBudgetRequest, _coordinator_pb2.SetFailureBudgetResponse]  # type: ignore[assignment]
     """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
+    DeclareSources: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DeclareSourcesRequest, _coordinator_pb2.DeclareSourcesResponse]  # type: ignore[assignment]
+    """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
+    ListRemaining: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListRemainingRequest, _coordinator_pb2.ListRemainingResponse]  # type: ignore[assignment]
+    """Declared sources not completed yet, in byte order, paged."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """One domain service; every RPC is a thin translation of one domain operation."""
@@ -309,5 +317,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SetFailureBudgetResponse, _abc.Awaitable[_coordinator_pb2.SetFailureBudgetResponse]]:
         """Set a checkpoint's failure budget: attempts after which a source is failed (0: unlimited)."""
+
+    @_abc_1.abstractmethod
+    def DeclareSources(
+        self,
+        request: _coordinator_pb2.DeclareSourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DeclareSourcesResponse, _abc.Awaitable[_coordinator_pb2.DeclareSourcesResponse]]:
+        """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
+
+    @_abc_1.abstractmethod
+    def ListRemaining(
+        self,
+        request: _coordinator_pb2.ListRemainingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListRemainingResponse, _abc.Awaitable[_coordinator_pb2.ListRemainingResponse]]:
+        """Declared sources not completed yet, in byte order, paged."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
