@@ -73,6 +73,7 @@ class CompactSetMachine(RuleBasedStateMachine):
         keys = [k for held in self.files.values() for k in held if index.prefix(hasher.of_key(k)) in shared]
         index.count = distinct_count(index, hasher, keys)
         self.model = Model(list(initial))
+        self.declared: set[str] = set()
 
     @rule(sources=st.lists(st.sampled_from(IDS), max_size=4), origin=st.sampled_from(ORIGINS))
     def add(self, sources: list[str], origin: str) -> None:
@@ -93,6 +94,18 @@ class CompactSetMachine(RuleBasedStateMachine):
         if reaches_files:  # the delete was committed (or is still to be retried)
             for held in self.files.values():
                 held.discard(sid.encode())
+
+    @rule(sources=st.lists(st.sampled_from(IDS), max_size=5))
+    def declare(self, sources: list[str]) -> None:
+        # What the service does on DeclareSources: add the new ids to the checkpoint's declared set
+        # (the object the completed set watches) and count the completed among them.
+        new = [s for s in dict.fromkeys(sources) if s not in self.declared]
+        self.declared.update(new)
+        if self.compact.declared is self.declared:
+            done = self.compact.declared_done + sum(self.compact.contains_many(new))
+        else:
+            done = sum(self.compact.contains_many(list(self.declared)))
+        self.compact.watch(self.declared, done)
 
     @rule()
     def view(self) -> None:
@@ -117,6 +130,8 @@ class CompactSetMachine(RuleBasedStateMachine):
         if not hasattr(self, "compact"):
             return
         assert len(self.compact) == len(self.model.completed)
+        if self.compact.declared is self.declared:  # declared totals: remaining is exact
+            assert self.compact.declared_done == len(self.declared & self.model.completed.keys())
         live = [sid in self.model.completed for sid in IDS]
         assert [sid in self.compact for sid in IDS] == live
         assert self.compact.contains_many(IDS) == live
