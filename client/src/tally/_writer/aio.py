@@ -127,11 +127,10 @@ class AsyncWriter(WriterBase):
         async with self._lifecycle:
             if not self._open_ready():
                 return
-            deadline = Deadline(self._config.timeout)
-            budget = self._budget_call()
-            if budget is not None:
-                await self._call(budget, deadline)
-            opened = await self._call(calls.OpenWriter(self._spec), deadline)
+            # Each call its own timeout: a big declaration is many calls.
+            for setup in self._setup_calls():
+                await self._call(setup, Deadline(self._config.timeout))
+            opened = await self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
             with self._lock:

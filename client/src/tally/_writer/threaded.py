@@ -72,11 +72,10 @@ class Writer(WriterBase):
         with self._lifecycle:
             if not self._open_ready():
                 return
-            deadline = Deadline(self._config.timeout)
-            budget = self._budget_call()
-            if budget is not None:
-                self._call(budget, deadline)
-            opened = self._call(calls.OpenWriter(self._spec), deadline)
+            # Each call its own timeout: a big declaration is many calls.
+            for setup in self._setup_calls():
+                self._call(setup, Deadline(self._config.timeout))
+            opened = self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
             with self._lock:
                 self._core.open_done(opened)
                 self._notify_locked()
