@@ -79,6 +79,8 @@ REQUIRED: dict[str, Role] = {
     "ReportFailure": Role.WORKER,
     "RetryFailed": Role.WORKER,
     "SetFailureBudget": Role.WORKER,
+    "DeclareSources": Role.WORKER,
+    "ListRemaining": Role.READER,
     "OpenWriter": Role.WORKER,
     "KeepAlive": Role.WORKER,
     "ApplyDeltas": Role.WORKER,
@@ -109,6 +111,8 @@ CHECKPOINT_FIELD: dict[str, str] = {
     "ListFailures": "checkpoint",
     "RetryFailed": "checkpoint",
     "SetFailureBudget": "checkpoint",
+    "DeclareSources": "checkpoint",
+    "ListRemaining": "checkpoint",
 }
 #: Operations on an open writer, named by its ``handle``: checked against the handle's checkpoint.
 HANDLE_OPERATIONS = frozenset(

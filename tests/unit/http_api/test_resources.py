@@ -39,6 +39,8 @@ CHECKPOINT = {
     "fingerprint",
     "failed_sources",
     "max_attempts",
+    "total",
+    "remaining",
 }
 
 

@@ -73,6 +73,25 @@ class Checkpoint:
     # the budget: a source with ``max_attempts`` of them (0: unlimited) is failed.
     failures: dict[str, int] = field(default_factory=dict)
     max_attempts: int = 0
+    # Declared sources (issue #12's totals), and a count declared when the ids are not known; how
+    # many declared ones are completed (kept by the completed set while loaded; None: not known
+    # since the coordinator started).
+    declared: set[str] = field(default_factory=set)
+    declared_count: int = 0
+    known_declared_done: int | None = None
+
+    @property
+    def total(self) -> int:
+        """Declared sources; 0 when none were declared (no total is known)."""
+        return max(len(self.declared), self.declared_count)
+
+    @property
+    def remaining(self) -> int:
+        """Declared sources not completed; -1 when not known yet."""
+        if not self.declared:
+            return max(self.declared_count - self.completed_count, 0) if self.declared_count else -1
+        done = self.completed.declared_done if self.completed is not None else self.known_declared_done
+        return -1 if done is None else self.total - done
 
     @property
     def failed_count(self) -> int:
@@ -93,6 +112,8 @@ class Checkpoint:
 
     def unload(self) -> None:
         """Drop the completed set from memory, remembering its size for status reads."""
+        if self.completed is not None and self.declared:
+            self.known_declared_done = self.completed.declared_done
         if self.completed is not None:
             self.known_count = len(self.completed)
             self.completed = None

@@ -74,6 +74,10 @@ class CompletedSet:
         self.background_merges = False
         self._tombstones: set[str] = set()
         self._hidden = 0  # tombstones that hide an id of the index (the others hide a mere hash hit)
+        # Declared sources (issue #12's totals) and how many of them are completed, kept exact by
+        # add and discard; empty until ``watch``.
+        self.declared: set[str] | frozenset[str] = frozenset()
+        self.declared_done = 0
         self._id_chars = sum(map(len, self._overlay))
         self._tomb_chars = 0
 
@@ -173,6 +177,8 @@ class CompletedSet:
                 continue
             overlay[sid] = value
             self._id_chars += len(sid)
+            if sid in self.declared:
+                self.declared_done += 1
             if tag != _NO_ORIGIN and sid not in tombstones:
                 self._mergeable += 1
         if self.merge_due and not self.background_merges:
@@ -180,6 +186,17 @@ class CompletedSet:
 
     def discard(self, source_id: str) -> bool:
         """Drop one completion (an un-complete); returns whether the source was completed."""
+        dropped = self._discard(source_id)
+        if dropped and source_id in self.declared:
+            self.declared_done -= 1
+        return dropped
+
+    def watch(self, declared: set[str], done: int) -> None:
+        """Keep count of the completed among ``declared`` (``done`` of them are completed now)."""
+        self.declared = declared
+        self.declared_done = done
+
+    def _discard(self, source_id: str) -> bool:
         value = self._overlay.pop(source_id, None)
         if value is not None:
             self._id_chars -= len(source_id)

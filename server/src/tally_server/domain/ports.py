@@ -330,6 +330,12 @@ class Registry(Protocol):
     def list_budgets(self) -> dict[str, int]:
         """Every checkpoint's failure budget that is set."""
 
+    def add_declared(self, checkpoint: str, source_ids: Sequence[str], count: int) -> None:
+        """Add declared sources (those declared already are left as they are) and raise the count."""
+
+    def list_declared(self) -> tuple[dict[str, set[str]], dict[str, int]]:
+        """Every checkpoint's declared sources and declared count."""
+
     def close(self) -> None:
         """Release the database connections."""
 

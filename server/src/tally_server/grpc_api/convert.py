@@ -103,6 +103,8 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
         owner=v.owner,
         failed_sources=v.failed_sources,
         max_attempts=v.max_attempts,
+        total=v.total,
+        remaining=v.remaining,
     )
 
 

@@ -205,6 +205,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         budget, failed = await self._service.set_failure_budget(request.checkpoint, request.max_attempts)
         return pb.SetFailureBudgetResponse(max_attempts=budget, failed_sources=failed)
 
+    async def DeclareSources(
+        self, request: pb.DeclareSourcesRequest, context: Context
+    ) -> pb.DeclareSourcesResponse:
+        """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
+        ids = await _unpack(request.source_ids, lambda: self._source_ids(request.source_ids))
+        total, remaining = await self._service.declare_sources(request.checkpoint, ids, request.count)
+        return pb.DeclareSourcesResponse(total=total, remaining=remaining)
+
+    async def ListRemaining(
+        self, request: pb.ListRemainingRequest, context: Context
+    ) -> pb.ListRemainingResponse:
+        """Declared sources not completed yet, in byte order, paged."""
+        page = await self._service.list_remaining(
+            request.checkpoint, after=request.after, limit=request.limit
+        )
+        return pb.ListRemainingResponse(source_ids=page.source_ids, next_after=page.next_after)
+
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: Context
     ) -> pb.ListReplicasResponse:

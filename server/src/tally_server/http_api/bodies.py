@@ -39,7 +39,7 @@ from tally_server.http_api import schemas as s
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
-WithIds = TypeVar("WithIds", s.AreCompletedBody, s.ImportBody)
+WithIds = TypeVar("WithIds", s.AreCompletedBody, s.ImportBody, s.DeclareBody)
 
 # Above this a body is parsed in a worker thread. 100k typical deltas are ~13 MB.
 OFF_LOOP_BYTES = 256 * 1024

@@ -72,6 +72,14 @@ class FailureBudgetReply:
 
 
 @dataclass(frozen=True)
+class DeclareReply:
+    """The checkpoint's total (declared sources) and how many of them are not completed."""
+
+    total: int
+    remaining: int
+
+
+@dataclass(frozen=True)
 class FlushReply:
     """Sources this writer has completed so far, all durable."""
 

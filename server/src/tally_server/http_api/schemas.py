@@ -129,6 +129,14 @@ class FailureBudgetBody(RequestBody):
     max_attempts: int = Field(description="Failed attempts after which a source is failed; 0: unlimited.")
 
 
+class DeclareBody(RequestBody):
+    """Sources a pipeline will process (added to those declared), or how many when the ids are unknown."""
+
+    checkpoint: str
+    source_ids: list[str] = Field(default_factory=list)
+    count: int = Field(default=0, description="When the ids are not known: how many sources there are.")
+
+
 class ErrorDetail(BaseModel):
     """What went wrong: a code, a message for people, and machine-readable details."""
 

@@ -91,6 +91,8 @@ class Admin:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(core.wall())) + f"-{uuid.uuid4().hex[:6]}"
             moved_to, files = await core.committer.run(core.completions.trash, name, stamp)
             cp.completed = self._checkpoints.empty_set(name)
+            if cp.declared:  # the declared sources stay; none of them is completed now
+                cp.completed.watch(cp.declared, 0)
             cp.known_count = 0
             cp.anomalies = 0
             cp.unreadable_files = []

@@ -207,6 +207,8 @@ class CheckpointTable:
         reported = set(cp.unreadable_files)
         cp.completed = self._new_set(cp.name, index, loaded.origins)
         cp.known_count = len(cp.completed)
+        if cp.declared:  # count the completed among the declared sources from now on
+            cp.completed.watch(cp.declared, sum(cp.completed.contains_many(list(cp.declared))))
         cp.unreadable_files = [u.path for u in loaded.unreadable]
         for bad in loaded.unreadable:
             if bad.path not in reported:

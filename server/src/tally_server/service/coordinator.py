@@ -35,6 +35,7 @@ from tally_server.service.opening import Opening
 from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.stats import ServiceStats
 from tally_server.service.status import CheckpointGauges, Status
+from tally_server.service.totals import Totals
 from tally_server.service.views import (
     AppliedBatch,
     CheckpointView,
@@ -134,6 +135,7 @@ class CoordinatorService:
         )
         self._admin = Admin(core, self._checkpoints, self._writers)
         self._failures = Failures(core, self._checkpoints)
+        self._totals = Totals(core, self._checkpoints)
         self._durability.on_failures_completed = self._failures.completed
         self._status = Status(core, self._checkpoints, lambda: core.accepting)
         self._loops: list[Loop] = []
@@ -155,6 +157,7 @@ class CoordinatorService:
         for failed in await core.registry_read(core.registry.list_failures):
             failures.setdefault(failed.checkpoint, {})[failed.source_id] = failed.attempts
         self._failures.restore(failures, await core.registry_read(core.registry.list_budgets))
+        self._totals.restore(*await core.registry_read(core.registry.list_declared))
         journaled = await core.committer.run(self._journal.load)
         restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
@@ -383,6 +386,18 @@ class CoordinatorService:
     async def set_failure_budget(self, checkpoint: str, max_attempts: int) -> tuple[int, int]:
         """Set a checkpoint's failure budget (0: unlimited); the budget and the sources failed now."""
         return await self._failures.set_budget(checkpoint, max_attempts)
+
+    # ------------------------------------------------------------------ declared totals
+
+    async def declare_sources(
+        self, checkpoint: str, source_ids: Sequence[str], count: int = 0
+    ) -> tuple[int, int]:
+        """Declare sources (idempotent, additive) or only how many: the total and remaining now."""
+        return await self._totals.declare(checkpoint, source_ids, count)
+
+    async def list_remaining(self, checkpoint: str, *, after: str = "", limit: int = 0) -> CompletedPage:
+        """A page of declared sources not completed yet, in byte order."""
+        return await self._totals.remaining(checkpoint, after=after, limit=limit)
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""

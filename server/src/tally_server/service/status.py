@@ -69,6 +69,8 @@ class Status:
             owner=self._core.owner_name,
             failed_sources=cp.failed_count,
             max_attempts=cp.max_attempts,
+            total=cp.total,
+            remaining=cp.remaining,
         )
 
     def gauges(self) -> dict[str, CheckpointGauges]:

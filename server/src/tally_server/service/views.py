@@ -159,6 +159,8 @@ class CheckpointView:
     owner: str = ""  # the replica applying its deltas (a PostgreSQL store's owner); "" on LMDB
     failed_sources: int = 0  # at the failure budget and not completed
     max_attempts: int = 0  # the failure budget; 0: unlimited
+    total: int = 0  # declared sources; 0: no total is known
+    remaining: int = -1  # declared sources not completed; -1: not known
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from tally_server.store.registry_schema import (
     checkpoint_record,
     checkpoints_table,
     cursors_table,
+    declared_counts_table,
+    declared_table,
     event_record,
     events_table,
     failures_table,
@@ -355,6 +357,35 @@ class SqlRegistry:
         """Every checkpoint's failure budget that is set."""
         with self._engine.connect() as conn:
             return {row.checkpoint: int(row.max_attempts) for row in conn.execute(sa.select(budgets_table))}
+
+    # ---------------------------------------------------------------- declared sources
+
+    @_transient_as_unavailable
+    def add_declared(self, checkpoint: str, source_ids: Sequence[str], count: int) -> None:
+        """Add declared sources (those declared already are left as they are) and raise the count."""
+        dialect = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        with self._engine.begin() as conn:
+            ids = list(source_ids)
+            for start in range(0, len(ids), 5000):
+                rows = [{"checkpoint": checkpoint, "source_id": sid} for sid in ids[start : start + 5000]]
+                conn.execute(dialect.insert(declared_table).values(rows).on_conflict_do_nothing())
+            if count:
+                c = declared_counts_table.c
+                old = conn.execute(sa.select(c.count).where(c.checkpoint == checkpoint)).scalar()
+                if old is None or count > old:
+                    self._upsert(conn, declared_counts_table, {"checkpoint": checkpoint, "count": count})
+
+    @_transient_as_unavailable
+    def list_declared(self) -> tuple[dict[str, set[str]], dict[str, int]]:
+        """Every checkpoint's declared sources and declared count."""
+        declared: dict[str, set[str]] = {}
+        with self._engine.connect() as conn:
+            for row in conn.execute(sa.select(declared_table)):
+                declared.setdefault(row.checkpoint, set()).add(row.source_id)
+            c = declared_counts_table.c
+            query = sa.select(c.checkpoint, c.count.label("declared"))
+            counts = {row.checkpoint: int(row.declared) for row in conn.execute(query)}
+        return declared, counts
 
     # -------------------------------------------------------------- lifecycle
 

@@ -115,6 +115,22 @@ budgets_table = sa.Table(
     sa.Column("max_attempts", _Count, nullable=False),
 )
 
+# Declared sources (issue #12's totals): what a pipeline said it will process, and a count for when
+# it could not list the ids.
+declared_table = sa.Table(
+    "declared_sources",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("source_id", sa.String(), primary_key=True),
+)
+
+declared_counts_table = sa.Table(
+    "declared_counts",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("count", _Count, nullable=False),
+)
+
 
 def checkpoint_record(row: Row[Any]) -> CheckpointRecord:
     """A ``checkpoints`` row as a checkpoint record."""
