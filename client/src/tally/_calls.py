@@ -636,6 +636,13 @@ def declare_calls(checkpoint: str, sources: tuple[str, ...] | int) -> list[Decla
     return [DeclareSources(checkpoint, chunk) for chunk in chunks]
 
 
+def declare_plan(checkpoint: str, ids: Iterable[str] | None, count: int | None) -> Plan[int]:
+    """``declare(checkpoint, ids)`` or ``declare(checkpoint, count=n)``; arguments checked now."""
+    if (ids is None) == (count is None):
+        raise InvalidArgument("declare takes source ids or a count (count=n), not both and not neither")
+    return declare(checkpoint, expected_sources(ids if ids is not None else count))
+
+
 def declare(checkpoint: str, sources: tuple[str, ...] | int) -> Plan[int]:
     """Declare in chunks; the total after the last call."""
     declared = Declared(0, -1)

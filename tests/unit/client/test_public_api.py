@@ -66,6 +66,8 @@ def test_declared_totals_are_pinned() -> None:
         assert declare["count"].kind is inspect.Parameter.KEYWORD_ONLY
         assert list(inspect.signature(cls.remaining).parameters) == ["self", "checkpoint", "page_size"]
         assert inspect.signature(cls.writer).parameters["expected_sources"].default is None
+    for writer in (tally.Writer, tally.AsyncWriter):
+        assert list(inspect.signature(writer.declare).parameters) == ["self", "ids", "count"]
     fields = {f.name: f.default for f in dataclasses.fields(tally.CheckpointStatus)}
     assert fields["total"] == 0 and fields["remaining"] == -1
     assert isinstance(inspect.getattr_static(tally.CheckpointStatus, "percent"), property)

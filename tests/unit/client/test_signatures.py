@@ -30,6 +30,7 @@ ASYNC_METHODS = {
     (tally.Writer, tally.AsyncWriter): {
         "open",
         "are_completed",
+        "declare",
         "cursor",
         "flush",
         "close",

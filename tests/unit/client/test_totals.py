@@ -115,3 +115,18 @@ def test_percent_only_with_a_total() -> None:
     assert dataclasses.replace(status, total=120, remaining=90).percent == 25.0
     # Completions of sources never declared can exceed the total: capped.
     assert dataclasses.replace(status, total=20).percent == 100.0
+
+
+def test_a_writer_declares_on_its_checkpoint(client: Client, fake: FakeTransport) -> None:
+    with client.writer("cp") as w:
+        assert w.declare(["a", "b"]) == 2
+        assert w.declare(count=5) == 5
+        with pytest.raises(tally.InvalidArgument):
+            w.declare()
+    assert fake.args["declare_sources"] == [("cp", ("a", "b"), 0), ("cp", (), 5)]
+
+    async def main() -> int:
+        async with make_async_client(fake) as aclient, aclient.writer("cp") as aw:
+            return await aw.declare(["c"])
+
+    assert asyncio.run(main()) == 5

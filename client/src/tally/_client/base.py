@@ -304,11 +304,7 @@ class BaseClient:
         return calls.failed_under(calls.SetFailureBudget(name, calls.max_attempts(max_attempts)))
 
     def _declare_plan(self, checkpoint: str, ids: Iterable[str] | None, count: int | None) -> calls.Plan[int]:
-        name = self._name(checkpoint)
-        if (ids is None) == (count is None):
-            raise InvalidArgument("declare takes source ids or a count (count=n), not both and not neither")
-        sources = calls.expected_sources(ids if ids is not None else count)
-        return calls.declare(name, sources)
+        return calls.declare_plan(self._name(checkpoint), ids, count)
 
     def _completed_args(self, checkpoint: str, page_size: int) -> tuple[str, int]:
         return self._name(checkpoint), _positive_int("page_size", page_size)

@@ -148,6 +148,11 @@ class AsyncWriter(WriterBase):
         plan = calls.are_completed(self.checkpoint, ids)
         return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
+    async def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
+        """Declare the checkpoint's sources (or how many). See :meth:`Writer.declare`."""
+        plan = calls.declare_plan(self.checkpoint, ids, count)
+        return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
     async def cursor(self, source_id: str) -> bytes | None:
         """The buffered cursor of ``source_id``, else the saved one. See :meth:`Writer.cursor`."""
         plan = calls.get_cursor(self.checkpoint, source_id)

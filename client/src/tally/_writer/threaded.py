@@ -104,6 +104,15 @@ class Writer(WriterBase):
         plan = calls.are_completed(self.checkpoint, ids)
         return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
+    def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
+        """Declare the checkpoint's sources (or how many there are): see :meth:`tally.Client.declare`.
+
+        Returns:
+            The checkpoint's declared total afterwards.
+        """
+        plan = calls.declare_plan(self.checkpoint, ids, count)
+        return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
     def cursor(self, source_id: str) -> bytes | None:
         """The cursor of ``source_id``: the one buffered by :meth:`save_cursor` if not saved yet,
         else the one last saved on the checkpoint by any writer.
