@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from rich.console import Console
 from rich.text import Text
 from typer.testing import CliRunner
 
@@ -90,7 +91,11 @@ def test_watch_line_has_percent_and_eta_only_with_a_total() -> None:
     counted = dataclasses.replace(plain, total=40, remaining=-1)
     assert "remaining 10  ETA 5s" in progress_line(counted, 2.0)
     assert eta(dataclasses.replace(plain, total=30, remaining=0), None) == "done"
-    assert not isinstance(_progress_view(total, 2.0), Text)
+    console = Console(width=200, record=True, force_terminal=True)
+    console.print(_progress_view(total, 2.0))
+    drawn = console.export_text().splitlines()
+    assert "━" in drawn[0] and "20.0 %  ETA 1m 0s" in drawn[0]  # the bar, with percent and ETA
+    assert drawn[1].startswith("cp: completed 30 of 150")
 
 
 def test_watch_once_with_a_total(fake: FakeTransport) -> None:

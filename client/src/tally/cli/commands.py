@@ -224,10 +224,13 @@ def progress_line(s: tally.CheckpointStatus, rate: float | None) -> str:
 
 
 def _progress_view(s: tally.CheckpointStatus, rate: float | None) -> Text | Group:
-    if s.total <= 0:
+    if s.percent is None:
         return Text(progress_line(s, rate))
+    # A declared total: a bar (rich.progress's) with the percent and the ETA beside it.
+    head = Table.grid(padding=(0, 1))
     bar = ProgressBar(total=s.total, completed=min(s.completed_count, s.total), width=40)
-    return Group(bar, Text(progress_line(s, rate)))
+    head.add_row(bar, Text(f"{s.percent:.1f} %  ETA {eta(s, rate)}", style="bold"))
+    return Group(head, Text(progress_line(s, rate)))
 
 
 def watch(
