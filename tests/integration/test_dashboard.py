@@ -332,6 +332,43 @@ def test_failed_sources_show_on_their_checkpoint_and_its_card(tmp_path: Path, br
         expect(fine.get_by_test_id("failed")).to_have_count(0)
 
 
+def test_declared_totals_show_a_percent_and_an_eta_only_with_a_total(
+    tmp_path: Path, browser_page: Any
+) -> None:
+    """Declared sources: "N of TOTAL (P %)", a bar and an ETA on the page, the percent on the card;
+    a checkpoint without declared sources shows none of them."""
+    from playwright.sync_api import expect
+
+    with (
+        running_server(tmp_path / "data", settle_ms=0) as server,
+        tally.Client(server.grpc_address) as client,
+    ):
+        client.declare("declared/run", ["a", "b", "c", "d"])
+        with client.writer("declared/run", writer_id="w") as w:
+            _complete(w, ["a"])
+        with client.writer("plain/run", writer_id="w") as w:
+            _complete(w, ["a"])
+        page = browser_page
+        page.goto(server.http_url + "/#/checkpoint/declared/run")
+        expect(page.get_by_test_id("of-total")).to_have_text("1 of 4 (25.0 %)")
+        expect(page.get_by_test_id("total-bar")).to_have_attribute("max", "4")
+        expect(page.get_by_test_id("eta")).to_contain_text("3 remaining")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-totals.png"), full_page=True)
+        page.goto(server.http_url + "/#/checkpoint/plain/run")
+        expect(page.get_by_test_id("completed-value")).to_have_text("1")
+        expect(page.get_by_test_id("of-total")).to_have_count(0)
+        expect(page.get_by_test_id("eta")).to_have_count(0)
+        page.get_by_text("All checkpoints").click()
+        card = page.locator("[data-testid='checkpoint-card'][data-name='declared/run']")
+        expect(card.get_by_test_id("percent")).to_have_text("25.0 % of 4")
+        plain = page.locator("[data-testid='checkpoint-card'][data-name='plain/run']")
+        expect(plain.get_by_test_id("completed-count")).to_have_text("1")
+        expect(plain.get_by_test_id("percent")).to_have_count(0)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-totals-list.png"), full_page=True)
+
+
 def test_the_event_log_styles_each_event_by_its_severity(tmp_path: Path, browser_page: Any) -> None:
     """Warnings amber, errors red, the rest plain: from the severity the server sends, not the kind's name
     (a quarantined file and an ignored fingerprint mismatch have names no pattern of problems knew)."""

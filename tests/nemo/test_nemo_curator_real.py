@@ -104,7 +104,8 @@ def _private_env(temp_dir: str) -> dict[str, str]:
         RAY_AUTH_MODE="disabled",
         RAY_USAGE_STATS_ENABLED="0",
         RAY_MAX_LIMIT_FROM_API_SERVER="40000",
-        PYTHONPATH=str(HERE),
+        # This checkout's SDK first: .venv-nemo's editable install may point at another checkout.
+        PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1] / "client" / "src")]),
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -284,6 +285,9 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     assert sorted(source_ids) == FILES
     ids = [source_ids[name] for name in FILES]
     assert client.are_completed("nemo/reference", ids) == [True] * len(FILES)
+    # The drop-in declared the source stage's partitions: a total, nothing remaining.
+    declared = client.checkpoint("nemo/reference")
+    assert (declared.total, declared.remaining, declared.percent) == (len(FILES), 0, 100.0)
     reference = _records(tmp_path / "out-ref")
     # 2 of 3 parts survive the filter, none of in-03's.
     assert sum(reference.values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE

@@ -62,6 +62,9 @@ FAILURES_CHUNK = 10_000
 FAILURES_QUERY_BYTES = 6_000
 # The highest failure budget the coordinator accepts (SetFailureBudget refuses more).
 MAX_ATTEMPTS = 1_000_000
+# Ids per DeclareSources call: the server refuses more than its ids-per-query limit (100 000 by
+# default) in one call.
+DECLARE_CHUNK = 10_000
 
 
 class Call(Generic[T_co]):
@@ -269,6 +272,43 @@ class SetFailureBudget(Call[FailureBudget]):
     @property
     def what(self) -> str:
         return f"set the failure budget of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A DeclareSources answer: the checkpoint's total, and its remaining sources (-1: not known)."""
+
+    total: int
+    remaining: int
+
+
+@dataclass(frozen=True)
+class DeclareSources(Call[Declared]):
+    """Add ``source_ids`` to the checkpoint's declared sources, or (no ids) say there are at least
+    ``count``; creates the checkpoint if it is new. Safe to retry: declaring twice changes nothing."""
+
+    checkpoint: str
+    source_ids: Sequence[str] = ()
+    count: int = 0
+
+    @property
+    def what(self) -> str:
+        if self.source_ids:
+            return f"declare {len(self.source_ids)} sources of {self.checkpoint!r}"
+        return f"declare {self.count} sources of {self.checkpoint!r}"
+
+
+@dataclass(frozen=True)
+class ListRemaining(Call[CompletedPage]):
+    """Declared ids not completed, strictly after ``after`` in byte order, at most ``limit``."""
+
+    checkpoint: str
+    after: str
+    limit: int
+
+    @property
+    def what(self) -> str:
+        return f"list remaining ids of {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -571,6 +611,44 @@ def failed_under(call: SetFailureBudget) -> Plan[int]:
     """Set a budget; how many sources are failed under it."""
     budget: FailureBudget = yield call
     return budget.failed_sources
+
+
+def expected_sources(value: object) -> tuple[str, ...] | int:
+    """Check declared sources locally: an iterable of non-empty source ids, or a count (>= 0)."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"expected sources must be source ids or a count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"a count of sources must be 0 or more, got {value}")
+        return value
+    if not isinstance(value, Iterable):
+        raise InvalidArgument(f"expected sources must be source ids or a count, got {type(value).__name__}")
+    # Duplicates removed: they change nothing and cost a call's worth of bytes.
+    return tuple(dict.fromkeys(id_list("source ids", value)))
+
+
+def declare_calls(checkpoint: str, sources: tuple[str, ...] | int) -> list[DeclareSources]:
+    """The DeclareSources calls of checked sources: one per :data:`DECLARE_CHUNK` ids (one call for
+    no ids at all, which still creates the checkpoint), or one with a count."""
+    if isinstance(sources, int):
+        return [DeclareSources(checkpoint, (), sources)]
+    chunks = [sources[i : i + DECLARE_CHUNK] for i in range(0, len(sources), DECLARE_CHUNK)] or [()]
+    return [DeclareSources(checkpoint, chunk) for chunk in chunks]
+
+
+def declare_plan(checkpoint: str, ids: Iterable[str] | None, count: int | None) -> Plan[int]:
+    """``declare(checkpoint, ids)`` or ``declare(checkpoint, count=n)``; arguments checked now."""
+    if (ids is None) == (count is None):
+        raise InvalidArgument("declare takes source ids or a count (count=n), not both and not neither")
+    return declare(checkpoint, expected_sources(ids if ids is not None else count))
+
+
+def declare(checkpoint: str, sources: tuple[str, ...] | int) -> Plan[int]:
+    """Declare in chunks; the total after the last call."""
+    declared = Declared(0, -1)
+    for call in declare_calls(checkpoint, sources):
+        declared = yield call
+    return declared.total
 
 
 def drive(plan: Plan[T], send: Callable[[Call[Any]], Any]) -> T:

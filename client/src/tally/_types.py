@@ -99,6 +99,9 @@ class CheckpointStatus:
         failed_sources: Sources that failed ``max_attempts`` times (skipped until retried; see
             :meth:`Client.failures`). Always 0 with an unlimited budget.
         max_attempts: The checkpoint's failure budget; 0 is unlimited (no source ever fails).
+        total: Declared sources (:meth:`Client.declare`); 0 when no total is known (no percent).
+        remaining: Declared sources not completed yet (:meth:`Client.remaining` lists them); -1
+            when not known (only a count was declared, or the coordinator has not counted yet).
     """
 
     name: str
@@ -115,6 +118,15 @@ class CheckpointStatus:
     owner: str = ""
     failed_sources: int = 0
     max_attempts: int = 0
+    total: int = 0
+    remaining: int = -1
+
+    @property
+    def percent(self) -> float | None:
+        """Completed share of the declared total, 0 to 100; None when no total is known."""
+        if self.total <= 0:
+            return None
+        return min(100.0, 100.0 * self.completed_count / self.total)
 
 
 @dataclass(frozen=True)
@@ -361,6 +373,8 @@ class WriterSpec:
     session_token: str = field(default_factory=lambda: secrets.token_hex(16))
     # The checkpoint's failure budget, set (SetFailureBudget) before the writer opens; None: leave it.
     max_attempts: int | None = None
+    # Sources declared (DeclareSources) before the writer opens: checked ids or a count; None: none.
+    expected_sources: tuple[str, ...] | int | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ class FakeTransport:
         self.failed_attempts: dict[str, list[str]] = {}
         self.max_attempts = 0
         self.failures_page = 1000  # most sources per page when a listing names none
+        # Declared totals: declared ids, and the most any count said (the total is the larger).
+        self.declared: set[str] = set()
+        self.declared_count = 0
 
     # ---------------------------------------------------------------- scripting
 
@@ -161,6 +164,10 @@ class FakeTransport:
             calls.ListFailures: lambda c: self.list_failures(c, timeout),
             calls.RetryFailed: lambda c: self.retry_failed(c.checkpoint, c.source_ids, timeout),
             calls.SetFailureBudget: lambda c: self.set_failure_budget(c.checkpoint, c.max_attempts, timeout),
+            calls.DeclareSources: lambda c: self.declare_sources(
+                c.checkpoint, c.source_ids, c.count, timeout
+            ),
+            calls.ListRemaining: lambda c: self.list_remaining(c.checkpoint, c.after, c.limit, timeout),
         }
         return cast(T, operations[type(call)](call))
 
@@ -337,6 +344,26 @@ class FakeTransport:
             self.max_attempts = max_attempts
             failed = sum(self._source_failures(s).failed for s in self.failed_attempts)
         return calls.FailureBudget(max_attempts, failed)
+
+    def declare_sources(
+        self, checkpoint: str, source_ids: Sequence[str], count: int, timeout: float
+    ) -> calls.Declared:
+        self.args["declare_sources"].append((checkpoint, tuple(source_ids), count))
+        self._enter("declare_sources")
+        with self._cond:
+            self.declared |= set(source_ids)
+            self.declared_count = max(self.declared_count, count)
+            total = max(len(self.declared), self.declared_count)
+            remaining = len(self.declared - self.completed) if len(self.declared) >= total else -1
+        return calls.Declared(total, remaining)
+
+    def list_remaining(self, checkpoint: str, after: str, limit: int, timeout: float) -> CompletedPage:
+        self.args["list_remaining"].append((checkpoint, after, limit))
+        self._enter("list_remaining")
+        left = sorted(self.declared - self.completed)
+        ids = [s for s in left if s > after][: limit or 1000]
+        rest = [s for s in left if ids and s > ids[-1]]
+        return CompletedPage(tuple(ids), ids[-1] if rest else "")
 
     def watch_stream(
         self, checkpoint: str, interval_ms: int, timeout: float

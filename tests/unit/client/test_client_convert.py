@@ -137,7 +137,7 @@ def _descriptions() -> list[type[Call[object]]]:
 
 def test_every_call_description_has_a_route_on_each_wire() -> None:
     described = set(_descriptions())
-    assert len(described) == 21
+    assert len(described) == 23
     assert set(grpc_convert.ROUTES) == described
     assert set(http_convert.ROUTES) == described
 
@@ -169,3 +169,50 @@ def test_severities_rank_info_warning_error() -> None:
     assert [s.rank for s in (info, warning, error)] == [0, 1, 2]
     assert error.at_least(warning) and warning.at_least(warning) and not info.at_least(warning)
     assert tally.Severity("warning") == "warning"  # a str, as the wire spells it
+
+
+def test_both_wires_read_declared_totals() -> None:
+    grpc_status = grpc_convert.checkpoint_from_pb(
+        pb.CheckpointStatus(total=10, remaining=4, completed_count=6)
+    )
+    http_status = http_convert.checkpoint_from_json(
+        {"name": "", "total": 10, "remaining": 4, "completed_count": 6}
+    )
+    for status in (grpc_status, http_status):
+        assert (status.total, status.remaining, status.percent) == (10, 4, 60.0)
+    # A coordinator older than totals: no total, remaining not known (never "0 remaining").
+    for status in (
+        grpc_convert.checkpoint_from_pb(pb.CheckpointStatus()),
+        http_convert.checkpoint_from_json({"name": ""}),
+    ):
+        assert (status.total, status.remaining, status.percent) == (0, -1, None)
+    # A count declared: a total, remaining not known yet.
+    assert grpc_convert.checkpoint_from_pb(pb.CheckpointStatus(total=5, remaining=-1)).remaining == -1
+
+
+def test_declare_and_remaining_requests_on_both_wires() -> None:
+    declare = calls.DeclareSources("cp", ("a", "b"), 0)
+    req = grpc_convert.ROUTES[calls.DeclareSources].request(declare)
+    assert (req.checkpoint, list(req.source_ids), req.count) == ("cp", ["a", "b"], 0)
+    answer = grpc_convert.ROUTES[calls.DeclareSources].read(pb.DeclareSourcesResponse(total=2, remaining=1))
+    assert answer == calls.Declared(2, 1)
+    route = http_convert.ROUTES[calls.DeclareSources]
+    assert (route.method, route.path(declare)) == ("POST", "/v1/declare")
+    assert route.body(declare) == {"checkpoint": "cp", "source_ids": ["a", "b"], "count": 0}
+    assert route.read({"total": 7, "remaining": 3}) == calls.Declared(7, 3)
+    listing = calls.ListRemaining("c p", "x", 5)
+    req2 = grpc_convert.ROUTES[calls.ListRemaining].request(listing)
+    assert (req2.checkpoint, req2.after, req2.limit) == ("c p", "x", 5)
+    page = grpc_convert.ROUTES[calls.ListRemaining].read(
+        pb.ListRemainingResponse(source_ids=["y"], next_after="")
+    )
+    assert (page.source_ids, page.next_after) == (("y",), "")
+    http_route = http_convert.ROUTES[calls.ListRemaining]
+    path = http_route.path(listing)
+    assert (
+        path.startswith("/v1/remaining?")
+        and "checkpoint=c" in path
+        and "after=x" in path
+        and "limit=5" in path
+    )
+    assert http_route.read({"source_ids": ["y"], "next_after": "y"}).next_after == "y"

@@ -120,6 +120,32 @@ def test_an_unanswered_failures_call_skips_no_source_as_failed(
     proxy.close()
 
 
+def test_the_source_stage_partitions_are_declared(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.completed = {"a"}
+    proxy = TallyResumabilityProxy(ADDRESS, "cp")
+    assert proxy.are_completed(["a", "b", "c"]) == [True, False, False]
+    # One declaration, before the question; done sources are declared too (the total is all of them).
+    assert fake.args["declare_sources"] == [("cp", ("a", "b", "c"), 0)]
+    assert fake.calls.index("declare_sources") < fake.calls.index("are_completed")
+    assert proxy.are_completed([]) == [] and fake.count("declare_sources") == 1
+    proxy.close()
+
+
+def test_a_refused_declaration_is_logged_once_and_the_run_goes_on(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.fail("declare_sources", Internal("an older coordinator"))
+    proxy = TallyResumabilityProxy(ADDRESS, "cp")
+    with caplog.at_level("WARNING", logger=nemo_curator.__name__):
+        assert proxy.are_completed(["a", "b"]) == [False, False]
+        assert proxy.are_completed(["c"]) == [False]
+    assert caplog.text.count("could not declare") == 1
+    assert fake.count("declare_sources") == 1
+    proxy.close()
+
+
 def test_the_proxy_sets_the_failure_budget_as_it_opens(
     fake: FakeTransport, clients: list[tuple[Any, ...]]
 ) -> None:

@@ -56,6 +56,23 @@ def test_all_is_pinned_and_sorted() -> None:
         assert getattr(tally, name) is not None
 
 
+def test_declared_totals_are_pinned() -> None:
+    import dataclasses
+    import inspect
+
+    for cls in (tally.Client, tally.AsyncClient):
+        declare = inspect.signature(cls.declare).parameters
+        assert list(declare) == ["self", "checkpoint", "ids", "count"]
+        assert declare["count"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert list(inspect.signature(cls.remaining).parameters) == ["self", "checkpoint", "page_size"]
+        assert inspect.signature(cls.writer).parameters["expected_sources"].default is None
+    for writer in (tally.Writer, tally.AsyncWriter):
+        assert list(inspect.signature(writer.declare).parameters) == ["self", "ids", "count"]
+    fields = {f.name: f.default for f in dataclasses.fields(tally.CheckpointStatus)}
+    assert fields["total"] == 0 and fields["remaining"] == -1
+    assert isinstance(inspect.getattr_static(tally.CheckpointStatus, "percent"), property)
+
+
 def test_version() -> None:
     assert tally.__version__ == "0.1.0"
     # The distribution is tally-client (PyPI's "tally" is another project); the versions agree.

@@ -9,7 +9,7 @@ import pytest
 import tally
 
 # Methods that do I/O are coroutines in the async flavour; everything else is identical. Streams
-# (``completed``, ``watch``) are plain calls in both that return an iterator / async iterator.
+# (``completed``, ``remaining``, ``watch``) are plain calls in both that return an iterator / async iterator.
 ASYNC_METHODS = {
     (tally.Client, tally.AsyncClient): {
         "are_completed",
@@ -17,6 +17,7 @@ ASYNC_METHODS = {
         "checkpoints",
         "close",
         "cursor",
+        "declare",
         "events",
         "import_completed",
         "progress",
@@ -29,6 +30,7 @@ ASYNC_METHODS = {
     (tally.Writer, tally.AsyncWriter): {
         "open",
         "are_completed",
+        "declare",
         "cursor",
         "flush",
         "close",
@@ -102,7 +104,7 @@ def test_constructors_and_context_managers_match(sync_cls: type, async_cls: type
 
 
 def test_streams_are_iterators_in_both_flavours() -> None:
-    for name in ("completed", "watch"):
+    for name in ("completed", "remaining", "watch"):
         assert inspect.signature(getattr(tally.Client, name)).return_annotation.startswith("Iterator[")
         assert inspect.signature(getattr(tally.AsyncClient, name)).return_annotation.startswith(
             "AsyncIterator["

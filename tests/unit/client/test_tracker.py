@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tally
 from tally.integrations.tracker import Report, Task, Tracker, root_task_id
+from tests.unit.client.tally_fakes import FakeTransport, make_client
 
 Delta = tuple[str, str, int]
 
@@ -147,6 +149,20 @@ def test_task_ids_of_different_sources_never_collide(tracker: Tracker, ledger: L
 def test_todo_skips_completed_keeps_order_and_drops_duplicates(tracker: Tracker, ledger: Ledger) -> None:
     ledger.completed = {"b"}
     assert tracker.todo(["c", "b", "a", "c"]) == ["c", "a"]
+
+
+def test_todo_declares_the_sources_through_a_real_writer(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeTransport()
+    fake.completed = {"b"}
+    with make_client(fake) as client, client.writer("cp") as writer:
+        tracker = Tracker(writer)
+        assert tracker.todo(["a", "b", "c", "a"]) == ["a", "c"]
+        assert fake.args["declare_sources"] == [("cp", ("a", "b", "c"), 0)]
+        fake.fail("declare_sources", tally.Internal("an older coordinator"))
+        with caplog.at_level("WARNING"):
+            assert Tracker(writer).todo(["d"]) == ["d"]
+        assert "could not declare 1 sources" in caplog.text
+    # A stand-in writer without declare (the Ledger here) declares nothing: see the test above.
 
 
 def test_tasks_pickle_as_their_ids_and_a_worker_reports_through_a_report(

@@ -87,9 +87,12 @@ class AsyncClient(BaseClient):
         labels: Mapping[str, str] | None = None,
         on_mismatch: OnMismatch = "refuse",
         max_attempts: int | None = None,
+        expected_sources: Iterable[str] | int | None = None,
     ) -> AsyncWriter:
         """Create a writer of ``checkpoint``; it opens on ``async with``. See :meth:`Client.writer`."""
-        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts)
+        spec = self._writer_spec(
+            checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts, expected_sources
+        )
         writer = AsyncWriter(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer
@@ -131,6 +134,24 @@ class AsyncClient(BaseClient):
     def completed(self, checkpoint: str, *, page_size: int = 10_000) -> AsyncIterator[str]:
         """Every completed source id, page by page (``async for``). See :meth:`Client.completed`."""
         return self._completed(*self._completed_args(checkpoint, page_size))
+
+    async def declare(
+        self, checkpoint: str, ids: Iterable[str] | None = None, *, count: int | None = None
+    ) -> int:
+        """Declare a checkpoint's sources (or how many). See :meth:`Client.declare`."""
+        return await self._run(self._declare_plan(checkpoint, ids, count))
+
+    def remaining(self, checkpoint: str, *, page_size: int = 1000) -> AsyncIterator[str]:
+        """Declared ids not completed yet (``async for``). See :meth:`Client.remaining`."""
+        return self._remaining(*self._completed_args(checkpoint, page_size))
+
+    async def _remaining(self, name: str, page_size: int) -> AsyncIterator[str]:
+        after: str | None = ""
+        while after is not None:
+            page = await self._send(calls.ListRemaining(name, after, page_size))
+            for sid in page.source_ids:
+                yield sid
+            after = self._next_cursor(after, page)
 
     async def _run(self, plan: calls.Plan[T]) -> T:
         return await calls.async_drive(plan, self._send)

@@ -160,10 +160,12 @@ class BaseClient:
         labels: Mapping[str, str] | None,
         on_mismatch: OnMismatch = "refuse",
         max_attempts: int | None = None,
+        expected_sources: Iterable[str] | int | None = None,
     ) -> WriterSpec:
         self._check_open()
         if max_attempts is not None:
             calls.max_attempts(max_attempts)
+        expected = None if expected_sources is None else calls.expected_sources(expected_sources)
         if on_mismatch not in _ON_MISMATCH:
             raise InvalidArgument(
                 f"on_mismatch must be one of {', '.join(_ON_MISMATCH)}, got {on_mismatch!r}"
@@ -183,6 +185,7 @@ class BaseClient:
             pid=os.getpid(),
             on_mismatch=on_mismatch,
             max_attempts=max_attempts,
+            expected_sources=expected,
         )
 
     def _open_writers(self) -> list[WriterBase]:
@@ -299,6 +302,9 @@ class BaseClient:
     def _set_max_attempts_plan(self, checkpoint: str, max_attempts: int) -> calls.Plan[int]:
         name = self._name(checkpoint)
         return calls.failed_under(calls.SetFailureBudget(name, calls.max_attempts(max_attempts)))
+
+    def _declare_plan(self, checkpoint: str, ids: Iterable[str] | None, count: int | None) -> calls.Plan[int]:
+        return calls.declare_plan(self._name(checkpoint), ids, count)
 
     def _completed_args(self, checkpoint: str, page_size: int) -> tuple[str, int]:
         return self._name(checkpoint), _positive_int("page_size", page_size)

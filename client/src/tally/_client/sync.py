@@ -109,6 +109,7 @@ class Client(BaseClient):
         labels: Mapping[str, str] | None = None,
         on_mismatch: OnMismatch = "refuse",
         max_attempts: int | None = None,
+        expected_sources: Iterable[str] | int | None = None,
     ) -> Writer:
         """Create a writer of ``checkpoint``; it opens on ``with`` (or :meth:`Writer.open`).
 
@@ -124,6 +125,8 @@ class Client(BaseClient):
                 to the trash; refused while other writers are live) or ``"ignore"``.
             max_attempts: Set the checkpoint's failure budget when the writer opens (see
                 :meth:`set_max_attempts`); None leaves it as it is.
+            expected_sources: Declare the checkpoint's sources when the writer opens (see
+                :meth:`declare`): their ids, or how many there are; None declares nothing.
 
         Returns:
             An unopened :class:`Writer`.
@@ -131,7 +134,9 @@ class Client(BaseClient):
         Raises:
             InvalidArgument: A bad argument (e.g. ``max_attempts`` negative).
         """
-        spec = self._writer_spec(checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts)
+        spec = self._writer_spec(
+            checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts, expected_sources
+        )
         writer = Writer(self._transport, spec, self._config)
         self._writers.add(writer)
         return writer
@@ -252,6 +257,53 @@ class Client(BaseClient):
             Unavailable: A page did not arrive within the timeout.
         """
         return self._completed(*self._completed_args(checkpoint, page_size))
+
+    def declare(self, checkpoint: str, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
+        """Declare a checkpoint's sources, so that its status has a total, a percent and an ETA.
+
+        Idempotent and additive: declaring an id twice changes nothing, and each call adds to
+        what earlier ones declared (several jobs may each declare their share). When the ids are
+        not known up front, ``count`` says how many sources there are (the total is then at least
+        that, and :meth:`remaining` has nothing to list). Ids go in calls of at most 10,000.
+
+        Args:
+            checkpoint: Checkpoint name; created if it does not exist.
+            ids: The source ids, as writers will name them in ``apply_deltas``.
+            count: Instead of ids: how many sources there are.
+
+        Returns:
+            The checkpoint's declared total afterwards.
+
+        Raises:
+            InvalidArgument: Both or neither of ``ids`` and ``count``, an empty id, a negative
+                count, or ``ids`` is a single string.
+            Unavailable: A call got no answer within the timeout.
+        """
+        return self._run(self._declare_plan(checkpoint, ids, count))
+
+    def remaining(self, checkpoint: str, *, page_size: int = 1000) -> Iterator[str]:
+        """Declared source ids not completed yet (:meth:`declare`), in byte order, page by page.
+
+        Args:
+            checkpoint: Checkpoint name.
+            page_size: Ids fetched per call.
+
+        Returns:
+            An iterator; each page is fetched when the previous one is used up. Empty when no ids
+            were declared.
+
+        Raises:
+            NotFound: No such checkpoint (when iteration starts).
+            Unavailable: A page did not arrive within the timeout.
+        """
+        return self._remaining(*self._completed_args(checkpoint, page_size))
+
+    def _remaining(self, name: str, page_size: int) -> Iterator[str]:
+        after: str | None = ""
+        while after is not None:
+            page = self._send(calls.ListRemaining(name, after, page_size))
+            yield from page.source_ids
+            after = self._next_cursor(after, page)
 
     def _run(self, plan: calls.Plan[T]) -> T:
         return calls.drive(plan, self._send)

@@ -162,6 +162,9 @@ def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
         owner=msg.owner,
         failed_sources=msg.failed_sources,
         max_attempts=msg.max_attempts,
+        total=msg.total,
+        # Only meaningful with a total (an older coordinator sends neither: proto3's 0 is no count).
+        remaining=msg.remaining if msg.total > 0 else -1,
     )
 
 
@@ -407,4 +410,16 @@ _add(
     lambda stub: stub.SetFailureBudget,
     lambda c: pb.SetFailureBudgetRequest(checkpoint=c.checkpoint, max_attempts=c.max_attempts),
     lambda r: calls.FailureBudget(max_attempts=r.max_attempts, failed_sources=r.failed_sources),
+)
+_add(
+    calls.DeclareSources,
+    lambda stub: stub.DeclareSources,
+    lambda c: pb.DeclareSourcesRequest(checkpoint=c.checkpoint, source_ids=list(c.source_ids), count=c.count),
+    lambda r: calls.Declared(total=r.total, remaining=r.remaining),
+)
+_add(
+    calls.ListRemaining,
+    lambda stub: stub.ListRemaining,
+    lambda c: pb.ListRemainingRequest(checkpoint=c.checkpoint, after=c.after, limit=c.limit),
+    lambda r: CompletedPage(source_ids=tuple(r.source_ids), next_after=r.next_after),
 )

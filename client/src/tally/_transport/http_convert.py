@@ -276,6 +276,8 @@ def checkpoint_from_json(body: Any) -> CheckpointStatus:
         owner=str(obj.get("owner") or ""),
         failed_sources=int(obj.get("failed_sources", 0)),
         max_attempts=int(obj.get("max_attempts", 0)),
+        total=int(obj.get("total") or 0),
+        remaining=int(obj.get("remaining", -1)) if obj.get("total") else -1,
     )
 
 
@@ -533,4 +535,19 @@ _add(
         failed_sources=int(_obj(body).get("failed_sources", 0)),
     ),
     lambda c: {"checkpoint": c.checkpoint, "max_attempts": c.max_attempts},
+)
+_add(
+    calls.DeclareSources,
+    "POST",
+    lambda c: "/v1/declare",
+    lambda body: calls.Declared(
+        total=int(_obj(body).get("total") or 0), remaining=int(_obj(body).get("remaining", -1))
+    ),
+    lambda c: {"checkpoint": c.checkpoint, "source_ids": list(c.source_ids), "count": c.count},
+)
+_add(
+    calls.ListRemaining,
+    "GET",
+    lambda c: _query("/v1/remaining", list_completed_query(c.checkpoint, c.after, c.limit)),
+    completed_page_from_json,
 )

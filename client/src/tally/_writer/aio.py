@@ -127,11 +127,10 @@ class AsyncWriter(WriterBase):
         async with self._lifecycle:
             if not self._open_ready():
                 return
-            deadline = Deadline(self._config.timeout)
-            budget = self._budget_call()
-            if budget is not None:
-                await self._call(budget, deadline)
-            opened = await self._call(calls.OpenWriter(self._spec), deadline)
+            # Each call its own timeout: a big declaration is many calls.
+            for setup in self._setup_calls():
+                await self._call(setup, Deadline(self._config.timeout))
+            opened = await self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
             with self._lock:
@@ -147,6 +146,11 @@ class AsyncWriter(WriterBase):
     async def are_completed(self, ids: Iterable[str]) -> list[bool]:
         """Which of ``ids`` the checkpoint has completed. See :meth:`Writer.are_completed`."""
         plan = calls.are_completed(self.checkpoint, ids)
+        return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    async def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
+        """Declare the checkpoint's sources (or how many). See :meth:`Writer.declare`."""
+        plan = calls.declare_plan(self.checkpoint, ids, count)
         return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
     async def cursor(self, source_id: str) -> bytes | None:

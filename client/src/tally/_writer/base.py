@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from tally import _calls as calls
 from tally._config import ClientConfig
@@ -130,10 +131,16 @@ class WriterBase:
             handle = self._core.require_handle("report_failure")
         return calls.ReportFailure(handle, source_id, reason, self.writer_id)
 
-    def _budget_call(self) -> calls.SetFailureBudget | None:
-        """The budget to set before opening (``client.writer(..., max_attempts=n)``), if any."""
-        budget = self._spec.max_attempts
-        return None if budget is None else calls.SetFailureBudget(self._spec.checkpoint, budget)
+    def _setup_calls(self) -> list[calls.Call[Any]]:
+        """Calls made before opening: the budget (``client.writer(..., max_attempts=n)``) and the
+        declared sources (``expected_sources=``), if any."""
+        spec = self._spec
+        setup: list[calls.Call[Any]] = []
+        if spec.max_attempts is not None:
+            setup.append(calls.SetFailureBudget(spec.checkpoint, spec.max_attempts))
+        if spec.expected_sources is not None:
+            setup += calls.declare_calls(spec.checkpoint, spec.expected_sources)
+        return setup
 
     def health(self) -> WriterHealth:
         """A snapshot of the writer's client-side state (no I/O).

@@ -72,11 +72,10 @@ class Writer(WriterBase):
         with self._lifecycle:
             if not self._open_ready():
                 return
-            deadline = Deadline(self._config.timeout)
-            budget = self._budget_call()
-            if budget is not None:
-                self._call(budget, deadline)
-            opened = self._call(calls.OpenWriter(self._spec), deadline)
+            # Each call its own timeout: a big declaration is many calls.
+            for setup in self._setup_calls():
+                self._call(setup, Deadline(self._config.timeout))
+            opened = self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
             with self._lock:
                 self._core.open_done(opened)
                 self._notify_locked()
@@ -103,6 +102,15 @@ class Writer(WriterBase):
             Unavailable: No answer within the client's timeout.
         """
         plan = calls.are_completed(self.checkpoint, ids)
+        return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
+        """Declare the checkpoint's sources (or how many there are): see :meth:`tally.Client.declare`.
+
+        Returns:
+            The checkpoint's declared total afterwards.
+        """
+        plan = calls.declare_plan(self.checkpoint, ids, count)
         return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
 
     def cursor(self, source_id: str) -> bytes | None:

@@ -33,6 +33,7 @@ def build_app() -> typer.Typer:
         app.command()(command)
     app.command()(folders.export)
     app.command(name="import")(folders.import_)
+    app.command()(commands.remaining)
     app.command()(commands.failed)
     app.command()(commands.retry)
     app.command()(commands.reset)

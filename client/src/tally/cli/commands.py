@@ -1,5 +1,5 @@
-"""Operator commands over a running coordinator: status, watch, writers, events, failed, retry,
-reset.
+"""Operator commands over a running coordinator: status, watch, remaining, writers, events, failed,
+retry, reset.
 
 Each talks to the coordinator through the SDK (``tally.Client``), exactly as any other client.
 """
@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Annotated
 
 import typer
+from rich.console import Group
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -28,6 +31,7 @@ from tally.cli.common import (
     clock,
     connect,
     duration,
+    err,
     fail,
     out,
     pairs,
@@ -66,6 +70,9 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
     failures = any(c.failed_sources for c in checkpoints)
     if failures:  # a column only when some checkpoint has failed sources
         table.add_column("failed", justify="right")
+    totals = any(c.total > 0 for c in checkpoints)
+    if totals:  # a column only when some checkpoint has declared sources
+        table.add_column("done", justify="right")
     table.add_column("last activity")
     for c in sorted(checkpoints, key=lambda c: c.name):
         row: list[str | Text] = [
@@ -78,6 +85,8 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
         ]
         if failures:
             row.append(_flag(c.failed_sources))
+        if totals:
+            row.append("-" if c.percent is None else f"{c.percent:.1f} %")
         table.add_row(*row, age(c.last_activity_at))
     out.print(table)
     owners = sorted({c.owner for c in checkpoints if c.owner})
@@ -96,6 +105,11 @@ def _status_one(c: tally.CheckpointStatus) -> None:
     grid.add_column()
     grid.add_row("checkpoint", c.name)
     grid.add_row("completed", str(c.completed_count))
+    if c.percent is not None:  # a declared total (client.declare): how far along, what is left
+        grid.add_row("total", f"{c.total} declared ({c.percent:.1f} % completed)")
+        left = "unknown (a count was declared)" if c.remaining < 0 else str(c.remaining)
+        hint = f" (tally remaining {c.name} lists them)" if c.remaining > 0 else ""
+        grid.add_row("remaining", left + hint)
     grid.add_row("pending", str(c.pending_sources))
     grid.add_row("settling", str(c.settling_sources))
     grid.add_row("live writers", str(c.live_writers))
@@ -173,22 +187,50 @@ class RateMeter:
         return (c1 - c0) / (t1 - t0) if t1 > t0 else None
 
 
-def progress_line(s: tally.CheckpointStatus, rate: float | None) -> str:
-    """Count, rate and what is in flight: no bar and no ETA, since the total is not known.
+def _left(s: tally.CheckpointStatus) -> int:
+    """Declared sources not completed: the coordinator's count, or the total less the completed."""
+    return s.remaining if s.remaining >= 0 else max(0, s.total - s.completed_count)
 
-    Completed plus pending is not the total (sources not started yet are in neither), so a bar or
-    an ETA drawn from them would say "almost done" early in every run.
+
+def eta(s: tally.CheckpointStatus, rate: float | None) -> str | None:
+    """Time left at ``rate``, only with a declared total (None otherwise: no ETA is honest)."""
+    if s.total <= 0:
+        return None
+    left = _left(s)
+    if left == 0:
+        return "done"
+    if rate is None or rate <= 0:
+        return "unknown"
+    return duration(left / rate)
+
+
+def progress_line(s: tally.CheckpointStatus, rate: float | None) -> str:
+    """Count, rate and what is in flight; a percent and an ETA only when a total was declared.
+
+    Without one, completed plus pending is not the total (sources not started yet are in
+    neither), so a bar or an ETA drawn from them would say "almost done" early in every run.
     """
     rate_text = "unknown" if rate is None else f"{rate:.2f}/s"
     failed = f"  failed {s.failed_sources}" if s.failed_sources else ""
+    completed = str(s.completed_count)
+    tail = ""
+    if s.percent is not None:
+        completed += f" of {s.total} ({s.percent:.1f} %)"
+        tail = f"  remaining {_left(s)}  ETA {eta(s, rate)}"
     return (
-        f"{s.name}: completed {s.completed_count}  pending {s.pending_sources}  "
-        f"live writers {s.live_writers}  anomalies {s.anomalies}{failed}  rate {rate_text}"
+        f"{s.name}: completed {completed}  pending {s.pending_sources}  "
+        f"live writers {s.live_writers}  anomalies {s.anomalies}{failed}  rate {rate_text}{tail}"
     )
 
 
-def _progress_view(s: tally.CheckpointStatus, rate: float | None) -> Text:
-    return Text(progress_line(s, rate))
+def _progress_view(s: tally.CheckpointStatus, rate: float | None) -> Text | Group:
+    if s.percent is None:
+        return Text(progress_line(s, rate))
+    # A declared total: a bar (rich.progress's) with the percent and the ETA beside it.
+    head = Table.grid(padding=(0, 1))
+    bar = ProgressBar(total=s.total, completed=min(s.completed_count, s.total), width=40)
+    head.add_row(bar, Text(f"{s.percent:.1f} %  ETA {eta(s, rate)}", style="bold"))
+    return Group(head, Text(progress_line(s, rate)))
 
 
 def watch(
@@ -204,7 +246,8 @@ def watch(
 ) -> None:
     """Live progress of a checkpoint: completed, pending (in flight), rate.
 
-    No bar and no ETA: the checkpoint's total is not known (completed + pending is not it).
+    A bar, a percent and an ETA only when the checkpoint's sources were declared
+    (client.declare); without a total, completed + pending is not one, so none is drawn.
     """
     meter = RateMeter()
     with connect(address, token, timeout) as client:
@@ -233,6 +276,45 @@ def watch(
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
+
+
+# --------------------------------------------------------------------------- remaining
+
+
+def remaining(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint name.")],
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Most ids printed.")] = None,
+    address: Address = DEFAULT_ADDRESS,
+    token: Token = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> None:
+    """Declared sources not completed yet, one id per line (for a pipe); a count on stderr."""
+    shown = 0
+    more = False
+    with connect(address, token, timeout) as client:
+        current = client.checkpoint(checkpoint)
+        ids = client.remaining(checkpoint, page_size=min(limit, 1000) if limit else 1000)
+        try:
+            for sid in ids:
+                if limit is not None and shown >= limit:
+                    more = True
+                    break
+                # Plain print: an id is never wrapped, styled or cut, whatever the terminal.
+                print(sid)
+                shown += 1
+            sys.stdout.flush()
+        except BrokenPipeError:  # `tally remaining cp | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return
+    if current.total <= 0:
+        err.print(f"{checkpoint}: no sources declared (client.declare or writer(expected_sources=))")
+    elif shown == 0 and current.remaining < 0:
+        err.print(f"{checkpoint}: {current.total} sources declared as a count: their ids are not known")
+    elif more:
+        left = f" of {current.remaining}" if current.remaining >= 0 else ""
+        err.print(f"{shown}{left} remaining sources of {checkpoint} (--limit {limit})")
+    else:
+        err.print(f"{shown} remaining sources of {checkpoint} (of {current.total} declared)")
 
 
 # --------------------------------------------------------------------------- writers, events

@@ -10,6 +10,10 @@ of the pipeline talk to a Tally writer instead of NeMo Curator's LMDB files::
     with tally_for_nemo_curator(checkpoint="curation/run-42", address="grpc://coordinator:50051"):
         pipeline.run(executor, checkpoint_path="/unused/when/tally/is/active")
 
+The source stage's partitions are declared to the checkpoint as it asks which to skip (see
+:meth:`TallyResumabilityProxy.are_completed`), so ``tally status``, ``tally watch`` and the dashboard
+show a total, a percent and an ETA, and ``tally remaining`` lists what is left.
+
 Sources that are *failed* (reported failed ``max_attempts`` times, see
 :meth:`tally.Writer.report_failure`) are skipped by the source stage too, until ``tally retry``
 clears them; the NeMo-format files never hear of failures.
@@ -78,6 +82,8 @@ class TallyResumabilityProxy:
         """
         self._client = Client(address, token=token, timeout=timeout)
         self._checkpoint = checkpoint
+        # False after a refused declaration (e.g. a coordinator older than declared totals).
+        self._declaring = True
         try:
             self._writer = self._client.writer(
                 checkpoint, writer_id=writer_id, labels=labels, max_attempts=max_attempts
@@ -105,8 +111,11 @@ class TallyResumabilityProxy:
         """Which of ``source_ids`` the source stage skips: those the checkpoint has completed (live,
         across all writers), and those that are failed (reached the checkpoint's ``max_attempts``).
 
-        NeMo Curator asks only to skip sources (its source stage is the one caller), so a failed
-        source answers True here without being completed anywhere. The failed ones are found with
+        NeMo Curator asks only to skip sources (its source stage is the one caller, with every
+        partition it made), so the ids are first declared as the checkpoint's sources
+        (:meth:`tally.Client.declare`: idempotent and additive, so each SLURM array task or batch
+        adds its share); a declaration that fails is logged and the run goes on without a total.
+        A failed source answers True here without being completed anywhere. The failed ones are found with
         one more call, for the ids not completed, and logged; if that call fails, no source is
         skipped as failed (a warning says why) and the run goes on.
 
@@ -116,6 +125,7 @@ class TallyResumabilityProxy:
         Returns:
             One bool per id, in order.
         """
+        self._declare(source_ids)
         done = self._writer.are_completed(source_ids)
         left = [sid for sid, completed in zip(source_ids, done, strict=True) if not completed]
         if not left:
@@ -143,6 +153,23 @@ class TallyResumabilityProxy:
             self._checkpoint,
         )
         return [completed or sid in failed for sid, completed in zip(source_ids, done, strict=True)]
+
+    def _declare(self, source_ids: list[str]) -> None:
+        if not self._declaring or not source_ids:
+            return
+        try:
+            total = self._client.declare(self._checkpoint, source_ids)
+        except TallyError as err:
+            self._declaring = False
+            logger.warning(
+                "tally checkpoint %r: could not declare the source stage's %d partitions (no total, "
+                "percent or ETA in status views): %s",
+                self._checkpoint,
+                len(source_ids),
+                err,
+            )
+            return
+        logger.info("tally checkpoint %r: %d sources declared", self._checkpoint, total)
 
     def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
         """Count a failed attempt at a source for the checkpoint's failure budget (durable on return).

@@ -8,7 +8,7 @@ id, so a rerun or a retry sends the same deltas again and the coordinator skips 
 
     with tally.Client(address) as client, client.writer("etl/run-1") as writer:
         tracker = Tracker(writer)
-        for source in tracker.todo(sources):      # what the checkpoint has not completed
+        for source in tracker.todo(sources):      # declared; those not completed yet
             task = tracker.start(source)           # the source task: +1
             for part in task.split(len(chunks)):   # fan-out: one delta n - 1
                 if keep(part):
@@ -64,12 +64,16 @@ before its parent's fan-out can make a source look complete too early).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from tally._types import FailureReport
+from tally.errors import TallyError
 
 __all__ = ["Report", "Task", "Tracker"]
+
+logger = logging.getLogger(__name__)
 
 Delta = tuple[str, str, int]
 
@@ -272,7 +276,8 @@ class Tracker(_Book):
 
     Args:
         writer: An open writer (or anything with its ``apply_deltas`` and ``are_completed``,
-            ``save_cursor`` and ``cursor`` for cursors, and ``report_failure`` for failures).
+            ``save_cursor`` and ``cursor`` for cursors, ``report_failure`` for failures, and
+            ``declare`` for a total; without it :meth:`todo` declares nothing).
     """
 
     def __init__(self, writer: _Writer) -> None:
@@ -280,18 +285,33 @@ class Tracker(_Book):
         super().__init__()
         self.writer = writer
         self._batch: list[Delta] | None = None
+        self._declaring = True  # False after a refused declaration (an older coordinator)
 
     def todo(self, sources: Iterable[str]) -> list[str]:
         """The sources the checkpoint has not completed, in order, without duplicates.
 
         Completions by any writer of the checkpoint count, including other SLURM array tasks that
-        are still running.
+        are still running. ``sources`` are first declared as the checkpoint's sources (the
+        writer's ``declare``: idempotent and additive, so each array task adds its share), which
+        gives status views a total, a percent and an ETA; a declaration that fails is logged and
+        changes nothing else.
         """
         ids = list(dict.fromkeys(sources))
         for sid in ids:
             if not isinstance(sid, str) or not sid:
                 raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
+        self._declare(ids)
         return [sid for sid, done in zip(ids, self.writer.are_completed(ids), strict=True) if not done]
+
+    def _declare(self, ids: list[str]) -> None:
+        declare = getattr(self.writer, "declare", None)  # optional: a stand-in writer may lack it
+        if declare is None or not ids or not self._declaring:
+            return
+        try:
+            declare(ids)
+        except TallyError as err:
+            self._declaring = False
+            logger.warning("could not declare %d sources (no total in status views): %s", len(ids), err)
 
     def save_cursor(self, source_id: str, data: bytes) -> None:
         """Remember where the run got to inside ``source_id`` (at most 4096 bytes, e.g. a row offset).

@@ -86,3 +86,22 @@ export function fmtRate(perSec) {
 }
 
 export const plural = (n, one, many) => `${fmtInt(n)} ${n === 1 ? one : many || one + "s"}`;
+
+/** A checkpoint's declared sources: {percent, left} once a total was declared, else null (no bar, no ETA:
+ * without a total, completed + pending is not one). */
+export function totalOf(cp) {
+  if (!(cp.total > 0)) return null;
+  const done = cp.completed_count || 0;
+  const left = cp.remaining >= 0 ? cp.remaining : Math.max(0, cp.total - done);
+  return { percent: Math.min(100, (100 * done) / cp.total), left };
+}
+
+/** One decimal; never "100.0 %" before the last source completes. */
+export const fmtPercent = (p) => (p >= 99.95 && p < 100 ? "99.9" : p.toFixed(1)) + " %";
+
+/** Time left for `left` sources at `perSec`: "done", "—" without a rate, else a duration. */
+export function fmtEta(left, perSec) {
+  if (left === 0) return "done";
+  if (!(perSec > 0)) return "—";
+  return fmtDuration(left / perSec);
+}

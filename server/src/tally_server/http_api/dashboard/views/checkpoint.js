@@ -2,7 +2,7 @@
 
 import { chartView, currentRate, progressPoints } from "../chart.js";
 import { h } from "../dom.js";
-import { fmtAgo, fmtInt, fmtRate, fmtStamp } from "../format.js";
+import { fmtAgo, fmtEta, fmtInt, fmtPercent, fmtRate, fmtStamp, totalOf } from "../format.js";
 import { RANGES, prefs, rangeSeconds } from "../state.js";
 import { activityPill } from "./common.js";
 import { eventsPanel } from "./events.js";
@@ -50,12 +50,28 @@ function pageHead(cp, crumbs) {
   );
 }
 
+/** "N of TOTAL (P %)" and a bar, once the checkpoint's sources were declared. */
+function ofTotal(cp, total) {
+  return [
+    h("span", { "data-testid": "of-total" }, `${fmtInt(cp.completed_count)} of ${fmtInt(cp.total)} (${fmtPercent(total.percent)})`),
+    h("progress", { class: "total-bar", max: cp.total, value: Math.min(cp.completed_count, cp.total), "data-testid": "total-bar" }),
+  ];
+}
+
+function etaTile(total, rate) {
+  const sub = total.left === 0 ? "every declared source completed" : `${fmtInt(total.left)} remaining` + (rate > 0 ? " at the current rate" : "");
+  return tile("ETA", fmtEta(total.left, rate), sub, "", "eta");
+}
+
 function tiles(cp, rate, closed) {
+  // Declared totals: a percent and an ETA only when the pipeline declared its sources.
+  const total = totalOf(cp);
   return h(
     "div",
     { class: "tiles" },
-    tile("Completed sources", fmtInt(cp.completed_count), "durable, across all writers", "", "completed", "hero"),
+    tile("Completed sources", fmtInt(cp.completed_count), total ? ofTotal(cp, total) : "durable, across all writers", "", "completed", "hero"),
     tile("Rate", rate === null ? "—" : fmtRate(rate), rate === null ? "waiting for samples" : "over the last minute", "", "rate"),
+    total ? etaTile(total, rate) : null,
     tile(
       "Pending sources",
       fmtInt(cp.pending_sources),

@@ -1,7 +1,7 @@
 /* The list of checkpoints (#/): one card each, totals on top, a name filter once there are many. */
 
 import { h } from "../dom.js";
-import { fmtAgo, fmtInt, fmtStamp, plural } from "../format.js";
+import { fmtAgo, fmtInt, fmtPercent, fmtStamp, plural, totalOf } from "../format.js";
 import { checkpointHref } from "../state.js";
 import { activityPill, severity } from "./common.js";
 import { replicasPanel } from "./replicas.js";
@@ -16,6 +16,7 @@ function cardFact(value, label, level, testid) {
 }
 
 function checkpointCard(cp) {
+  const total = totalOf(cp); // declared sources: a percent, nothing otherwise
   return h(
     "a",
     {
@@ -31,7 +32,11 @@ function checkpointCard(cp) {
       { class: "card-count" },
       h("span", { class: "num", "data-testid": "completed-count" }, fmtInt(cp.completed_count)),
       h("span", { class: "unit" }, "completed"),
+      total
+        ? h("span", { class: "unit pct", "data-testid": "percent", title: `${fmtInt(cp.completed_count)} of ${fmtInt(cp.total)} declared sources` }, `${fmtPercent(total.percent)} of ${fmtInt(cp.total)}`)
+        : null,
     ),
+    total ? h("progress", { class: "total-bar", max: cp.total, value: Math.min(cp.completed_count, cp.total) }) : null,
     h(
       "div",
       { class: "card-facts" },
