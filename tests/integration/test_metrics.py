@@ -174,3 +174,17 @@ def test_label_sets_are_bounded_and_never_carry_ids(server: RunningServer) -> No
     names = {s.name for s in samples}
     ours = {n for n in names if n.startswith("tally_")}
     assert ours and all(n.startswith(("tally_", "process_")) for n in names)
+
+
+def test_declared_and_remaining_sources_only_for_checkpoints_with_a_total(server: RunningServer) -> None:
+    with tally.Client(server.grpc_address) as client:
+        client.declare("metrics/declared", ["a", "b", "c"])
+        with client.writer("metrics/declared", writer_id="w") as w:
+            w.apply_deltas(tree("a"))
+        with client.writer("metrics/plain", writer_id="w") as w:
+            w.apply_deltas(tree("x"))
+    samples = scrape(server)
+    assert value(samples, "tally_declared_sources", checkpoint="metrics/declared") == 3
+    assert value(samples, "tally_remaining_sources", checkpoint="metrics/declared") == 2
+    assert not [s for s in samples if s.labels.get("checkpoint") == "metrics/plain" and "declared" in s.name]
+    assert not [s for s in samples if s.labels.get("checkpoint") == "metrics/plain" and "remaining" in s.name]

@@ -161,10 +161,27 @@ class ServiceCollector(Collector):
                 labels=["checkpoint"],
             ),
         }
+        # Declared totals: only checkpoints with a total (and a known remaining) have these series.
+        declared = GaugeMetricFamily(
+            "tally_declared_sources",
+            "Sources declared for a checkpoint (its total); no series without a declaration.",
+            labels=["checkpoint"],
+        )
+        remaining = GaugeMetricFamily(
+            "tally_remaining_sources",
+            "Declared sources of a checkpoint not completed yet; no series while not known.",
+            labels=["checkpoint"],
+        )
         for name, gauges in sorted(self._service.gauges().items()):
             for field, family in families.items():
                 family.add_metric([name], getattr(gauges, field))
+            if gauges.declared_sources:
+                declared.add_metric([name], gauges.declared_sources)
+            if gauges.declared_sources and gauges.remaining_sources >= 0:
+                remaining.add_metric([name], gauges.remaining_sources)
         yield from families.values()
+        yield declared
+        yield remaining
 
 
 class Metrics:

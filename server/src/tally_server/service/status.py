@@ -40,6 +40,8 @@ class CheckpointGauges:
     completed_sources: int
     unreadable_files: int
     loaded_bytes: int
+    declared_sources: int  # 0: none declared
+    remaining_sources: int  # -1: not known
 
 
 class Status:
@@ -83,6 +85,8 @@ class Status:
                 completed_sources=cp.completed_count,
                 unreadable_files=len(cp.unreadable_files),
                 loaded_bytes=cp.completed.estimated_bytes() if cp.completed is not None else 0,
+                declared_sources=cp.total,
+                remaining_sources=cp.remaining,
             )
             for name, cp in self._checkpoints.known.items()
         }
