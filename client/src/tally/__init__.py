@@ -16,6 +16,7 @@ from tally._config import ClientConfig
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
+    Claim,
     CloseResult,
     Event,
     EventPage,
@@ -55,6 +56,7 @@ __all__ = [
     "AsyncClient",
     "AsyncWriter",
     "CheckpointStatus",
+    "Claim",
     "Client",
     "ClientConfig",
     "CloseResult",

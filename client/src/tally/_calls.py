@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
+    Claim,
     CloseResult,
     CompletedPage,
     Delta,
@@ -109,6 +110,7 @@ class BatchAnswer:
 
     counts: ApplyCounts
     settled: bool = False
+    refused: int = 0  # deltas another live writer's claim kept from being applied
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,36 @@ class ReportFailure(Call[FailureReport]):
     @property
     def what(self) -> str:
         return f"report a failed attempt at {self.source_id!r} by writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class Acquire(Call[list[Claim]]):
+    """Claim sources for a writer: one claim per distinct source, in the order asked; ``writer_id``
+    only names the writer in errors.
+
+    Safe to retry: a source the writer holds already is answered with its token again.
+    """
+
+    handle: str
+    source_ids: Sequence[str]
+    writer_id: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"acquire {len(self.source_ids)} sources for writer {self.writer_id!r}"
+
+
+@dataclass(frozen=True)
+class TokenIsCurrent(Call[bool]):
+    """Whether a fencing token is the live claim on a source."""
+
+    checkpoint: str
+    source_id: str
+    token: int
+
+    @property
+    def what(self) -> str:
+        return f"check token {self.token} of {self.source_id!r} in {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -532,6 +564,33 @@ def get_cursor(checkpoint: str, source_id: str) -> Plan[bytes | None]:
 def _get_cursor(call: GetCursor) -> Plan[bytes | None]:
     found: SavedCursor | None = yield call
     return None if found is None else found.data
+
+
+def acquire_ids(source_ids: object) -> list[str]:
+    """Check the sources of an acquire locally: an iterable of non-empty strings (not one string)."""
+    if isinstance(source_ids, str | bytes):
+        raise InvalidArgument(
+            f"acquire takes a list of source ids, got the string {source_ids!r}; "
+            f"write acquire([{source_ids!r}])"
+        )
+    try:
+        ids = list(source_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(
+            f"acquire takes an iterable of source ids, got {type(source_ids).__name__}"
+        ) from None
+    for i, sid in enumerate(ids):
+        if not isinstance(sid, str) or not sid:
+            raise InvalidArgument(f"source_ids[{i}] must be a non-empty string, got {sid!r}")
+    return list(dict.fromkeys(ids))
+
+
+def acquire_calls(handle: str, source_ids: Sequence[str], writer_id: str) -> list[Acquire]:
+    """The Acquire calls for ``source_ids`` (distinct, in order), :data:`ARE_COMPLETED_CHUNK` per call."""
+    return [
+        Acquire(handle, source_ids[i : i + ARE_COMPLETED_CHUNK], writer_id)
+        for i in range(0, len(source_ids), ARE_COMPLETED_CHUNK)
+    ]
 
 
 def failure_source_id(source_id: object) -> str:

@@ -157,6 +157,8 @@ class WriterHealth:
         batches_sent: Batches acknowledged by the server.
         retries: Batch resends after a retryable failure.
         dropped: Deltas discarded (after a lost lease, a refused batch, or after close).
+        refused: Deltas the coordinator did not apply because another live writer held a claim
+            on their source (see :meth:`tally.Writer.acquire`); the coordinator records an event.
     """
 
     open: bool
@@ -166,6 +168,7 @@ class WriterHealth:
     batches_sent: int
     retries: int
     dropped: int = 0
+    refused: int = 0
 
 
 class Severity(StrEnum):
@@ -322,6 +325,37 @@ class SourceFailures:
     def last_reason(self) -> str:
         """The reason of the latest failed attempt ("" when none is kept)."""
         return self.recent[-1].reason if self.recent else ""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Where a source stands for a writer that asked to claim it (see :meth:`tally.Writer.acquire`).
+
+    Attributes:
+        source_id: The source.
+        state: ``"acquired"``: this writer holds it now (or held it already) and should do its
+            work; ``"held"``: another live writer holds it; ``"completed"``: it is done;
+            ``"failed"``: it used up the checkpoint's failure budget (see
+            :meth:`tally.Client.retry_failed`).
+        token: For ``"acquired"``, the fencing token: larger than any earlier claim's on this
+            source. Pass it with writes to an output store that checks
+            :meth:`tally.Client.token_is_current`. 0 otherwise.
+        holder: For ``"held"``, the writer id holding it.
+        until: For ``"held"``, when the holder's lease runs out unless it is renewed (seconds since
+            the epoch); the claim ends then, or earlier when the source completes or the holder
+            closes.
+    """
+
+    source_id: str
+    state: str
+    token: int = 0
+    holder: str = ""
+    until: float = 0.0
+
+    @property
+    def acquired(self) -> bool:
+        """Whether this writer holds the source now."""
+        return self.state == "acquired"
 
 
 @dataclass(frozen=True)

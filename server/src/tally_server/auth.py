@@ -81,6 +81,8 @@ REQUIRED: dict[str, Role] = {
     "SetFailureBudget": Role.WORKER,
     "DeclareSources": Role.WORKER,
     "ListRemaining": Role.READER,
+    "Acquire": Role.WORKER,
+    "TokenIsCurrent": Role.READER,
     "OpenWriter": Role.WORKER,
     "KeepAlive": Role.WORKER,
     "ApplyDeltas": Role.WORKER,
@@ -113,10 +115,11 @@ CHECKPOINT_FIELD: dict[str, str] = {
     "SetFailureBudget": "checkpoint",
     "DeclareSources": "checkpoint",
     "ListRemaining": "checkpoint",
+    "TokenIsCurrent": "checkpoint",
 }
 #: Operations on an open writer, named by its ``handle``: checked against the handle's checkpoint.
 HANDLE_OPERATIONS = frozenset(
-    {"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter", "SaveCursors", "ReportFailure"}
+    {"KeepAlive", "ApplyDeltas", "Flush", "CloseWriter", "SaveCursors", "ReportFailure", "Acquire"}
 )
 # Answered with only the checkpoints the token may read (the handler filters), so nothing to check.
 _LISTINGS = frozenset({"ListCheckpoints"})

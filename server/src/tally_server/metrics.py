@@ -121,6 +121,11 @@ class ServiceCollector(Collector):
             "Writers brought back from the journal when the coordinator started.",
             value=stats.writers_restored,
         )
+        yield CounterMetricFamily(
+            "tally_deltas_refused",
+            "Deltas not applied because another live writer held a claim on their source.",
+            value=stats.deltas_refused,
+        )
         yield GaugeMetricFamily(
             "tally_journal_bytes",
             "Disk space the writers' journal takes.",

@@ -137,7 +137,7 @@ def _descriptions() -> list[type[Call[object]]]:
 
 def test_every_call_description_has_a_route_on_each_wire() -> None:
     described = set(_descriptions())
-    assert len(described) == 23
+    assert len(described) == 25
     assert set(grpc_convert.ROUTES) == described
     assert set(http_convert.ROUTES) == described
 

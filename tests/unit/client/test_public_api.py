@@ -15,6 +15,7 @@ EXPECTED_ALL = [
     "AsyncClient",
     "AsyncWriter",
     "CheckpointStatus",
+    "Claim",
     "Client",
     "ClientConfig",
     "CloseResult",

@@ -25,6 +25,7 @@ ASYNC_METHODS = {
         "reset",
         "retry_failed",
         "set_max_attempts",
+        "token_is_current",
         "writers",
     },
     (tally.Writer, tally.AsyncWriter): {
@@ -35,6 +36,7 @@ ASYNC_METHODS = {
         "flush",
         "close",
         "report_failure",
+        "acquire",
     },
 }
 PAIRS = list(ASYNC_METHODS)

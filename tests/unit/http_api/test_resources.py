@@ -74,7 +74,7 @@ async def test_a_writer_from_open_to_close(served: InProcess) -> None:
         await http.post(f"/v1/writers/{handle}/deltas", json=deltas(tree("a") + [("0_b", "b", 1)]))
     )
     counts = {"applied": 7, "skipped": 0, "rewritten": 0, "anomalies": 0, "completed": 1}
-    assert applied == {"counts": counts, "settled": True}  # settle 0: "a" is durable already
+    assert applied == {"counts": counts, "settled": True, "refused": 0}  # settle 0: "a" is durable already
     retried = await ok(await http.post(f"/v1/writers/{handle}/deltas", json=deltas(tree("a"))))
     assert retried["counts"]["skipped"] == 6
     assert await ok(await http.post(f"/v1/writers/{handle}/flush")) == {"completed": 1}

@@ -105,6 +105,10 @@ class AsyncClient(BaseClient):
         """The cursor last saved for a source. See :meth:`Client.cursor`."""
         return await self._run(self._cursor_plan(checkpoint, source_id))
 
+    async def token_is_current(self, checkpoint: str, source_id: str, token: int) -> bool:
+        """Whether a fencing token is the live claim on a source. See :meth:`Client.token_is_current`."""
+        return await self._run(self._token_plan(checkpoint, source_id, token))
+
     async def checkpoint(self, name: str) -> CheckpointStatus:
         """Status of one checkpoint. See :meth:`Client.checkpoint`."""
         return await self._run(self._checkpoint_plan(name))

@@ -242,6 +242,12 @@ class BaseClient:
     def _cursor_plan(self, checkpoint: str, source_id: str) -> calls.Plan[bytes | None]:
         return calls.get_cursor(self._name(checkpoint), source_id)
 
+    def _token_plan(self, checkpoint: str, source_id: str, token: int) -> calls.Plan[bool]:
+        source_id = calls.failure_source_id(source_id)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidArgument(f"token must be an integer (a Claim's token), got {token!r}")
+        return calls.single(calls.TokenIsCurrent(self._name(checkpoint), source_id, token))
+
     def _checkpoint_plan(self, name: str) -> calls.Plan[CheckpointStatus]:
         self._check_open()
         return calls.single(calls.GetCheckpoint(name))

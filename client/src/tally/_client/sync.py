@@ -169,6 +169,22 @@ class Client(BaseClient):
         """
         return self._run(self._cursor_plan(checkpoint, source_id))
 
+    def token_is_current(self, checkpoint: str, source_id: str, token: int) -> bool:
+        """Whether a fencing token is still the live claim on a source (see :meth:`Writer.acquire`).
+
+        An output store fences late writes with it (Kleppmann's fencing tokens): before it accepts
+        a write made under a claim, it asks whether the claim's token is current, and refuses the
+        write if not. A token stops being current when its source completes, its writer closes or
+        loses its lease, or another writer acquires the source (with a larger token). No writer
+        needed.
+
+        Raises:
+            InvalidArgument: An empty checkpoint name or source id, or a token that is not an int.
+            NotFound: No such checkpoint.
+            Unavailable: No answer within the timeout.
+        """
+        return self._run(self._token_plan(checkpoint, source_id, token))
+
     def checkpoint(self, name: str) -> CheckpointStatus:
         """Status of one checkpoint.
 

@@ -19,6 +19,7 @@ from tally._calls import Call
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
+    Claim,
     CloseResult,
     CompletedPage,
     Event,
@@ -299,7 +300,7 @@ _add(
     calls.ApplyDeltas,
     lambda stub: stub.ApplyDeltas,
     apply_deltas_request,
-    lambda r: calls.BatchAnswer(counts_from_pb(r.counts), r.settled),
+    lambda r: calls.BatchAnswer(counts_from_pb(r.counts), r.settled, r.refused),
 )
 _add(
     calls.AreCompleted,
@@ -392,6 +393,18 @@ _add(
     lambda stub: stub.ReportFailure,
     lambda c: pb.ReportFailureRequest(handle=c.handle, source_id=c.source_id, reason=c.reason),
     lambda r: FailureReport(attempts=r.attempts, failed=r.failed, max_attempts=r.max_attempts),
+)
+_add(
+    calls.Acquire,
+    lambda stub: stub.Acquire,
+    lambda c: pb.AcquireRequest(handle=c.handle, source_ids=list(c.source_ids)),
+    lambda r: [Claim(c.source_id, c.state, c.token, c.holder, c.until) for c in r.claims],
+)
+_add(
+    calls.TokenIsCurrent,
+    lambda stub: stub.TokenIsCurrent,
+    lambda c: pb.TokenIsCurrentRequest(checkpoint=c.checkpoint, source_id=c.source_id, token=c.token),
+    lambda r: bool(r.current),
 )
 _add(
     calls.ListFailures,

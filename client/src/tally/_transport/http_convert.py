@@ -21,6 +21,7 @@ from tally._calls import Call
 from tally._types import (
     ApplyCounts,
     CheckpointStatus,
+    Claim,
     CloseResult,
     CompletedPage,
     Delta,
@@ -220,7 +221,12 @@ def counts_from_json(body: Any) -> ApplyCounts:
 
 def batch_answer_from_json(body: Any) -> calls.BatchAnswer:
     obj = _obj(body)
-    return calls.BatchAnswer(counts_from_json(obj.get("counts")), obj.get("settled") is True)
+    refused = obj.get("refused", 0)
+    return calls.BatchAnswer(
+        counts_from_json(obj.get("counts")),
+        obj.get("settled") is True,
+        refused if isinstance(refused, int) else 0,
+    )
 
 
 def completed_from_json(body: Any) -> list[bool]:
@@ -372,6 +378,22 @@ def cursor_from_json(body: Any) -> calls.SavedCursor | None:
     )
 
 
+def claims_from_json(body: Any) -> list[Claim]:
+    claims = _obj(body).get("claims")
+    if not isinstance(claims, list):
+        raise TypeError("'claims' must be a list")
+    return [
+        Claim(
+            source_id=str(c["source_id"]),
+            state=str(c["state"]),
+            token=int(c.get("token", 0)),
+            holder=str(c.get("holder", "")),
+            until=float(c.get("until", 0.0)),
+        )
+        for c in map(_obj, claims)
+    ]
+
+
 def failure_report_from_json(body: Any) -> FailureReport:
     obj = _obj(body)
     return FailureReport(
@@ -512,6 +534,21 @@ _add(
     lambda c: writer_path(c.handle, "failures"),
     failure_report_from_json,
     lambda c: {"source_id": c.source_id, "reason": c.reason},
+)
+_add(
+    calls.Acquire,
+    "POST",
+    lambda c: writer_path(c.handle, "acquire"),
+    claims_from_json,
+    lambda c: {"source_ids": list(c.source_ids)},
+)
+_add(
+    calls.TokenIsCurrent,
+    "GET",
+    lambda c: _query(
+        "/v1/claims/current", {"checkpoint": c.checkpoint, "source_id": c.source_id, "token": str(c.token)}
+    ),
+    lambda body: _obj(body).get("current") is True,
 )
 _add(
     calls.ListFailures,

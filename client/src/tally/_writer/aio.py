@@ -14,7 +14,7 @@ from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, async_send
 from tally._transport.base import AsyncTransport
-from tally._types import CloseResult, FailureReport, WriterSpec
+from tally._types import Claim, CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
@@ -162,6 +162,15 @@ class AsyncWriter(WriterBase):
             plan.close()
             return pending
         return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    async def acquire(self, source_ids: Iterable[str]) -> dict[str, Claim]:
+        """Claim sources for this writer. See :meth:`Writer.acquire`."""
+        claims: dict[str, Claim] = {}
+        deadline = Deadline(self._config.timeout)
+        for call in self._acquire_calls(source_ids):
+            for claim in await self._call_as_writer(call, deadline, "acquiring sources"):
+                claims[claim.source_id] = claim
+        return claims
 
     async def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
         """Record a failed attempt at a source, durably before this returns.

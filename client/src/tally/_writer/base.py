@@ -124,6 +124,12 @@ class WriterBase:
         with self._lock:
             self._core.save_cursor(source_id, value)
 
+    def _acquire_calls(self, source_ids: Iterable[str]) -> list[calls.Acquire]:
+        ids = calls.acquire_ids(source_ids)
+        with self._lock:
+            handle = self._core.require_handle("acquire")
+        return calls.acquire_calls(handle, ids, self.writer_id)
+
     def _failure_call(self, source_id: str, reason: str) -> calls.ReportFailure:
         calls.failure_source_id(source_id)
         calls.failure_reason(reason)

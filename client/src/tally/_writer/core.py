@@ -108,6 +108,7 @@ class WriterCore:
         # ``done`` when the latest answer said the writer was settled (everything applied durable),
         # else -1: a flush whose barrier this covers needs no Flush call.
         self._settled_done = -1
+        self.refused = 0  # deltas the coordinator refused: another writer held their source
         self._flush_target = 0  # the sender skips lingering until _taken reaches this
         self._next_seq = 1
         self._accepting = True
@@ -148,6 +149,7 @@ class WriterCore:
             batches_sent=self.batches_sent,
             retries=self.retries,
             dropped=self.dropped,
+            refused=self.refused,
         )
 
     # ------------------------------------------------------------------ producers
@@ -261,6 +263,15 @@ class WriterCore:
         self.done += len(batch.deltas)
         self._settled_done = self.done if answer.settled else -1
         self.batches_sent += 1
+        if answer.refused:
+            self.refused += answer.refused
+            logger.warning(
+                "tally writer %s: the coordinator refused %d deltas of batch %d: another live writer holds "
+                "a claim on their sources (acquire sources before working on them)",
+                self.writer_id,
+                answer.refused,
+                batch.seq,
+            )
         if self._send_failures:
             logger.info(
                 "tally writer %s: coordinator reachable again; batch %d delivered after %d retries",

@@ -12,7 +12,7 @@ from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, send
 from tally._transport.base import Transport
-from tally._types import CloseResult, FailureReport, WriterSpec
+from tally._types import Claim, CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
 from tally._writer.core import Batch, Wait
 from tally._writer.support import as_tally_error, fresh, log_close_anyway_failed
@@ -131,6 +131,46 @@ class Writer(WriterBase):
             plan.close()
             return pending
         return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+
+    def acquire(self, source_ids: Iterable[str]) -> dict[str, Claim]:
+        """Claim sources for this writer, so that no other live writer works on them meanwhile.
+
+        A direct call: it sends nothing buffered and waits for no flush. Each source is answered
+        with a :class:`tally.Claim` whose ``state`` says what to do:
+
+        - ``"acquired"``: this writer holds it now (or held it already: the same token again); do
+          its work. ``token`` is the fencing token, larger than any earlier claim's on the source:
+          an output store can refuse a late write whose token :meth:`tally.Client.token_is_current`
+          says is no longer current.
+        - ``"held"``: another live writer holds it (``holder``, until ``until`` unless renewed):
+          skip it for now; ask again later, it may come free.
+        - ``"completed"``: done already; skip it.
+        - ``"failed"``: it used up the checkpoint's failure budget; skip it until retried.
+
+        A claim ends when the source completes (its completion is durable), this writer closes, or
+        its lease runs out; another writer can then acquire it, with a larger token. While this
+        writer holds a source, the coordinator refuses other writers' deltas for it (counted in
+        their :meth:`health`, recorded as an event). Claims survive a coordinator restart with the
+        writer.
+
+        Args:
+            source_ids: The sources (an iterable of non-empty strings; repeats are asked once).
+
+        Returns:
+            One claim per distinct source, by source id, in the order asked.
+
+        Raises:
+            InvalidArgument: ``source_ids`` is a single string, or holds an empty or non-string id.
+            FailedPrecondition: The writer is not open.
+            LeaseLost: The coordinator dropped this writer.
+            Unavailable: No answer within the client's timeout.
+        """
+        claims: dict[str, Claim] = {}
+        deadline = Deadline(self._config.timeout)
+        for call in self._acquire_calls(source_ids):
+            for claim in self._call_as_writer(call, deadline, "acquiring sources"):
+                claims[claim.source_id] = claim
+        return claims
 
     def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
         """Record a failed attempt at a source, durably on the coordinator before this returns.

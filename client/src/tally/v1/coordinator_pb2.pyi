@@ -126,12 +126,14 @@ class ApplyCounts(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., skipped: _Optional[int] = ..., rewritten: _Optional[int] = ..., anomalies: _Optional[int] = ..., completed: _Optional[int] = ...) -> None: ...
 
 class ApplyDeltasResponse(_message.Message):
-    __slots__ = ("counts", "settled")
+    __slots__ = ("counts", "settled", "refused")
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     counts: ApplyCounts
     settled: bool
-    def __init__(self, counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., settled: _Optional[bool] = ...) -> None: ...
+    refused: int
+    def __init__(self, counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., settled: _Optional[bool] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class AreCompletedRequest(_message.Message):
     __slots__ = ("checkpoint", "source_ids")
@@ -608,3 +610,49 @@ class ListRemainingResponse(_message.Message):
     source_ids: _containers.RepeatedScalarFieldContainer[str]
     next_after: str
     def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("handle", "source_ids")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, handle: _Optional[str] = ..., source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Claim(_message.Message):
+    __slots__ = ("source_id", "state", "token", "holder", "until")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    state: str
+    token: int
+    holder: str
+    until: float
+    def __init__(self, source_id: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., holder: _Optional[str] = ..., until: _Optional[float] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("claims",)
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    claims: _containers.RepeatedCompositeFieldContainer[Claim]
+    def __init__(self, claims: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ...) -> None: ...
+
+class TokenIsCurrentRequest(_message.Message):
+    __slots__ = ("checkpoint", "source_id", "token")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    source_id: str
+    token: int
+    def __init__(self, checkpoint: _Optional[str] = ..., source_id: _Optional[str] = ..., token: _Optional[int] = ...) -> None: ...
+
+class TokenIsCurrentResponse(_message.Message):
+    __slots__ = ("current", "live_token")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    current: bool
+    live_token: int
+    def __init__(self, current: _Optional[bool] = ..., live_token: _Optional[int] = ...) -> None: ...

@@ -156,6 +156,16 @@ class CoordinatorStub:
                 request_serializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.SerializeToString,
                 response_deserializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.FromString,
                 _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/tally.v1.Coordinator/Acquire',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.AcquireResponse.FromString,
+                _registered_method=True)
+        self.TokenIsCurrent = channel.unary_unary(
+                '/tally.v1.Coordinator/TokenIsCurrent',
+                request_serializer=tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentRequest.SerializeToString,
+                response_deserializer=tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -329,6 +339,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acquire(self, request, context):
+        """Claim sources for a writer: each answer says completed, failed, acquired (with its fencing
+        token) or held by another live writer. A claim lasts until the source completes, the writer
+        closes or its lease runs out; deltas for a held source from any other writer are refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenIsCurrent(self, request, context):
+        """Whether a fencing token is still the live claim on a source (an output store fences with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -451,6 +477,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListRemaining,
                     request_deserializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.FromString,
                     response_serializer=tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.AcquireRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.AcquireResponse.SerializeToString,
+            ),
+            'TokenIsCurrent': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenIsCurrent,
+                    request_deserializer=tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentRequest.FromString,
+                    response_serializer=tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1102,6 +1138,60 @@ class Coordinator:
             '/tally.v1.Coordinator/ListRemaining',
             tally_dot_v1_dot_coordinator__pb2.ListRemainingRequest.SerializeToString,
             tally_dot_v1_dot_coordinator__pb2.ListRemainingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/Acquire',
+            tally_dot_v1_dot_coordinator__pb2.AcquireRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenIsCurrent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tally.v1.Coordinator/TokenIsCurrent',
+            tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentRequest.SerializeToString,
+            tally_dot_v1_dot_coordinator__pb2.TokenIsCurrentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,6 +84,13 @@ class CoordinatorStub:
     """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
     ListRemaining: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListRemainingRequest, _coordinator_pb2.ListRemainingResponse]
     """Declared sources not completed yet, in byte order, paged."""
+    Acquire: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AcquireRequest, _coordinator_pb2.AcquireResponse]
+    """Claim sources for a writer: each answer says completed, failed, acquired (with its fencing
+    token) or held by another live writer. A claim lasts until the source completes, the writer
+    closes or its lease runs out; deltas for a held source from any other writer are refused.
+    """
+    TokenIsCurrent: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TokenIsCurrentRequest, _coordinator_pb2.TokenIsCurrentResponse]
+    """Whether a fencing token is still the live claim on a source (an output store fences with it)."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -138,6 +145,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Declare a checkpoint's sources (idempotent, additive), or only how many there are."""
     ListRemaining: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListRemainingRequest, _coordinator_pb2.ListRemainingResponse]  # type: ignore[assignment]
     """Declared sources not completed yet, in byte order, paged."""
+    Acquire: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AcquireRequest, _coordinator_pb2.AcquireResponse]  # type: ignore[assignment]
+    """Claim sources for a writer: each answer says completed, failed, acquired (with its fencing
+    token) or held by another live writer. A claim lasts until the source completes, the writer
+    closes or its lease runs out; deltas for a held source from any other writer are refused.
+    """
+    TokenIsCurrent: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TokenIsCurrentRequest, _coordinator_pb2.TokenIsCurrentResponse]  # type: ignore[assignment]
+    """Whether a fencing token is still the live claim on a source (an output store fences with it)."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """One domain service; every RPC is a thin translation of one domain operation."""
@@ -333,5 +347,24 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListRemainingResponse, _abc.Awaitable[_coordinator_pb2.ListRemainingResponse]]:
         """Declared sources not completed yet, in byte order, paged."""
+
+    @_abc_1.abstractmethod
+    def Acquire(
+        self,
+        request: _coordinator_pb2.AcquireRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AcquireResponse, _abc.Awaitable[_coordinator_pb2.AcquireResponse]]:
+        """Claim sources for a writer: each answer says completed, failed, acquired (with its fencing
+        token) or held by another live writer. A claim lasts until the source completes, the writer
+        closes or its lease runs out; deltas for a held source from any other writer are refused.
+        """
+
+    @_abc_1.abstractmethod
+    def TokenIsCurrent(
+        self,
+        request: _coordinator_pb2.TokenIsCurrentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.TokenIsCurrentResponse, _abc.Awaitable[_coordinator_pb2.TokenIsCurrentResponse]]:
+        """Whether a fencing token is still the live claim on a source (an output store fences with it)."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -11,6 +11,7 @@ from tally_server.domain.ledger import WriterLedger
 
 __all__ = [
     "Checkpoint",
+    "Claim",
     "CompletedSet",
     "Confirm",
     "MergePlan",
@@ -49,6 +50,18 @@ class WriterSession:
 
 
 @dataclass
+class Claim:
+    """A live writer's claim on a source (issue #12): while it lasts, no other writer's delta for it counts.
+
+    ``token`` is 0 while the claim is being recorded (the source is reserved, but no token is known yet).
+    """
+
+    handle: str
+    writer_id: str
+    token: int = 0
+
+
+@dataclass
 class Checkpoint:
     """A known checkpoint. Its completed set is loaded on demand and may be unloaded while idle.
 
@@ -79,6 +92,9 @@ class Checkpoint:
     declared: set[str] = field(default_factory=set)
     declared_count: int = 0
     known_declared_done: int | None = None
+    # Live claims by source id (issue #12's claims; each ends when its source completes or its
+    # writer closes or expires). Tokens of ended claims are only in the registry.
+    claims: dict[str, Claim] = field(default_factory=dict)
 
     @property
     def total(self) -> int:

@@ -31,6 +31,7 @@ class EventKind(StrEnum):
     IMPORTED = "imported"
     SOURCE_FAILED = "source_failed"
     FAILURES_CLEARED = "failures_cleared"
+    DELTAS_REFUSED = "deltas_refused"
 
     @property
     def severity(self) -> Severity:
@@ -48,6 +49,7 @@ _SEVERITY = {
     EventKind.CHECKPOINT_RESET: Severity.WARNING,
     EventKind.FINGERPRINT_MISMATCH_IGNORED: Severity.WARNING,
     EventKind.SOURCE_FAILED: Severity.ERROR,
+    EventKind.DELTAS_REFUSED: Severity.WARNING,
 }
 
 

@@ -257,6 +257,18 @@ class SourceFailuresRecord:
     recent: list[FailedAttemptRecord]
 
 
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A claim on a source: its fencing token and the writer (handle and id) that holds it."""
+
+    checkpoint: str
+    source_id: str
+    token: int
+    holder: str  # the writer's handle; "" once released
+    writer_id: str
+    acquired_at: float
+
+
 class Registry(Protocol):
     """Checkpoints, writers and events in a SQL database.
 
@@ -335,6 +347,17 @@ class Registry(Protocol):
 
     def list_declared(self) -> tuple[dict[str, set[str]], dict[str, int]]:
         """Every checkpoint's declared sources and declared count."""
+
+    def take_claims(
+        self, checkpoint: str, source_ids: Sequence[str], holder: str, writer_id: str, at: float
+    ) -> dict[str, int]:
+        """Claim sources for a writer, durably: each one's new token, above any it had before."""
+
+    def release_claims(self, checkpoint: str, holder: str, source_ids: Sequence[str] | None = None) -> None:
+        """End a writer's claims (on these sources, or all of them with None); tokens stay."""
+
+    def live_claims(self) -> list[ClaimRecord]:
+        """Every claim not released, by checkpoint and source id."""
 
     def close(self) -> None:
         """Release the database connections."""

@@ -89,7 +89,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 ),
             )
         applied = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
-        return pb.ApplyDeltasResponse(counts=convert.counts(applied.counts), settled=applied.settled)
+        return pb.ApplyDeltasResponse(
+            counts=convert.counts(applied.counts), settled=applied.settled, refused=applied.refused
+        )
 
     async def AreCompleted(
         self, request: pb.AreCompletedRequest, context: Context
@@ -204,6 +206,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Set a checkpoint's failure budget (0: unlimited)."""
         budget, failed = await self._service.set_failure_budget(request.checkpoint, request.max_attempts)
         return pb.SetFailureBudgetResponse(max_attempts=budget, failed_sources=failed)
+
+    async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
+        """Claim sources for a writer: acquired (with a fencing token), held, completed or failed."""
+        claims = await self._service.acquire(request.handle, list(request.source_ids))
+        return pb.AcquireResponse(
+            claims=[
+                pb.Claim(source_id=c.source_id, state=c.state, token=c.token, holder=c.holder, until=c.until)
+                for c in claims
+            ]
+        )
+
+    async def TokenIsCurrent(
+        self, request: pb.TokenIsCurrentRequest, context: Context
+    ) -> pb.TokenIsCurrentResponse:
+        """Whether a fencing token is the live claim on a source."""
+        check = await self._service.token_is_current(request.checkpoint, request.source_id, request.token)
+        return pb.TokenIsCurrentResponse(current=check.current, live_token=check.live_token)
 
     async def DeclareSources(
         self, request: pb.DeclareSourcesRequest, context: Context

@@ -17,7 +17,7 @@ from tally_server.http_api.body_limit import BodyLimit
 from tally_server.http_api.dashboard import build_router as build_dashboard_router
 from tally_server.http_api.errors import install_handlers
 from tally_server.http_api.request_context import RequestMiddleware
-from tally_server.http_api.routes import admin, checkpoints, failures, health, status, totals, writers
+from tally_server.http_api.routes import admin, checkpoints, claims, failures, health, status, totals, writers
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.settings import Settings
@@ -45,7 +45,7 @@ def create_app(
     health.add_routes(app, service, guard, metrics)
     # On the app itself, not through include_router: a walk of app.routes then sees every route
     # (recent FastAPI keeps an included router as one entry).
-    for resource in (writers, checkpoints, status, admin, failures, totals):
+    for resource in (writers, checkpoints, status, admin, failures, totals, claims):
         resource.add_routes(app, service, guard)
     app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
     check_declared(app)
@@ -63,6 +63,7 @@ def create_app(
             s.RetryFailedBody,
             s.FailureBudgetBody,
             s.DeclareBody,
+            s.AcquireBody,
         ],
     )
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tally_server.domain.ledger import ApplyCounts
-from tally_server.service import CheckpointView, ProgressSample, WriterView
+from tally_server.service import CheckpointView, ClaimView, ProgressSample, WriterView
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ApplyDeltasReply:
 
     counts: ApplyCounts
     settled: bool = False
+    refused: int = 0  # deltas not applied: another live writer holds their source's claim
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,10 @@ class ProgressReply:
     """A checkpoint's completed count over time, oldest first."""
 
     samples: list[ProgressSample]
+
+
+@dataclass(frozen=True)
+class AcquireReply:
+    """One claim per distinct source asked about, in the order asked."""
+
+    claims: list[ClaimView]

@@ -106,6 +106,12 @@ class SaveCursorsBody(RequestBody):
     cursors: list[CursorItem]
 
 
+class AcquireBody(RequestBody):
+    """Sources to claim for the writer."""
+
+    source_ids: list[str]
+
+
 class ReportFailureBody(RequestBody):
     """A failed attempt at a source."""
 

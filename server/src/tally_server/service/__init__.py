@@ -9,6 +9,7 @@ from tally_server.service.stats import ServiceStats
 from tally_server.service.views import (
     AppliedBatch,
     CheckpointView,
+    ClaimView,
     ClosedWriter,
     CompletedPage,
     CursorView,
@@ -23,12 +24,14 @@ from tally_server.service.views import (
     ReportedFailure,
     ResetResult,
     SavedCursors,
+    TokenCheck,
     WriterView,
 )
 
 __all__ = [
     "AppliedBatch",
     "CheckpointView",
+    "ClaimView",
     "ClosedWriter",
     "CompletedPage",
     "CursorView",
@@ -45,5 +48,6 @@ __all__ = [
     "ResetResult",
     "SavedCursors",
     "ServiceStats",
+    "TokenCheck",
     "WriterView",
 ]

@@ -26,6 +26,7 @@ from tally_server.domain.ports import CompletionStore, Journal, Registry
 from tally_server.domain.validation import Limits
 from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
+from tally_server.service.claims import Claims
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.core import Core
 from tally_server.service.durability import Durability
@@ -39,6 +40,7 @@ from tally_server.service.totals import Totals
 from tally_server.service.views import (
     AppliedBatch,
     CheckpointView,
+    ClaimView,
     ClosedWriter,
     CompletedPage,
     CursorView,
@@ -51,6 +53,7 @@ from tally_server.service.views import (
     ReportedFailure,
     ResetResult,
     SavedCursors,
+    TokenCheck,
     WriterView,
 )
 from tally_server.service.writers import Writers
@@ -129,7 +132,8 @@ class CoordinatorService:
         )
         self._checkpoints = CheckpointTable(core, memory_budget_bytes)
         self._durability = Durability(core, self._checkpoints)
-        self._writers = Writers(core, self._checkpoints, self._durability)
+        self._claims = Claims(core, self._checkpoints)
+        self._writers = Writers(core, self._checkpoints, self._durability, self._claims)
         self._opening = Opening(
             core, self._checkpoints, self._writers, lambda name: self._admin.reset_checkpoint(name)
         )
@@ -137,6 +141,7 @@ class CoordinatorService:
         self._failures = Failures(core, self._checkpoints)
         self._totals = Totals(core, self._checkpoints)
         self._durability.on_failures_completed = self._failures.completed
+        self._durability.on_claims_completed = self._claims.completed
         self._status = Status(core, self._checkpoints, lambda: core.accepting)
         self._loops: list[Loop] = []
         self._background: list[asyncio.Task[None]] = []
@@ -161,6 +166,7 @@ class CoordinatorService:
         journaled = await core.committer.run(self._journal.load)
         restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
+        await self._claims.restore(await core.registry_read(core.registry.live_claims), restored)
         if restored:
             log.info(
                 "restored %d writers from the journal; each has a whole lease to come back", len(restored)
@@ -223,6 +229,7 @@ class CoordinatorService:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._durability.finalizers:
             await asyncio.gather(*self._durability.finalizers, return_exceptions=True)
+        await self._claims.settle()
         await self._durability.settle_journals()
         self._checkpoints.sample_progress()
         try:
@@ -348,7 +355,10 @@ class CoordinatorService:
         again. The answer says whether the writer is settled (a flush would return at once).
         """
         counts = await self._writers.apply(handle, batch, batch_seq)
-        return AppliedBatch(counts, self._writers.settled(handle))  # no await since the answer
+        # No await since the answer: the session's refused count is this batch's.
+        session = self._core.sessions.get(handle)
+        refused = session.last_refused if session is not None else 0
+        return AppliedBatch(counts, self._writers.settled(handle), refused)
 
     async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:
         """Save where the writer got to inside sources (each at most 4 KiB): durable on return."""
@@ -386,6 +396,17 @@ class CoordinatorService:
     async def set_failure_budget(self, checkpoint: str, max_attempts: int) -> tuple[int, int]:
         """Set a checkpoint's failure budget (0: unlimited); the budget and the sources failed now."""
         return await self._failures.set_budget(checkpoint, max_attempts)
+
+    # ------------------------------------------------------------------ claims
+
+    async def acquire(self, handle: str, source_ids: Sequence[str]) -> list[ClaimView]:
+        """Claim sources for a writer: acquired (with a fencing token), held, completed or failed."""
+        cp, _ = self._writers.checkpoint_for(handle)
+        return await self._claims.acquire(cp, self._writers.session(handle), source_ids)
+
+    async def token_is_current(self, checkpoint: str, source_id: str, token: int) -> TokenCheck:
+        """Whether a fencing token is the live claim on a source (its writer still holds it)."""
+        return await self._claims.token_is_current(checkpoint, source_id, token)
 
     # ------------------------------------------------------------------ declared totals
 

@@ -58,6 +58,7 @@ class Durability:
         self.undeleted: dict[str, set[str]] = {}
         # Failure budgets' hook: sources completed lose their failed attempts (set by the service).
         self.on_failures_completed: Callable[[Checkpoint, Sequence[str]], None] | None = None
+        self.on_claims_completed: Callable[[Checkpoint, Sequence[str]], None] | None = None
 
     async def commit(
         self, session: Session, changes: Sequence[CompletionOp] = ()
@@ -145,9 +146,11 @@ class Durability:
         )
 
     def completed_cleanup(self, cp: Checkpoint, sources: Sequence[str]) -> None:
-        """Sources completed: their cursors and failed attempts go (behind the answer)."""
+        """Sources completed: their cursors, failed attempts and claims go (behind the answer)."""
         if cp.failures and self.on_failures_completed is not None:
             self.on_failures_completed(cp, sources)
+        if cp.claims and self.on_claims_completed is not None:
+            self.on_claims_completed(cp, sources)
         if cp.cursored:
             self._cursors_done(cp, sources)
 
@@ -192,7 +195,7 @@ class Durability:
             made_durable(cp.ids(), sources, session.writer_id)
             self.persisted(session, sources)
             self._core.stats.completions += len(sources)
-            if cp.cursored or cp.failures:
+            if cp.cursored or cp.failures or cp.claims:
                 self.completed_cleanup(cp, sources)
         except Exception:
             session.failed_commits += 1

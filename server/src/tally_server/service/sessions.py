@@ -40,6 +40,9 @@ class Session(WriterSession):
     # The last client batch_seq applied, and what that batch answered (a resent batch gets it again).
     applied_seq: int = 0
     last_counts: ApplyCounts = field(default_factory=ApplyCounts)
+    last_refused: int = 0
+    # Sources this writer holds a claim on (their Claim is in the checkpoint's ``claims``).
+    claimed: set[str] = field(default_factory=set)
 
     def record(self, closed_at: float | None = None) -> WriterRecord:
         """The writer's registry row (also what status shows of a live writer)."""

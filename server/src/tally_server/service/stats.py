@@ -26,6 +26,7 @@ class ServiceStats:
     files_quarantined: int = 0
     batches_resent: int = 0
     writers_restored: int = 0
+    deltas_refused: int = 0  # for sources another live writer held a claim on
     commit_observers: list[Callable[[float, int, int], None]] = field(default_factory=list)
 
     def count(self, counts: ApplyCounts) -> None:

@@ -39,6 +39,7 @@ class AppliedBatch:
 
     counts: ApplyCounts
     settled: bool
+    refused: int = 0  # deltas not applied: another live writer holds their source's claim
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,29 @@ class CursorView:
     data: bytes = b""
     saved_at: float = 0.0
     writer_id: str = ""
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    """The answer of an acquire for one source.
+
+    ``state``: ``acquired`` (``token`` is the fencing token), ``held`` (by ``holder``, a writer id,
+    whose lease runs out at ``until``, Unix time, unless renewed), ``completed`` or ``failed``.
+    """
+
+    source_id: str
+    state: str
+    token: int = 0
+    holder: str = ""
+    until: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenCheck:
+    """Whether a fencing token is the live claim on a source, and the live claim's token (0: none)."""
+
+    current: bool
+    live_token: int
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from tally_server.domain.ledger import ApplyCounts, Delta
 from tally_server.domain.ports import CompletionOp, CursorRecord, DeleteCompleted, PutCompleted
 from tally_server.errors import FailedPrecondition, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
+from tally_server.service.claims import Claims
 from tally_server.service.core import Core
 from tally_server.service.durability import Durability
 from tally_server.service.sessions import Session
@@ -42,12 +43,16 @@ class Writers:
         core: what the service's parts share.
         checkpoints: the checkpoint table.
         durability: the commit path (journal entries and completion commits).
+        claims: the claims on sources (deltas for a source another writer holds are refused).
     """
 
-    def __init__(self, core: Core, checkpoints: CheckpointTable, durability: Durability) -> None:
+    def __init__(
+        self, core: Core, checkpoints: CheckpointTable, durability: Durability, claims: Claims
+    ) -> None:
         self._core = core
         self._checkpoints = checkpoints
         self.durability = durability
+        self._claims = claims
         # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
         self._dirty: set[str] = set()
 
@@ -91,6 +96,9 @@ class Writers:
         A batch sent again with the ``batch_seq`` of the last one applied (the client did not hear
         the answer) is recognised and not applied twice; it gets the same answer. A numbered batch
         below that is refused (FAILED_PRECONDITION): it was resent out of turn or overtaken.
+
+        Deltas for a source another live writer holds a claim on are left out (neither applied nor
+        journaled); how many is in ``session.last_refused`` when this returns.
         """
         core = self._core
         core.check_accepting()
@@ -115,6 +123,11 @@ class Writers:
                 await self.durability.commit(session)  # applied already; make sure it is durable
                 return replace(session.last_counts)
             cp = self._checkpoints[session.checkpoint]
+            if cp.claims:
+                kept = self._claims.refuse_held(cp, session, batch)
+                session.last_refused, batch = len(batch) - len(kept), validation.CheckedDeltas(kept)
+            else:
+                session.last_refused = 0
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())
             core.stats.count(effects.counts)
             cp.last_activity_at = session.last_seen_at
@@ -149,7 +162,7 @@ class Writers:
             if effects.complete:
                 made_durable(cp.ids(), effects.complete, session.writer_id)
                 self.durability.persisted(session, effects.complete)
-                if cp.cursored or cp.failures:
+                if cp.cursored or cp.failures or cp.claims:
                     self.durability.completed_cleanup(cp, effects.complete)
                 core.stats.completions += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
@@ -280,6 +293,7 @@ class Writers:
                 core.stats.writers_expired += 1
             incomplete = list(session.ledger.pending)
             core.sessions.remove(session)
+            self._claims.writer_ended(cp, session)
             self._dirty.discard(session.handle)
             now = core.wall()
             cp.last_activity_at = now

@@ -21,6 +21,7 @@ from sqlalchemy.pool import StaticPool
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.ports import (
     CheckpointRecord,
+    ClaimRecord,
     CursorRecord,
     EventRecord,
     FailedAttemptRecord,
@@ -33,6 +34,7 @@ from tally_server.store.registry_schema import (
     budgets_table,
     checkpoint_record,
     checkpoints_table,
+    claims_table,
     cursors_table,
     declared_counts_table,
     declared_table,
@@ -357,6 +359,67 @@ class SqlRegistry:
         """Every checkpoint's failure budget that is set."""
         with self._engine.connect() as conn:
             return {row.checkpoint: int(row.max_attempts) for row in conn.execute(sa.select(budgets_table))}
+
+    # ---------------------------------------------------------------- claims
+
+    @_transient_as_unavailable
+    def take_claims(
+        self, checkpoint: str, source_ids: Sequence[str], holder: str, writer_id: str, at: float
+    ) -> dict[str, int]:
+        """Claim sources for a writer, durably: each one's new token, above any it had before."""
+        c = claims_table.c
+        tokens: dict[str, int] = {}
+        with self._engine.begin() as conn:
+            ids = list(source_ids)
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                query = sa.select(c.source_id, c.token).where(
+                    c.checkpoint == checkpoint, c.source_id.in_(chunk)
+                )
+                old = {row.source_id: int(row.token) for row in conn.execute(query)}
+                for sid in chunk:
+                    tokens[sid] = old.get(sid, 0) + 1
+                    row = {
+                        "checkpoint": checkpoint,
+                        "source_id": sid,
+                        "token": tokens[sid],
+                        "holder": holder,
+                        "writer_id": writer_id,
+                        "acquired_at": at,
+                    }
+                    self._upsert(conn, claims_table, row)
+        return tokens
+
+    @_transient_as_unavailable
+    def release_claims(self, checkpoint: str, holder: str, source_ids: Sequence[str] | None = None) -> None:
+        """End a writer's claims (on these sources, or all of them with None); tokens stay."""
+        c = claims_table.c
+        mine = sa.update(claims_table).where(c.checkpoint == checkpoint, c.holder == holder).values(holder="")
+        with self._engine.begin() as conn:
+            if source_ids is None:
+                conn.execute(mine)
+                return
+            ids = list(source_ids)
+            for start in range(0, len(ids), 1000):
+                conn.execute(mine.where(c.source_id.in_(ids[start : start + 1000])))
+
+    @_transient_as_unavailable
+    def live_claims(self) -> list[ClaimRecord]:
+        """Every claim not released, by checkpoint and source id."""
+        c = claims_table.c
+        query = sa.select(claims_table).where(c.holder != "").order_by(c.checkpoint, c.source_id)
+        with self._engine.connect() as conn:
+            return [
+                ClaimRecord(
+                    row.checkpoint,
+                    row.source_id,
+                    int(row.token),
+                    row.holder,
+                    row.writer_id,
+                    float(row.acquired_at),
+                )
+                for row in conn.execute(query)
+            ]
 
     # ---------------------------------------------------------------- declared sources
 

@@ -115,6 +115,19 @@ budgets_table = sa.Table(
     sa.Column("max_attempts", _Count, nullable=False),
 )
 
+# Claims on sources (issue #12's claims): per source the highest fencing token ever given (tokens
+# only grow, so a row stays when its claim ends) and the writer holding it ("" once released).
+claims_table = sa.Table(
+    "source_claims",
+    metadata,
+    sa.Column("checkpoint", sa.String(), primary_key=True),
+    sa.Column("source_id", sa.String(), primary_key=True),
+    sa.Column("token", _Count, nullable=False),
+    sa.Column("holder", sa.String(), nullable=False),  # the writer's handle; "" when released
+    sa.Column("writer_id", sa.String(), nullable=False),
+    sa.Column("acquired_at", _Time, nullable=False),
+)
+
 # Declared sources (issue #12's totals): what a pipeline said it will process, and a count for when
 # it could not list the ids.
 declared_table = sa.Table(

@@ -74,7 +74,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
         batch, batch_seq = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
         applied = await service.apply_deltas(handle, batch, batch_seq)
-        return r.ApplyDeltasReply(counts=applied.counts, settled=applied.settled)
+        return r.ApplyDeltasReply(counts=applied.counts, settled=applied.settled, refused=applied.refused)
 
     @app.post(
         "/v1/writers/{handle}/flush",
