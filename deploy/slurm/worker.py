@@ -3,7 +3,9 @@
 Every task of the array is a writer of the same checkpoint on one coordinator. Task
 ``$SLURM_ARRAY_TASK_ID`` of ``$SLURM_ARRAY_TASK_COUNT`` takes every COUNT-th input file; before
 working it asks the coordinator which files are completed (by any task, of this array or an earlier
-one) and skips them, so rerunning the whole array after a failure only does what is left.
+one) and skips them, so rerunning the whole array after a failure only does what is left. It claims
+each file just before working on it and skips files another live writer holds, so an array started
+while another is still running on the same checkpoint splits the work with it instead of redoing it.
 
     WORKER_CMD='python deploy/slurm/worker.py --checkpoint curation/run-1 \\
                 --input /shared/in --output /shared/out' \\
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import tally
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--input", type=Path, required=True, help="directory of input .txt files")
     parser.add_argument("--output", type=Path, required=True, help="directory for the outputs")
     parser.add_argument("--fail-after", type=int, help="crash after this many sources (for testing)")
+    parser.add_argument("--work-ms", type=int, default=0, help="extra time each source takes (for testing)")
     args = parser.parse_args()
 
     index = int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
@@ -59,13 +63,21 @@ def main() -> None:
         tracker = Tracker(writer)
         todo = tracker.todo(shard)
         print(f"task {index}/{count}: {len(shard)} sources, {len(shard) - len(todo)} completed", flush=True)
-        for done, source in enumerate(todo):
-            if done == args.fail_after:
-                writer.flush()
-                print(f"crashing after {done} sources", flush=True)
-                os._exit(3)  # like a kill: no cleanup, the writer is not closed
+        if args.fail_after == 0:
+            crash(writer, 0)
+        for done, source in enumerate(tracker.claim(todo), start=1):
+            time.sleep(args.work_ms / 1000)
             process(tracker.start(source), args.input, args.output)
             print(f"processed {source}", flush=True)
+            if done == args.fail_after:  # before claiming the next source
+                crash(writer, done)
+
+
+def crash(writer: tally.Writer, done: int) -> None:
+    """Stop like a killed process (no cleanup, the writer is not closed), its work so far durable."""
+    writer.flush()
+    print(f"crashing after {done} sources", flush=True)
+    os._exit(3)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ def shard(index: int) -> list[str]:
     return SOURCES[index::TASKS]
 
 
-def run_array(
-    server: RunningServer, tmp_path: Path, array_job: str, *args: str
-) -> dict[int, tuple[int, list[str]]]:
-    """Start every task of the array at once (like SLURM); wait for all; what each processed."""
+def start_array(
+    server: RunningServer, tmp_path: Path, array_job: str, *args: str, checkpoint: str = "slurm/run"
+) -> dict[int, subprocess.Popen[str]]:
+    """Start every task of the array at once (like SLURM)."""
     procs = {}
     for index in range(TASKS):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TALLY_", "SLURM_"))}
@@ -40,7 +40,7 @@ def run_array(
                 sys.executable,
                 str(WORKER),
                 "--checkpoint",
-                "slurm/run",
+                checkpoint,
                 "--input",
                 str(tmp_path / "in"),
                 "--output",
@@ -52,6 +52,11 @@ def run_array(
             text=True,
             env=env,
         )
+    return procs
+
+
+def wait_array(procs: dict[int, subprocess.Popen[str]]) -> dict[int, tuple[int, list[str]]]:
+    """Wait for every task; what each processed."""
     results = {}
     for index, proc in procs.items():
         out, _ = proc.communicate(timeout=90)
@@ -59,6 +64,13 @@ def run_array(
         results[index] = (proc.returncode, processed)
         assert proc.returncode in (0, 3), out
     return results
+
+
+def run_array(
+    server: RunningServer, tmp_path: Path, array_job: str, *args: str
+) -> dict[int, tuple[int, list[str]]]:
+    """Start every task of the array at once (like SLURM); wait for all; what each processed."""
+    return wait_array(start_array(server, tmp_path, array_job, *args))
 
 
 def tally_cli(server: RunningServer, *args: str) -> str:
@@ -126,3 +138,21 @@ def test_rerun_of_a_killed_array_skips_what_any_task_finished(server: RunningSer
             cells = [c.strip() for c in line.replace("┃", "│").strip().strip("│").split("│")]
             if job == "200":  # the rerun's tasks closed their writers (the killed ones did not)
                 assert cells[4] == "closed", writers
+
+
+def test_two_overlapping_arrays_on_one_checkpoint_process_each_source_once(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """Two arrays of the same job started together (a resubmission while the first still runs):
+    their tasks with the same index have the same shard and race for each file; claims split it."""
+    (tmp_path / "in").mkdir()
+    for name in SOURCES:
+        (tmp_path / "in" / name).write_text(f"one line of {name}\n")
+    first = start_array(server, tmp_path, "300", "--work-ms", "100", checkpoint="slurm/overlap")
+    second = start_array(server, tmp_path, "400", "--work-ms", "100", checkpoint="slurm/overlap")
+    results = [*wait_array(first).values(), *wait_array(second).values()]
+    assert all(code == 0 for code, _ in results)
+    done = sorted(s for _, processed in results for s in processed)
+    assert done == SOURCES  # each source processed exactly once, by one array or the other
+    status = tally_cli(server, "status", "slurm/overlap")
+    assert re.search(r"^completed\s{2,}14\s*$", status, re.MULTILINE), status

@@ -292,3 +292,53 @@ def test_any_tree_completes_exactly_when_no_task_failed(data: st.DataObject, sou
         for part in again.start(s).split(2):
             part.done()
     assert rerun.completed == set(sources) and rerun.anomalies == 0
+
+
+class ClaimingLedger(Ledger):
+    """A writer with claims: ``others`` hold some sources; some are failed; the rest are free."""
+
+    def __init__(self, others: dict[str, str], failed: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.others = others
+        self.failed = set(failed)
+        self.asked: list[list[str]] = []
+
+    def acquire(self, ids: Iterable[str]) -> dict[str, tally.Claim]:
+        ids = list(ids)
+        self.asked.append(ids)
+        claims = {}
+        for sid in ids:
+            if sid in self.completed:
+                claims[sid] = tally.Claim(sid, "completed")
+            elif sid in self.failed:
+                claims[sid] = tally.Claim(sid, "failed")
+            elif sid in self.others:
+                claims[sid] = tally.Claim(sid, "held", holder=self.others[sid], until=1.0)
+            else:
+                claims[sid] = tally.Claim(sid, "acquired", token=1)
+        return claims
+
+
+def test_claim_yields_what_this_run_acquires_as_it_goes_and_asks_again_about_held_ones() -> None:
+    ledger = ClaimingLedger({"b": "other", "d": "other"}, failed={"e"})
+    ledger.completed.add("c")
+    tracker = Tracker(ledger)
+    it = tracker.claim(["a", "b", "c", "a", "d", "e", "f"])
+    assert ledger.asked == []  # nothing is claimed before the iteration reaches it
+    assert next(it) == "a" and ledger.asked == [["a"]]
+    assert next(it) == "f"  # "b" and "d" held by another run, "c" completed, "e" failed
+    del ledger.others["d"]  # its run ended without completing it
+    assert list(it) == ["d"]  # asked once more at the end: "b" is still held, "d" came free
+    assert ledger.asked == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["b"], ["d"]]
+
+
+def test_claim_ahead_asks_in_groups_and_refuses_bad_arguments(tracker: Tracker) -> None:
+    ledger = ClaimingLedger({})
+    assert list(Tracker(ledger).claim(["a", "b", "c"], ahead=2)) == ["a", "b", "c"]
+    assert ledger.asked == [["a", "b"], ["c"]]
+    with pytest.raises(TypeError, match="claims need a tally.Writer"):
+        tracker.claim(["a"])  # the plain Ledger has no acquire()
+    with pytest.raises(ValueError, match="ahead must be an integer >= 1"):
+        Tracker(ledger).claim(["a"], ahead=0)
+    with pytest.raises(ValueError, match="non-empty strings"):
+        Tracker(ledger).claim(["a", ""])

@@ -18,6 +18,12 @@ Sources that are *failed* (reported failed ``max_attempts`` times, see
 :meth:`tally.Writer.report_failure`) are skipped by the source stage too, until ``tally retry``
 clears them; the NeMo-format files never hear of failures.
 
+With ``claims=True`` the source stage also claims the partitions it will run
+(:meth:`tally.Writer.acquire`) and skips those another live writer holds: two pipelines started on
+one checkpoint at the same time (two SLURM jobs, a resubmission while the first still runs) split
+the partitions instead of both processing them. A claim lasts until its partition completes or
+the run ends (its writer closes or loses its lease); the next run takes what is left.
+
 The proxy keeps no state of its own: NeMo Curator ignores ``checkpoint_path`` when it adopts the
 actor, and closes and kills the actor at the end of every run, so each run is a new Tally writer
 whose completions are durable on the coordinator before the actor dies.
@@ -65,6 +71,7 @@ class TallyResumabilityProxy:
         token: str | None = None,
         timeout: float | None = None,
         max_attempts: int | None = None,
+        claims: bool = False,
     ) -> None:
         """Connect to the coordinator and open a writer of ``checkpoint``.
 
@@ -76,12 +83,14 @@ class TallyResumabilityProxy:
             token: Bearer token, when the coordinator requires one.
             timeout: Seconds a coordinator call may take; the client's default when None.
             max_attempts: Set the checkpoint's failure budget as the writer opens; None leaves it.
+            claims: Claim the partitions the source stage runs; skip those another live writer holds.
 
         Raises:
             tally.TallyError: The writer could not be opened (e.g. ``Unavailable``).
         """
         self._client = Client(address, token=token, timeout=timeout)
         self._checkpoint = checkpoint
+        self._claims = claims
         # False after a refused declaration (e.g. a coordinator older than declared totals).
         self._declaring = True
         try:
@@ -126,6 +135,10 @@ class TallyResumabilityProxy:
             One bool per id, in order.
         """
         self._declare(source_ids)
+        if self._claims:
+            skipped = self._claim(source_ids)
+            if skipped is not None:
+                return skipped
         done = self._writer.are_completed(source_ids)
         left = [sid for sid, completed in zip(source_ids, done, strict=True) if not completed]
         if not left:
@@ -153,6 +166,33 @@ class TallyResumabilityProxy:
             self._checkpoint,
         )
         return [completed or sid in failed for sid, completed in zip(source_ids, done, strict=True)]
+
+    def _claim(self, source_ids: list[str]) -> list[bool] | None:
+        """Claim the partitions for this run: skip all but those acquired. None if the call failed."""
+        try:
+            claims = self._writer.acquire(source_ids)
+        except TallyError as err:
+            logger.warning(
+                "tally checkpoint %r: could not claim the source stage's partitions (skipping only "
+                "completed and failed ones; another run may process the same partitions): %s",
+                self._checkpoint,
+                err,
+            )
+            return None
+        states = [claims[sid].state for sid in source_ids]
+        held = states.count("held")
+        failed = states.count("failed")
+        if held or failed:
+            logger.warning(
+                "tally checkpoint %r: skipping %d partitions other live writers hold and %d failed ones "
+                "(`tally failed %s` lists those); %d claimed for this run",
+                self._checkpoint,
+                held,
+                failed,
+                self._checkpoint,
+                states.count("acquired"),
+            )
+        return [state != "acquired" for state in states]
 
     def _declare(self, source_ids: list[str]) -> None:
         if not self._declaring or not source_ids:
@@ -260,6 +300,7 @@ def tally_for_nemo_curator(
     timeout: float | None = None,
     ray_address: str | None = None,
     max_attempts: int | None = None,
+    claims: bool = False,
 ) -> Iterator[None]:
     """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
 
@@ -292,6 +333,9 @@ def tally_for_nemo_curator(
         max_attempts: Set the checkpoint's failure budget when the writer opens: a source reported
             failed that many times (:meth:`tally.Writer.report_failure`) is skipped until
             ``tally retry``. None leaves the budget as it is (0, unlimited, for a new checkpoint).
+        claims: Claim the partitions the source stage runs (:meth:`tally.Writer.acquire`) and skip
+            those another live writer holds, so pipelines started together on one checkpoint
+            split the work. Off by default: NeMo Curator alone has no such mode.
 
     Raises:
         ImportError: Ray is not installed.
@@ -322,6 +366,7 @@ def tally_for_nemo_curator(
             token=token,
             timeout=timeout,
             max_attempts=max_attempts,
+            claims=claims,
         )
         try:
             completed = ray.get(actor.wait.remote())

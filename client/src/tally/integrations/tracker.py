@@ -46,6 +46,18 @@ fan-out on its first child's id), so one task has one key whatever its outcome: 
 ``failed()`` and is then retried within the run re-keys the same slot, which the coordinator
 rewrites (``pending += new - old``) instead of counting twice.
 
+Overlapping runs. ``tracker.claim(sources)`` hands out only the sources this run could claim (see
+:meth:`tally.Writer.acquire`) as it reaches them, so two runs of one pipeline over the same sources
+(a SLURM array resubmitted while the first is still running, two arrays on one checkpoint) split
+the work instead of doing it twice: a source another live run holds is skipped, and asked about
+once more at the end (its run may have died meanwhile)::
+
+    for source in tracker.claim(tracker.todo(sources)):
+        process(tracker.start(source))
+
+A claim ends when its source completes or the run's writer closes or loses its lease; the
+coordinator refuses another run's deltas for a claimed source.
+
 Failures. ``tracker.report_failure(source, reason)`` counts a failed attempt at a source on the
 coordinator at once; with a failure budget (``client.writer(..., max_attempts=3)``) a source that
 failed that many times is *failed*: ``tally failed CHECKPOINT`` lists it with its reasons and
@@ -65,10 +77,10 @@ before its parent's fan-out can make a source look complete too early).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from tally._types import FailureReport
+from tally._types import Claim, FailureReport
 from tally.errors import TallyError
 
 __all__ = ["Report", "Task", "Tracker"]
@@ -93,6 +105,10 @@ class _Writer(Protocol):
     def cursor(self, source_id: str) -> bytes | None: ...
 
     def report_failure(self, source_id: str, reason: str = "") -> FailureReport: ...
+
+
+class _Acquire(Protocol):
+    def __call__(self, source_ids: Iterable[str], /) -> dict[str, Claim]: ...
 
 
 def root_task_id(source_id: str) -> str:
@@ -302,6 +318,54 @@ class Tracker(_Book):
                 raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
         self._declare(ids)
         return [sid for sid, done in zip(ids, self.writer.are_completed(ids), strict=True) if not done]
+
+    def claim(self, sources: Iterable[str], *, ahead: int = 1) -> Iterator[str]:
+        """The sources this run may work on, claimed for its writer as the iteration reaches them.
+
+        Each source is acquired (:meth:`tally.Writer.acquire`) just before it is yielded, ``ahead``
+        at a time: those another live writer holds, and those completed or failed, are skipped.
+        Once through, the held ones are asked about again and those that came free (their writer
+        closed or lost its lease without completing them) are yielded too. Work on each source
+        yielded (:meth:`start` it) before taking the next: a claim lasts until the source
+        completes, or this writer closes or loses its lease.
+
+        Args:
+            sources: Source ids, e.g. from :meth:`todo`; repeats are taken once.
+            ahead: Sources acquired per call (1: the fairest split between overlapping runs).
+
+        Raises:
+            TypeError: The writer has no ``acquire`` (a stand-in writer).
+            ValueError: A source id is empty or not a string, or ``ahead`` is below 1.
+        """
+        acquire = getattr(self.writer, "acquire", None)
+        if acquire is None:
+            raise TypeError(f"{type(self.writer).__name__} has no acquire(): claims need a tally.Writer")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+            raise ValueError(f"ahead must be an integer >= 1, got {ahead!r}")
+        ids = list(dict.fromkeys(sources))
+        for sid in ids:
+            if not isinstance(sid, str) or not sid:
+                raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
+        return self._claimed(acquire, ids, ahead)
+
+    @staticmethod
+    def _claimed(acquire: _Acquire, ids: list[str], ahead: int) -> Iterator[str]:
+        held: list[str] = []
+        for start in range(0, len(ids), ahead):
+            claims = acquire(ids[start : start + ahead])
+            for sid in ids[start : start + ahead]:
+                state = claims[sid].state
+                if state == "acquired":
+                    yield sid
+                elif state == "held":
+                    held.append(sid)
+        if held:
+            logger.info("%d sources were held by other writers; asking once more", len(held))
+            for start in range(0, len(held), ahead):
+                claims = acquire(held[start : start + ahead])
+                for sid in held[start : start + ahead]:
+                    if claims[sid].state == "acquired":
+                        yield sid
 
     def _declare(self, ids: list[str]) -> None:
         declare = getattr(self.writer, "declare", None)  # optional: a stand-in writer may lack it
