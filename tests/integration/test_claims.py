@@ -191,3 +191,33 @@ def test_claims_over_http_and_their_refusals(tmp_path: Path) -> None:
             "/v1/claims/current", params={**params, "checkpoint": "claims/none"}, headers=reader
         )
         assert nothing.status_code == 404
+
+
+@pytest.mark.postgres
+def test_claims_hold_through_replicas_and_the_owners_kill(tmp_path: Path, postgres_url: str) -> None:
+    """Writers on two replicas of one PostgreSQL store; the owner is killed: the replica that takes
+    over knows the claims of the writers it brings back, and tokens keep growing."""
+    import tally
+
+    with contextlib.ExitStack() as stack:
+        owner = stack.enter_context(running_server(tmp_path / "r0", store=postgres_url, settle_ms=0))
+        replica = stack.enter_context(running_server(tmp_path / "r1", store=postgres_url, settle_ms=0))
+        assert "serving as a replica" in replica.log()
+        addresses = f"{replica.grpc_address},{owner.grpc_address}"
+        with tally.Client(addresses) as client:
+            a = stack.enter_context(client.writer("claims/ha", writer_id="a"))
+            b = stack.enter_context(client.writer("claims/ha", writer_id="b"))
+            assert a.acquire(["s", "t"])["s"].token == 1
+            assert b.acquire(["s"])["s"].state == "held"
+            owner.kill()
+            # Through the replica, which takes the store over: "a" still holds "s".
+            held = b.acquire(["s"])["s"]
+            assert (held.state, held.holder) == ("held", "a")
+            assert "taking over store" in replica.log()
+            assert client.token_is_current("claims/ha", "s", 1) is True
+            a.apply_deltas(tree("t"))
+            a.close()
+            taken = b.acquire(["s", "t"])
+            assert (taken["s"].state, taken["s"].token) == ("acquired", 2)
+            assert taken["t"].state == "completed"
+            assert client.token_is_current("claims/ha", "s", 1) is False
