@@ -90,6 +90,9 @@ def test_claims_split_the_work_refuse_other_writers_deltas_and_survive_a_kill(
         refused = [e for e in events if e.kind == "deltas_refused"]
         assert len(refused) == 1 and "b (held by one)" in refused[0].message
         assert current(coordinator, cp, "b", 1) == (True, 1)
+        scrape = httpx.get(f"{server.http_url}/metrics").text
+        assert f'tally_claimed_sources{{checkpoint="{cp}"}} 3.0' in scrape
+        assert f"tally_deltas_refused_total {float(len(tree('b')))}" in scrape
 
         # "one" completes "a": its claim ends, the source is completed for everybody.
         coordinator.ApplyDeltas(pb.ApplyDeltasRequest(handle=one, deltas=deltas(tree("a")), batch_seq=1))

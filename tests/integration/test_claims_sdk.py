@@ -34,6 +34,7 @@ def test_acquire_refusals_and_fencing_through_the_sdk(server: RunningServer, wir
         assert held["s3"].acquired
         assert client.token_is_current(cp, "s2", 1) is True
         assert client.token_is_current(cp, "s2", 2) is False
+        assert client.checkpoint(cp).claimed_sources == 3
 
         b.apply_deltas(tree("s2"))  # held by "a": refused, never applied
         b.flush()
@@ -59,6 +60,7 @@ def test_acquire_refusals_and_fencing_through_the_sdk(server: RunningServer, wir
     with tally.Client(address) as client:
         assert client.token_is_current(cp, "s1", 1) is False
         assert client.token_is_current(cp, "s3", 1) is False
+        assert client.checkpoint(cp).claimed_sources == 0
 
 
 def test_the_async_writer_acquires_too(server: RunningServer) -> None:

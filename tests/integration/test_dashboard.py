@@ -181,6 +181,7 @@ def test_dashboard_shows_a_workload_and_updates_by_itself(
                 _complete(writer, [f"b-{batch}-{i}" for i in range(batch + 1)])
                 _wait_sampled(dash_server, 6 + (batch + 1) * (batch + 2) // 2)
             writer.apply_deltas([("0_in-flight", "in-flight", 1)])  # one source pending
+            writer.acquire(["in-flight"])  # and claimed by its writer
             writer.flush()
             completed = 16
 
@@ -200,6 +201,7 @@ def test_dashboard_shows_a_workload_and_updates_by_itself(
             expect(page.get_by_test_id("completed-value")).to_have_text(str(completed))
             expect(page.get_by_test_id("pending-value")).to_have_text("1")
             expect(page.get_by_test_id("live-writers-value")).to_have_text("1")
+            expect(page.get_by_test_id("live-writers")).to_contain_text("1 closed · 1 sources claimed")
 
             rows = page.get_by_test_id("writer-row")
             expect(rows).to_have_count(2)

@@ -102,6 +102,7 @@ class CheckpointStatus:
         total: Declared sources (:meth:`Client.declare`); 0 when no total is known (no percent).
         remaining: Declared sources not completed yet (:meth:`Client.remaining` lists them); -1
             when not known (only a count was declared, or the coordinator has not counted yet).
+        claimed_sources: Sources live writers hold a claim on now (:meth:`Writer.acquire`).
     """
 
     name: str
@@ -120,6 +121,7 @@ class CheckpointStatus:
     max_attempts: int = 0
     total: int = 0
     remaining: int = -1
+    claimed_sources: int = 0
 
     @property
     def percent(self) -> float | None:

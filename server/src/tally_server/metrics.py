@@ -160,6 +160,11 @@ class ServiceCollector(Collector):
                 "completed).",
                 labels=["checkpoint"],
             ),
+            "claimed_sources": GaugeMetricFamily(
+                "tally_claimed_sources",
+                "Sources of a checkpoint live writers hold a claim on (Acquire).",
+                labels=["checkpoint"],
+            ),
             "loaded_bytes": GaugeMetricFamily(
                 "tally_checkpoint_loaded_bytes",
                 "Estimated memory of a checkpoint's completed set while loaded (0 when unloaded).",

@@ -41,6 +41,7 @@ CHECKPOINT = {
     "max_attempts",
     "total",
     "remaining",
+    "claimed_sources",
 }
 
 

@@ -166,6 +166,7 @@ def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
         total=msg.total,
         # Only meaningful with a total (an older coordinator sends neither: proto3's 0 is no count).
         remaining=msg.remaining if msg.total > 0 else -1,
+        claimed_sources=msg.claimed_sources,
     )
 
 

@@ -284,6 +284,7 @@ def checkpoint_from_json(body: Any) -> CheckpointStatus:
         max_attempts=int(obj.get("max_attempts", 0)),
         total=int(obj.get("total") or 0),
         remaining=int(obj.get("remaining", -1)) if obj.get("total") else -1,
+        claimed_sources=int(obj.get("claimed_sources", 0)),
     )
 
 

@@ -113,6 +113,8 @@ def _status_one(c: tally.CheckpointStatus) -> None:
     grid.add_row("pending", str(c.pending_sources))
     grid.add_row("settling", str(c.settling_sources))
     grid.add_row("live writers", str(c.live_writers))
+    if c.claimed_sources:
+        grid.add_row("claimed", f"{c.claimed_sources} sources held by live writers")
     grid.add_row("anomalies", _flag(c.anomalies))
     grid.add_row("unreadable files", _flag(c.unreadable_files))
     grid.add_row("created", f"{clock(c.created_at)} ({age(c.created_at)})")

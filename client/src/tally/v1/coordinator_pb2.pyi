@@ -215,7 +215,7 @@ class WriterStatus(_message.Message):
     def __init__(self, writer_id: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., state: _Optional[str] = ..., pending_sources: _Optional[int] = ..., counts: _Optional[_Union[ApplyCounts, _Mapping]] = ..., opened_at: _Optional[float] = ..., last_seen_at: _Optional[float] = ..., closed_at: _Optional[float] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner", "failed_sources", "max_attempts", "total", "remaining")
+    __slots__ = ("name", "completed_count", "live_writers", "pending_sources", "settling_sources", "anomalies", "unreadable_files", "created_at", "last_activity_at", "writers", "fingerprint", "owner", "failed_sources", "max_attempts", "total", "remaining", "claimed_sources")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class CheckpointStatus(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_SOURCES_FIELD_NUMBER: _ClassVar[int]
     name: str
     completed_count: int
     live_writers: int
@@ -255,7 +256,8 @@ class CheckpointStatus(_message.Message):
     max_attempts: int
     total: int
     remaining: int
-    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ..., total: _Optional[int] = ..., remaining: _Optional[int] = ...) -> None: ...
+    claimed_sources: int
+    def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ..., total: _Optional[int] = ..., remaining: _Optional[int] = ..., claimed_sources: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ()

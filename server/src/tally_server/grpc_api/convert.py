@@ -105,6 +105,7 @@ def checkpoint_status(v: CheckpointView) -> pb.CheckpointStatus:
         max_attempts=v.max_attempts,
         total=v.total,
         remaining=v.remaining,
+        claimed_sources=v.claimed_sources,
     )
 
 

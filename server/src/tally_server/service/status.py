@@ -42,6 +42,7 @@ class CheckpointGauges:
     loaded_bytes: int
     declared_sources: int  # 0: none declared
     remaining_sources: int  # -1: not known
+    claimed_sources: int
 
 
 class Status:
@@ -73,6 +74,7 @@ class Status:
             max_attempts=cp.max_attempts,
             total=cp.total,
             remaining=cp.remaining,
+            claimed_sources=len(cp.claims),
         )
 
     def gauges(self) -> dict[str, CheckpointGauges]:
@@ -87,6 +89,7 @@ class Status:
                 loaded_bytes=cp.completed.estimated_bytes() if cp.completed is not None else 0,
                 declared_sources=cp.total,
                 remaining_sources=cp.remaining,
+                claimed_sources=len(cp.claims),
             )
             for name, cp in self._checkpoints.known.items()
         }

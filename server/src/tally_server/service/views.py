@@ -162,6 +162,7 @@ class CheckpointView:
     max_attempts: int = 0  # the failure budget; 0: unlimited
     total: int = 0  # declared sources; 0: no total is known
     remaining: int = -1  # declared sources not completed; -1: not known
+    claimed_sources: int = 0  # live writers' claims
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,15 @@ function tiles(cp, rate, closed) {
       "",
       "pending",
     ),
-    tile("Live writers", fmtInt(cp.live_writers), closed ? `${fmtInt(closed)} closed` : "", "", "live-writers"),
+    tile(
+      "Live writers",
+      fmtInt(cp.live_writers),
+      [closed ? `${fmtInt(closed)} closed` : "", cp.claimed_sources > 0 ? `${fmtInt(cp.claimed_sources)} sources claimed` : ""]
+        .filter(Boolean)
+        .join(" · "),
+      "",
+      "live-writers",
+    ),
     tile("Anomalies", fmtInt(cp.anomalies), cp.anomalies > 0 ? "sources un-completed, replaying" : "none", cp.anomalies > 0 ? "warn" : "", "anomalies"),
     tile(
       "Unreadable files",
