@@ -23,7 +23,12 @@ class ErrorCode(StrEnum):
 
 
 class TallyServerError(Exception):
-    """A refusal with a code and a message that says what was wrong and what to do."""
+    """A refusal with a code and a message that says what was wrong and what to do.
+
+    ``details`` travel beside the message (gRPC trailers, the HTTP body). On an InvalidArgument,
+    ``details["field"]`` names the request field at fault as a path (``checkpoint``,
+    ``deltas[3].source_id``); gRPC also sends it as a ``google.rpc.BadRequest`` field violation.
+    """
 
     code: ErrorCode = ErrorCode.INTERNAL
 

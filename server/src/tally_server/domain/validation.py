@@ -78,20 +78,25 @@ def bounded_details(details: dict[str, Any]) -> dict[str, Any]:
 
 
 def checkpoint_name(name: str, limits: Limits) -> str:
-    """Return ``name`` if it is a safe checkpoint name (``a/b-1``), else raise InvalidArgument."""
-    what = "checkpoint name"
-    _utf8(what, name)
+    """Return ``name`` if it is a safe checkpoint name (``a/b-1``), else raise InvalidArgument.
+
+    The refusal names the field ``checkpoint`` (``details["field"]``), as most requests call it.
+    """
+    what, field = "checkpoint name", "checkpoint"
+    _utf8(what, name, field)
     if not name:
-        raise InvalidArgument(f"{what} is empty; give a name such as 'curation/run-42'")
+        raise InvalidArgument(f"{what} is empty; give a name such as 'curation/run-42'", field=field)
     if len(name.encode()) > limits.max_name_bytes:
         raise InvalidArgument(
             f"{what} is {len(name.encode())} bytes, over the limit of {limits.max_name_bytes} "
             "(setting max_name_bytes); use a shorter name",
+            field=field,
         )
     if "\x00" in name or "\\" in name or name.startswith("/"):
         raise InvalidArgument(
             f"{what} {describe(name)} is not allowed: no NUL, no backslash, no leading '/'; "
             "use segments of letters, digits, '.', '_' and '-' separated by '/'",
+            field=field,
         )
     for segment in name.split("/"):
         if not _SEGMENT.fullmatch(segment) or segment in _RESERVED_SEGMENTS:
@@ -99,34 +104,39 @@ def checkpoint_name(name: str, limits: Limits) -> str:
                 f"{what} {describe(name)} has an invalid segment {describe(segment)}: each segment "
                 "between '/' must start with a letter, digit or '_' and hold only letters, digits, "
                 "'.', '_' and '-' (no '..', no empty segment)",
+                field=field,
             )
     return name
 
 
-def writer_id(value: str, limits: Limits) -> str:
+def writer_id(value: str, limits: Limits, field: str = "writer_id") -> str:
     """Return ``value`` if it can name a writer file (``<writer_id>.mdb``), else raise."""
-    what = "writer_id"
-    _utf8(what, value)
+    what = field
+    _utf8(what, value, field)
     # The file is "<writer_id>.mdb" and file names are at most 255 bytes.
     longest = min(limits.max_name_bytes, 255 - len(".mdb"))
     if len(value.encode()) > longest:
         raise InvalidArgument(
             f"{what} is {len(value.encode())} bytes, over the limit of {longest} "
             "(it names the file <writer_id>.mdb; setting max_name_bytes); use a shorter id",
+            field=field,
         )
     if not _SEGMENT.fullmatch(value):
         raise InvalidArgument(
             f"{what} {describe(value)} is not allowed: it names a file, so it must start with a "
             "letter, digit or '_' and hold only letters, digits, '.', '_' and '-' (e.g. 'host-1234')",
+            field=field,
         )
     return value
 
 
-def _utf8(what: str, value: str) -> None:
+def _utf8(what: str, value: str, field: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"{what} is not valid UTF-8 ({exc.reason}); send UTF-8 text") from None
+        raise InvalidArgument(
+            f"{what} is not valid UTF-8 ({exc.reason}); send UTF-8 text", field=field
+        ) from None
 
 
 class CheckedDeltas(tuple[Delta, ...]):
@@ -187,7 +197,8 @@ def cursors(items: Sequence[tuple[str, bytes]], limits: Limits) -> dict[str, byt
         if len(data) > MAX_CURSOR_BYTES:
             raise InvalidArgument(
                 f"cursors[{i}] for source {describe(sid)} holds {len(data)} bytes, over the limit of "
-                f"{MAX_CURSOR_BYTES}; keep a cursor small (an offset, a key) and the rest elsewhere"
+                f"{MAX_CURSOR_BYTES}; keep a cursor small (an offset, a key) and the rest elsewhere",
+                field=f"cursors[{i}].data",
             )
         latest.pop(sid, None)
         latest[sid] = bytes(data)
@@ -217,7 +228,8 @@ def deltas(batch: Sequence[Delta], limits: Limits) -> CheckedDeltas:
         _id(f"deltas[{i}].source_id", source_id, limits)
         if not -(2**62) < delta < 2**62:
             raise InvalidArgument(
-                f"deltas[{i}].delta {describe(delta)} is out of range; deltas are small integers"
+                f"deltas[{i}].delta {describe(delta)} is out of range; deltas are small integers",
+                field=f"deltas[{i}].delta",
             )
     return CheckedDeltas(batch)
 
@@ -235,6 +247,7 @@ def delta_columns(
         raise InvalidArgument(
             f"the batch's columns differ in length ({count} task_ids, {len(source_ids)} source_ids, "
             f"{len(values)} deltas); send one task id, one source id and one delta per delta",
+            field="columns",
         )
     if _plain_ids(task_ids, limits) and _plain_ids(source_ids, limits) and _small_ints(values):
         return CheckedDeltas(zip(task_ids, source_ids, values, strict=True))
@@ -271,6 +284,7 @@ def pid(value: int) -> int:
         raise InvalidArgument(
             f"pid {describe(value)} is out of range; send the writer's process id (0 to {MAX_PID}), "
             "or 0 if there is none",
+            field="pid",
         )
     return value
 
@@ -285,6 +299,7 @@ def batch_seq(value: int) -> int:
         raise InvalidArgument(
             f"batch_seq {describe(value)} is out of range; number batches 1, 2, 3, … (at most "
             f"{MAX_BATCH_SEQ}), or send 0 if they are not numbered",
+            field="batch_seq",
         )
     return value
 
@@ -295,6 +310,7 @@ def session_token(value: str) -> str:
         raise InvalidArgument(
             f"session_token {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
             "ASCII characters (e.g. a random hex string), or none",
+            field="session_token",
         )
     return value
 
@@ -305,45 +321,57 @@ def before_id(value: int) -> int:
         raise InvalidArgument(
             f"before_id {describe(value)} is out of range; pass 0 for the newest events or a "
             f"next_before_id from an earlier page (at most {MAX_EVENT_ID})",
+            field="before_id",
         )
     return value
 
 
-def _id(what: str, value: str, limits: Limits) -> None:
+def _id(what: str, value: str, limits: Limits, field: str | None = None) -> None:
+    """Refuse an empty, non-UTF-8 or oversized id; ``field`` (default: ``what``) names it in the refusal."""
+    field = field or what
     if not value:
-        raise InvalidArgument(f"{what} is empty; every id must be a non-empty string")
+        raise InvalidArgument(f"{what} is empty; every id must be a non-empty string", field=field)
     try:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"{what} is not valid UTF-8 ({exc.reason}); send UTF-8 text") from None
+        raise InvalidArgument(
+            f"{what} is not valid UTF-8 ({exc.reason}); send UTF-8 text", field=field
+        ) from None
     if size > limits.max_id_bytes:
         raise InvalidArgument(
             f"{what} is {size} bytes, over the limit of {limits.max_id_bytes} "
             "(setting max_id_bytes); use shorter ids (NeMo Curator's are hashes)",
+            field=field,
         )
 
 
-def labels(values: dict[str, str], limits: Limits) -> None:
-    """Refuse too many labels, or keys and values that are not bounded UTF-8 ids."""
+def labels(values: dict[str, str], limits: Limits, field: str = "labels") -> None:
+    """Refuse too many labels, or keys and values that are not bounded UTF-8 ids.
+
+    ``field`` names the map in the refusal (a fingerprint is checked like labels).
+    """
     if len(values) > limits.max_labels:
         raise InvalidArgument(
             f"{len(values)} labels, over the limit of {limits.max_labels} (setting max_labels)",
+            field=field,
         )
     for key, value in values.items():
-        _id(f"label key {describe(key)}", key, limits)
-        _utf8(f"label {describe(key)}", value)
+        _id(f"label key {describe(key)}", key, limits, field)
+        _utf8(f"label {describe(key)}", value, field)
         if len(value.encode()) > limits.max_id_bytes:
             raise InvalidArgument(
                 f"label {describe(key)} is over the limit of {limits.max_id_bytes} bytes "
                 "(setting max_id_bytes)",
+                field=field,
             )
 
 
 def host(value: str, limits: Limits) -> None:
     """Refuse a host name that is not UTF-8 or is longer than ``max_name_bytes``."""
-    _utf8("host", value)
+    _utf8("host", value, "host")
     if len(value.encode()) > limits.max_name_bytes:
         raise InvalidArgument(
             f"host is {len(value.encode())} bytes, over the limit of {limits.max_name_bytes} "
             "(setting max_name_bytes)",
+            field="host",
         )

@@ -3,14 +3,15 @@
 The one place where a refusal becomes a status: the handlers and the interceptors inside this one
 (authentication) raise :class:`~tally_server.errors.TallyServerError` and this interceptor answers it.
 
-Messages and details are capped (``bounded_message``/``bounded_details``): they travel in trailers,
-and a peer refuses trailers over its metadata limit, replacing the real status by RESOURCE_EXHAUSTED.
+Every refusal carries the standard ``grpc-status-details-bin`` (a ``google.rpc.Status`` with
+ErrorInfo, and BadRequest naming the field of an invalid argument) and, when it has details, their
+JSON in ``tally-error-details`` for the SDK: see :mod:`~tally_server.grpc_api.status_details`, which
+also keeps them within a peer's metadata limit.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,24 +19,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from tally_server.domain.validation import bounded_details, bounded_message
-from tally_server.errors import STORAGE_ERRORS, ErrorCode, TallyServerError, storage_unavailable
+from tally_server.errors import STORAGE_ERRORS, InvalidArgument, TallyServerError, storage_unavailable
+from tally_server.grpc_api.status_details import refusal
 
 log = logging.getLogger(__name__)
-
-DETAILS_KEY = "tally-error-details"
-
-STATUS: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 
 class _Undecodable:
@@ -59,13 +46,11 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
 
 
 async def _abort(context: Any, exc: TallyServerError) -> None:
-    details = bounded_details(exc.details)
-    if details:
-        # The SDK reads these back into TallyError.details (HTTP carries them in the body).
-        # Kept beside what is set already (the request id of a unary call).
-        kept = tuple(context.trailing_metadata() or ())
-        context.set_trailing_metadata((*kept, (DETAILS_KEY, json.dumps(details, default=str))))
-    await context.abort(STATUS[exc.code], bounded_message(exc.message))
+    code, message, trailers = refusal(exc.code, exc.message, exc.details)
+    # Kept beside what is set already (the request id of a unary call).
+    kept = tuple(context.trailing_metadata() or ())
+    context.set_trailing_metadata((*kept, *trailers))
+    await context.abort(code, message)
 
 
 async def _failed(context: Any, method: str, exc: Exception) -> None:
@@ -81,15 +66,15 @@ async def _failed(context: Any, method: str, exc: Exception) -> None:
         await _abort(context, storage_unavailable(exc))
     else:
         log.error("unhandled error in %s", method, exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+        await _abort(context, TallyServerError(f"internal error in {method}; see server log"))
 
 
 async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
+    refused = InvalidArgument(
         f"request to {method} could not be decoded ({request.error}); strings must be valid "
-        "UTF-8 and the message must match tally.v1",
+        "UTF-8 and the message must match tally.v1"
     )
+    await _abort(context, refused)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from tally.v1 import coordinator_pb2 as pb
@@ -26,6 +27,17 @@ async def _unpack(items: Sequence[Any], unpack: Callable[[], T]) -> T:
     if len(items) > OFF_LOOP_ITEMS:
         return await asyncio.to_thread(unpack)
     return unpack()
+
+
+@contextmanager
+def _checkpoint_field(field: str) -> Iterator[None]:
+    """Name the checkpoint ``field`` in a refusal of it (GetCheckpoint and ResetCheckpoint say ``name``)."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        if exc.details.get("field") == "checkpoint":
+            exc.details["field"] = field
+        raise
 
 
 def _rows(deltas: Sequence[pb.Delta]) -> list[tuple[str, str, int]]:
@@ -70,7 +82,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.HasField("columns"):
             if request.deltas:
                 raise InvalidArgument(
-                    f"the batch came both as {len(request.deltas)} deltas and as columns; send one of the two"
+                    f"the batch came both as {len(request.deltas)} deltas and as columns; "
+                    "send one of the two",
+                    field="columns",
                 )
             cols = request.columns
             if len(cols.task_ids) > limits.max_deltas_per_call:  # before a tuple is built for any
@@ -111,7 +125,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def GetCheckpoint(self, request: pb.GetCheckpointRequest, context: Context) -> pb.CheckpointStatus:
         """One checkpoint's status."""
-        return convert.checkpoint_status(await self._service.get_checkpoint(request.name))
+        with _checkpoint_field("name"):
+            return convert.checkpoint_status(await self._service.get_checkpoint(request.name))
 
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Context
@@ -259,4 +274,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ResetCheckpointRequest, context: Context
     ) -> pb.ResetCheckpointResponse:
         """Start a checkpoint over; its files go to the trash folder."""
-        return convert.reset_result(await self._service.reset_checkpoint(request.name, force=request.force))
+        with _checkpoint_field("name"):
+            return convert.reset_result(
+                await self._service.reset_checkpoint(request.name, force=request.force)
+            )

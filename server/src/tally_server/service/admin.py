@@ -33,7 +33,7 @@ class Admin:
         core = self._core
         core.check_accepting()
         validation.checkpoint_name(checkpoint, core.limits)
-        validation.writer_id(import_id, core.limits)
+        validation.writer_id(import_id, core.limits, "import_id")
         source_ids = validation.source_ids(source_ids, core.limits)
         if checkpoint in self._checkpoints.resetting:
             raise Unavailable(f"checkpoint {checkpoint!r} is being reset; retry in a moment")

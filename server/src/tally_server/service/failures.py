@@ -90,7 +90,8 @@ class Failures:
         if not 0 < limit <= core.limits.max_ids_per_query:
             raise InvalidArgument(
                 f"limit {limit} is out of range; ask for 1 to {core.limits.max_ids_per_query} sources per "
-                "page (setting max_ids_per_query)"
+                "page (setting max_ids_per_query)",
+                field="limit",
             )
         asked = validation.source_ids(list(source_ids), core.limits) if source_ids else None
         cp = await self._checkpoints.existing(checkpoint)
@@ -139,7 +140,8 @@ class Failures:
         if not 0 <= max_attempts <= MAX_ATTEMPTS:
             raise InvalidArgument(
                 f"max_attempts {max_attempts} is out of range; give 1 to {MAX_ATTEMPTS} attempts, or 0 for "
-                "an unlimited budget"
+                "an unlimited budget",
+                field="max_attempts",
             )
         cp = await self._checkpoints.find(checkpoint, create=True)
         assert cp is not None  # created if missing

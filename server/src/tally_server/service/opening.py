@@ -77,13 +77,14 @@ class Opening:
             mode = OnMismatch(on_mismatch)
         except ValueError:
             raise InvalidArgument(
-                f"on_mismatch {validation.describe(on_mismatch)} is not one of refuse, reset, ignore"
+                f"on_mismatch {validation.describe(on_mismatch)} is not one of refuse, reset, ignore",
+                field="on_mismatch",
             ) from None
         validation.checkpoint_name(checkpoint, core.limits)
         writer_id = writer_id or f"{socket.gethostname()}-tally-{uuid.uuid4().hex[:8]}"
         validation.writer_id(writer_id, core.limits)
         validation.labels(labels, core.limits)
-        validation.labels(fingerprint_, core.limits)
+        validation.labels(fingerprint_, core.limits, "fingerprint")
         validation.host(host, core.limits)
         validation.pid(pid)
         validation.session_token(session_token)

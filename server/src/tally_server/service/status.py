@@ -149,7 +149,9 @@ class Status:
         """The checkpoint's events newest first, read once the write-behind has written what it queued."""
         await self._checkpoints.existing(checkpoint)
         if not 0 < limit <= 1000:
-            raise InvalidArgument(f"limit {limit} is out of range; ask for 1 to 1000 events per page")
+            raise InvalidArgument(
+                f"limit {limit} is out of range; ask for 1 to 1000 events per page", field="limit"
+            )
         validation.before_id(before_id)
         core = self._core
         await self._written()
@@ -237,7 +239,9 @@ class Status:
         most = self._core.limits.max_ids_per_query
         if not 0 < limit <= most:
             raise InvalidArgument(
-                f"limit {limit} is out of range; ask for 1 to {most} ids per page (setting max_ids_per_query)"
+                f"limit {limit} is out of range; ask for 1 to {most} ids per page "
+                "(setting max_ids_per_query)",
+                field="limit",
             )
         completed = await self._checkpoints.completed(cp)
         origins = completed.origins

@@ -43,7 +43,8 @@ class Totals:
         ids = validation.source_ids(list(source_ids), core.limits)
         if not 0 <= count <= MAX_DECLARED_COUNT:
             raise InvalidArgument(
-                f"count {count} is out of range; give 0 to {MAX_DECLARED_COUNT:,} sources (0: no count)"
+                f"count {count} is out of range; give 0 to {MAX_DECLARED_COUNT:,} sources (0: no count)",
+                field="count",
             )
         cp = await self._checkpoints.find(checkpoint, create=True)
         assert cp is not None  # created if missing
@@ -76,7 +77,8 @@ class Totals:
         if not 0 < limit <= core.limits.max_ids_per_query:
             raise InvalidArgument(
                 f"limit {limit} is out of range; ask for 1 to {core.limits.max_ids_per_query} ids per page "
-                "(setting max_ids_per_query)"
+                "(setting max_ids_per_query)",
+                field="limit",
             )
         cp = await self._checkpoints.existing(checkpoint)
         completed = await self._checkpoints.completed(cp)

@@ -119,5 +119,6 @@ def _base64(index: int, text: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidArgument(
-            f"cursors[{index}].data is not base64; send the cursor's bytes base64-encoded (RFC 4648)"
+            f"cursors[{index}].data is not base64; send the cursor's bytes base64-encoded (RFC 4648)",
+            field=f"cursors[{index}].data",
         ) from None
