@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 import tally
 from tally._transport import failover
@@ -112,9 +114,12 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
 def test_refusals_at_the_owner_come_back_through_the_replica_unchanged(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    with replicas(tmp_path, postgres_url, 2) as (_owner, replica):
-        with grpc.insecure_channel(replica.grpc_address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
+    with replicas(tmp_path, postgres_url, 2) as (owner, replica):
+        with (
+            grpc.insecure_channel(replica.grpc_address) as channel,
+            grpc.insecure_channel(owner.grpc_address) as owner_channel,
+        ):
+            stub, at_owner = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(owner_channel)
             with pytest.raises(grpc.RpcError) as refused:
                 stub.ApplyDeltas(
                     pb.ApplyDeltasRequest(handle="no-such-handle", deltas=[]),
@@ -124,10 +129,37 @@ def test_refusals_at_the_owner_come_back_through_the_replica_unchanged(
             assert "no-such-handle" in refused.value.details() or "writer" in refused.value.details()
             trailers = dict(refused.value.trailing_metadata() or ())
             assert trailers.get("x-request-id") == "req-42"
+            # The standard details (grpc-status-details-bin) come through byte for byte.
+            with pytest.raises(grpc.RpcError) as direct:
+                at_owner.ApplyDeltas(pb.ApplyDeltasRequest(handle="no-such-handle", deltas=[]))
+            details_bin = dict(direct.value.trailing_metadata() or ())["grpc-status-details-bin"]
+            assert trailers["grpc-status-details-bin"] == details_bin
+            assert error_info(refused.value).reason == "NOT_FOUND"
+            # A refusal with details: both the JSON trailer and the ErrorInfo metadata survive.
+            stub.OpenWriter(pb.OpenWriterRequest(checkpoint="busy", writer_id="w1"))
+            with pytest.raises(grpc.RpcError) as busy:
+                stub.ResetCheckpoint(pb.ResetCheckpointRequest(name="busy"))
+            with pytest.raises(grpc.RpcError) as busy_at_owner:
+                at_owner.ResetCheckpoint(pb.ResetCheckpointRequest(name="busy"))
+            assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            relayed, sent = (dict(e.value.trailing_metadata() or ()) for e in (busy, busy_at_owner))
+            for key in ("grpc-status-details-bin", "tally-error-details"):
+                assert relayed[key] == sent[key]
+            assert dict(error_info(busy.value).metadata) == {"live_writers": "1"}
             # Validated at the replica itself (answered from the database, never forwarded).
             with pytest.raises(grpc.RpcError) as invalid:
                 stub.AreCompleted(pb.AreCompletedRequest(checkpoint="", source_ids=["a"]))
             assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error_info(invalid.value).metadata["field"] == "checkpoint"
+
+
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo of a failed call's standard Status (whose code and message match the call's)."""
+    status = rpc_status.from_call(err)
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert [d.Unpack(info) for d in status.details if d.Is(info.DESCRIPTOR)] == [True]
+    return info
 
 
 def test_a_replica_checks_tokens_itself_for_reads_and_the_owner_checks_forwarded_calls(
