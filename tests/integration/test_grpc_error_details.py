@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -55,7 +56,9 @@ def unpacked(
     return info, bad if bads else None
 
 
-def test_an_invalid_argument_names_its_field_in_errorinfo_and_badrequest(channel: grpc.Channel) -> None:
+def test_an_invalid_argument_names_its_field_in_errorinfo_and_badrequest(
+    server: RunningServer, channel: grpc.Channel
+) -> None:
     stub = pb_grpc.CoordinatorStub(channel)
     err = refused(stub.OpenWriter, pb.OpenWriterRequest(checkpoint="a//b", writer_id="w1"))
     status = rich_status(err, grpc.StatusCode.INVALID_ARGUMENT)
@@ -66,6 +69,9 @@ def test_an_invalid_argument_names_its_field_in_errorinfo_and_badrequest(channel
     assert bad is not None and [(v.field, v.description) for v in bad.field_violations] == [
         ("checkpoint", status.message)
     ]
+    # The same field in the HTTP body's details.
+    reply = httpx.post(f"{server.http_url}/v1/writers", json={"checkpoint": "a//b", "writer_id": "w1"})
+    assert reply.status_code == 400 and reply.json()["error"]["details"] == {"field": "checkpoint"}
 
 
 @pytest.mark.parametrize(
