@@ -1,9 +1,13 @@
-"""deploy/prometheus and deploy/grafana: they parse, fit together, and query only metrics Tally exports."""
+"""deploy/prometheus and deploy/grafana: they parse, fit together, and query only metrics Tally exports.
+
+The alert rules are checked and unit-tested by promtool (tests/deploy/prometheus/tally-alerts.test.yml).
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +20,14 @@ from prometheus_client.samples import Sample
 
 import tally
 from tally_server.testing import RunningServer
-from tests.conftest import REPO
+from tests.conftest import REPO, system_tool
 from tests.integration.workload import tree
 
 DEPLOY = REPO / "deploy"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+PROMETHEUS_HA = DEPLOY / "prometheus" / "prometheus-ha.yml"
+ALERTS = DEPLOY / "prometheus" / "tally-alerts.yml"
+ALERT_TESTS = REPO / "tests" / "deploy" / "prometheus" / "tally-alerts.test.yml"
 DATASOURCE = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 PROVIDER = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tally.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tally.json"
@@ -80,6 +87,55 @@ def test_prometheus_scrapes_tally_http_port_every_15s() -> None:
     assert tally_job.get("scrape_interval", config["global"]["scrape_interval"]) == "15s"
     targets = [t for group in tally_job["static_configs"] for t in group["targets"]]
     assert targets == ["tally:8080"]
+
+
+def alert_rules() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for group in load_yaml(ALERTS)["groups"] for r in group["rules"]}
+
+
+def promtool(*args: str) -> None:
+    result = subprocess.run(
+        [system_tool("promtool", "prometheus"), *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("config", [PROMETHEUS, PROMETHEUS_HA], ids=lambda p: p.name)
+def test_prometheus_configs_load_the_alert_rules(config: Path) -> None:
+    assert load_yaml(config)["rule_files"] == [ALERTS.name]
+    assert ALERTS.parent == config.parent  # rule_files are relative to the config file
+    promtool("check", "config", str(config))  # checks the rule files it names too
+
+
+def test_the_alert_rules_pass_promtool_check_rules() -> None:
+    promtool("check", "rules", str(ALERTS))
+
+
+def test_the_alert_rules_pass_their_unit_tests() -> None:
+    promtool("test", "rules", str(ALERT_TESTS))
+
+
+def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
+    tests = load_yaml(ALERT_TESTS)
+    assert tests["rule_files"] == [str(Path("..", "..", "..", ALERTS.relative_to(REPO)))]
+    cases = [case for test in tests["tests"] for case in test["alert_rule_test"]]
+    fired = {c["alertname"] for c in cases if c["exp_alerts"]}
+    quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    rules = alert_rules()
+    assert {
+        "TallyCoordinatorDown", "TallyNotReady", "TallyAnomaliesRising", "TallyWritersExpiring",
+        "TallyCommitLatencyHigh", "TallyCommitsFailing", "TallyDiskNearlyFull",
+    } == set(rules)  # fmt: skip
+    assert fired == set(rules) and quiet == set(rules)
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+
+
+def test_compose_mounts_the_alert_rules_beside_the_prometheus_config() -> None:
+    for file in ("docker-compose.yml", "docker-compose.ha.yml"):
+        volumes = load_yaml(REPO / file)["services"]["prometheus"]["volumes"]
+        assert "./deploy/prometheus/tally-alerts.yml:/etc/prometheus/tally-alerts.yml:ro" in volumes, file
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard_folder() -> None:
@@ -225,6 +281,14 @@ def test_unfiltered_selector_detection() -> None:
         'tally_completions_total{instance=~"$instance"}',
         "tally_live_writers",
     ]
+
+
+def test_every_metric_in_the_alert_rules_is_exported_by_the_server(exported: set[str]) -> None:
+    for name, rule in alert_rules().items():
+        names = metric_names(rule["expr"])
+        assert names, name
+        names -= {"up"}  # Prometheus's own
+        assert names <= exported, f"{sorted(names - exported)} in {name} are not exported"
 
 
 def test_metric_name_extraction() -> None:
