@@ -206,9 +206,7 @@ def test_completions_and_anomalies_are_counted_per_checkpoint(server: RunningSer
             w.apply_deltas([("0_b0", "b0", 1)])  # b0 was completed: an anomaly of metrics/b only
             w.flush()
     samples = scrape(server)
-    completions = {
-        s.labels["checkpoint"]: s.value for s in samples if s.name == "tally_completions_total"
-    }
+    completions = {s.labels["checkpoint"]: s.value for s in samples if s.name == "tally_completions_total"}
     anomalies = {s.labels["checkpoint"]: s.value for s in samples if s.name == "tally_anomalies_total"}
     assert completions == {"metrics/a": 2, "metrics/b": 1, "metrics/idle": 0}
     assert anomalies == {"metrics/a": 0, "metrics/b": 1, "metrics/idle": 0}
