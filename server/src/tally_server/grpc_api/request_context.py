@@ -45,6 +45,8 @@ def _incoming_id(metadata: Any) -> str | None:
 def _access(
     method: str, code: grpc.StatusCode, elapsed: float, context: grpc.aio.ServicerContext[Any, Any]
 ) -> None:
+    if code == grpc.StatusCode.OK and context.cancelled():
+        code = grpc.StatusCode.CANCELLED  # the caller left (a watcher stopped watching)
     ok = code == grpc.StatusCode.OK
     logs.access("grpc", method, code.name, elapsed, context.peer(), quiet=method in QUIET_METHODS, ok=ok)
 
