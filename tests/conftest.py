@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,20 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def system_tool(name: str, package: str) -> str:
+    """The path of a command from a Debian package; skip without it (fail under CI, which has it).
+
+    ``./dev test`` installs these (``install_system_tools``) when it runs as root with apt-get.
+    """
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (Debian/Ubuntu: apt-get install -y {package})"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must run it")
+        pytest.skip(message)
+    return path
 
 
 def load_trace() -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import platform
 import re
+import subprocess
 import uuid
 from collections.abc import Iterable
 
@@ -13,9 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 import tally
+import tally_server
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer
+from tests.conftest import system_tool
 from tests.integration.workload import tree
 
 SeriesKey = tuple[str, frozenset[tuple[str, str]]]
@@ -62,8 +66,8 @@ def test_counters_and_gauges_are_exact_for_a_known_delta_stream(server: RunningS
         assert value(samples, "tally_deltas_total", outcome="applied") == 26
         assert value(samples, "tally_deltas_total", outcome="skipped") == 2
         assert value(samples, "tally_deltas_total", outcome="rewritten") == 1
-        assert value(samples, "tally_anomalies_total") == 1
-        assert value(samples, "tally_completions_total") == 4
+        assert value(samples, "tally_anomalies_total", checkpoint=checkpoint) == 1
+        assert value(samples, "tally_completions_total", checkpoint=checkpoint) == 4
         assert value(samples, "tally_writers_opened_total") == 2
         assert value(samples, "tally_writers_expired_total") == 0
         # Four completions put, one source deleted by the anomaly, however they were grouped.
@@ -188,3 +192,50 @@ def test_declared_and_remaining_sources_only_for_checkpoints_with_a_total(server
     assert value(samples, "tally_remaining_sources", checkpoint="metrics/declared") == 2
     assert not [s for s in samples if s.labels.get("checkpoint") == "metrics/plain" and "declared" in s.name]
     assert not [s for s in samples if s.labels.get("checkpoint") == "metrics/plain" and "remaining" in s.name]
+
+
+def test_completions_and_anomalies_are_counted_per_checkpoint(server: RunningServer) -> None:
+    with tally.Client(server.grpc_address) as client:
+        client.declare("metrics/idle", ["x"])  # known, nothing completed: a series at 0
+        with client.writer("metrics/a", writer_id="w") as w:
+            for sid in ("a0", "a1"):
+                w.apply_deltas(tree(sid))
+        with client.writer("metrics/b", writer_id="w") as w:
+            w.apply_deltas(tree("b0"))
+        with client.writer("metrics/b", writer_id="w2") as w:
+            w.apply_deltas([("0_b0", "b0", 1)])  # b0 was completed: an anomaly of metrics/b only
+            w.flush()
+    samples = scrape(server)
+    completions = {s.labels["checkpoint"]: s.value for s in samples if s.name == "tally_completions_total"}
+    anomalies = {s.labels["checkpoint"]: s.value for s in samples if s.name == "tally_anomalies_total"}
+    assert completions == {"metrics/a": 2, "metrics/b": 1, "metrics/idle": 0}
+    assert anomalies == {"metrics/a": 0, "metrics/b": 1, "metrics/idle": 0}
+
+
+def test_build_info_and_data_dir_space(server: RunningServer) -> None:
+    samples = scrape(server)
+    info = [s for s in samples if s.name == "tally_build_info"]
+    assert [(s.labels, s.value) for s in info] == [
+        ({"version": tally_server.__version__, "python": platform.python_version()}, 1)
+    ]
+    free = value(samples, "tally_data_dir_free_bytes")
+    size = value(samples, "tally_data_dir_size_bytes")
+    assert 0 < free <= size
+
+
+def test_the_exposition_has_no_created_series_and_passes_promtool(server: RunningServer) -> None:
+    with tally.Client(server.grpc_address) as client, client.writer("metrics/lint") as w:
+        w.apply_deltas(tree("a"))
+        w.flush()
+    httpx.get(f"{server.http_url}/v1/no/such/route")  # an HTTP histogram child too
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    assert "tally_completions_total{" in text and "tally_grpc_request_duration_seconds_bucket{" in text
+    assert "_created" not in text
+    result = subprocess.run(
+        [system_tool("promtool", "prometheus"), "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

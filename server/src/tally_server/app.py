@@ -362,7 +362,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     service = build_service(settings, idle, store_lock.fence if store_lock is not None else None)
     # The HTTP transport runs on its own loop and sees the service through the bridge.
     bridged = cast(CoordinatorService, ServiceBridge(service, loop))
-    metrics = Metrics(bridged)  # one registry, fed by both transports and the store
+    metrics = Metrics(bridged, settings.data_dir)  # one registry, fed by both transports and the store
     await service.start()
     grpc_server, grpc_port, health = build_server(
         service,

@@ -3,6 +3,14 @@
 Both transports set :data:`request_id` for the duration of a request (gRPC metadata ``x-request-id``,
 HTTP header ``X-Request-ID``, or a new id); :class:`RequestIdFilter` copies it onto every record, so a
 line logged deep in the service carries the id of the call that caused it.
+
+Records may carry structured fields as ``extra=`` (:data:`FIELDS`: the checkpoint, writer and event
+kind of a service event; method, path, status or code, duration and peer of an access line); the JSON
+format writes each as its own key, the text format has them in the message already.
+
+Both transports log one access line per request or call (:func:`access`, logger
+``tally_server.access``) at INFO; health checks, ``/metrics``, writers' keep-alives and dashboard
+assets only at DEBUG when they succeed, since every writer heartbeats every few seconds.
 """
 
 from __future__ import annotations
@@ -15,9 +23,26 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 NO_REQUEST = "-"
 REMIND_EVERY_S = 60.0
+
+FIELDS = (
+    "checkpoint",
+    "writer",
+    "event",
+    "transport",
+    "method",
+    "path",
+    "status",
+    "code",
+    "duration_ms",
+    "peer",
+)
+"""Record attributes (set with ``extra=``) the JSON format writes as keys of their own."""
+
+access_log = logging.getLogger("tally_server.access")
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tally_request_id", default=NO_REQUEST)
 """The id of the request being handled by the current task ("-" outside requests)."""
@@ -52,7 +77,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line of JSON."""
-        entry = {
+        entry: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -60,9 +85,42 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", NO_REQUEST),
             "message": record.getMessage(),
         }
+        for name in FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                entry[name] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+def access(
+    transport: str,
+    method: str,
+    outcome: int | str,
+    duration_s: float,
+    peer: str | None,
+    *,
+    path: str | None = None,
+    quiet: bool = False,
+    ok: bool = True,
+) -> None:
+    """One access line: an HTTP request (``outcome`` its status) or a gRPC call (its code name).
+
+    ``quiet`` calls (heartbeats, health checks, scrapes) are logged at DEBUG unless ``ok`` is false.
+    Call it while :data:`request_id` is still set, so the line carries the request's id.
+    """
+    level = logging.DEBUG if quiet and ok else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    ms = round(duration_s * 1000, 3)
+    fields: dict[str, Any] = {"transport": transport, "method": method, "duration_ms": ms, "peer": peer}
+    if isinstance(outcome, int):
+        fields.update(path=path, status=outcome)
+        access_log.log(level, "%s %s %d %.1f ms from %s", method, path, outcome, ms, peer, extra=fields)
+    else:
+        fields["code"] = outcome
+        access_log.log(level, "%s %s %.1f ms from %s", method, outcome, ms, peer, extra=fields)
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"

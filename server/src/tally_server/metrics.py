@@ -7,14 +7,21 @@ process (tests) never share or collide on series.
 
 Labels are bounded: checkpoint names, RPC methods, route templates, status codes — never a source,
 task, writer id or handle.
+
+No ``_created`` series: prometheus_client adds one per counter and histogram child (OpenMetrics
+wants them; the text format does not), which doubles the series of every histogram for a timestamp
+nobody graphs. :func:`new_registry` turns them off for the process before any metric exists.
 """
 
 from __future__ import annotations
 
+import platform
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -22,7 +29,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from tally_server.service import CoordinatorService
 
-__all__ = ["CONTENT_TYPE", "Metrics", "ServiceCollector"]
+import tally_server
+
+__all__ = ["CONTENT_TYPE", "BuildInfo", "Metrics", "ServiceCollector", "new_registry"]
 
 # What generate_latest writes, and what every Prometheus version parses (newer clients call their
 # default 1.0.0, which older servers do not know).
@@ -42,14 +51,38 @@ BATCH_BUCKETS = (
 )  # fmt: skip
 
 
+def new_registry() -> CollectorRegistry:
+    """A registry with ``tally_build_info``; ``_created`` series are turned off (process-wide)."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BuildInfo())
+    return registry
+
+
+class BuildInfo(Collector):
+    """``tally_build_info{version, python}``: always 1, for joins and "which version runs where"."""
+
+    def collect(self) -> Iterable[Metric]:
+        """The one series."""
+        info = GaugeMetricFamily(
+            "tally_build_info",
+            "Always 1; labels: the tally-server version and the Python version running it.",
+            labels=["version", "python"],
+        )
+        info.add_metric([tally_server.__version__, platform.python_version()], 1)
+        yield info
+
+
 class ServiceCollector(Collector):
     """Turns ``service.stats`` and ``service.gauges()`` into metric families at each scrape.
 
     Runs on the event loop (the ``/metrics`` handler is async), the only thread that touches them.
+    ``data_dir``: whose file system's free and total bytes to report (None: no such series).
     """
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: CoordinatorService, data_dir: Path | None = None) -> None:
         self._service = service
+        self._data_dir = data_dir
 
     def collect(self) -> Iterable[Metric]:
         """The metric families at this scrape."""
@@ -64,16 +97,24 @@ class ServiceCollector(Collector):
         deltas.add_metric(["skipped"], stats.deltas_skipped)
         deltas.add_metric(["rewritten"], stats.deltas_rewritten)
         yield deltas
-        yield CounterMetricFamily(
+        gauges = sorted(self._service.gauges().items())
+        anomalies = CounterMetricFamily(
             "tally_anomalies",
-            "Deltas for a source already completed; the source was un-completed and replays.",
-            value=stats.anomalies,
+            "Deltas for a source already completed, by checkpoint; the source was un-completed and replays.",
+            labels=["checkpoint"],
         )
-        yield CounterMetricFamily(
+        completions = CounterMetricFamily(
             "tally_completions",
-            "Sources completed and durably written to their writer's LMDB file.",
-            value=stats.completions,
+            "Sources completed and durably written to their writer's LMDB file, by checkpoint.",
+            labels=["checkpoint"],
         )
+        # A series from 0 for every loaded checkpoint, so increase() sees its first completion.
+        known = {name for name, _ in gauges} | stats.completions.keys() | stats.anomalies.keys()
+        for name in sorted(known):
+            anomalies.add_metric([name], stats.anomalies[name])
+            completions.add_metric([name], stats.completions[name])
+        yield anomalies
+        yield completions
         yield CounterMetricFamily("tally_writers_opened", "Writers opened.", value=stats.writers_opened)
         yield CounterMetricFamily(
             "tally_writers_expired",
@@ -182,27 +223,48 @@ class ServiceCollector(Collector):
             "Declared sources of a checkpoint not completed yet; no series while not known.",
             labels=["checkpoint"],
         )
-        for name, gauges in sorted(self._service.gauges().items()):
+        for name, g in gauges:
             for field, family in families.items():
-                family.add_metric([name], getattr(gauges, field))
-            if gauges.declared_sources:
-                declared.add_metric([name], gauges.declared_sources)
-            if gauges.declared_sources and gauges.remaining_sources >= 0:
-                remaining.add_metric([name], gauges.remaining_sources)
+                family.add_metric([name], getattr(g, field))
+            if g.declared_sources:
+                declared.add_metric([name], g.declared_sources)
+            if g.declared_sources and g.remaining_sources >= 0:
+                remaining.add_metric([name], g.remaining_sources)
         yield from families.values()
         yield declared
         yield remaining
+        if self._data_dir is not None:
+            yield from _disk(self._data_dir)
+
+
+def _disk(data_dir: Path) -> Iterable[Metric]:
+    """Free and total bytes of the data directory's file system (one statvfs call)."""
+    try:
+        usage = shutil.disk_usage(data_dir)
+    except OSError:
+        return  # the directory went away: no series, rather than a failed scrape
+    yield GaugeMetricFamily(
+        "tally_data_dir_free_bytes",
+        "Bytes free to unprivileged users on the file system of the data directory.",
+        value=usage.free,
+    )
+    yield GaugeMetricFamily(
+        "tally_data_dir_size_bytes",
+        "Size in bytes of the file system of the data directory.",
+        value=usage.total,
+    )
 
 
 class Metrics:
     """The registry of one coordinator and the histograms its transports and store observe.
 
-    Create once in the composition root and hand it to both transports.
+    Create once in the composition root and hand it to both transports. ``data_dir``: see
+    :class:`ServiceCollector`.
     """
 
-    def __init__(self, service: CoordinatorService) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ServiceCollector(service))
+    def __init__(self, service: CoordinatorService, data_dir: Path | None = None) -> None:
+        self.registry = new_registry()
+        self.registry.register(ServiceCollector(service, data_dir))
         ProcessCollector(registry=self.registry)
         self.grpc_request_duration = Histogram(
             "tally_grpc_request_duration_seconds",

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import Counter, Gauge, generate_latest
 from sqlalchemy.dialects import postgresql
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -49,7 +49,7 @@ from tally_server.grpc_api import convert
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
 from tally_server.http_api.errors import HTTP_STATUS, error_response
-from tally_server.metrics import CONTENT_TYPE
+from tally_server.metrics import CONTENT_TYPE, new_registry
 from tally_server.service.views import ReplicasView, ReplicaView
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
 from tally_server.store.replicas import Owner, ReplicaBoard, ReplicaNameInUse
@@ -147,7 +147,7 @@ class ReplicaMetrics:
     """A replica's own series (the owner's are on the owner's ``/metrics``)."""
 
     def __init__(self, name: str, route: OwnerRoute) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         self.forwarded = Counter(
             "tally_replica_forwarded_calls",
             "Calls this replica forwarded to the store's owner, by transport and outcome.",

@@ -10,6 +10,9 @@ operation of its own, a tenth of a millisecond per call.
 Streaming calls (WatchCheckpoint, health Watch, reflection) get the request id but are not timed:
 their duration is how long a client watched, not how fast Tally answered, and would drown the
 latency quantiles.
+
+Every call gets an access line (:func:`tally_server.logs.access`) when it ends, streams included;
+the methods in :data:`QUIET_METHODS` only at DEBUG unless they fail.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from prometheus_client import Histogram
 from tally_server import logs
 
 REQUEST_ID_KEY = "x-request-id"
+# Sent by every writer every few seconds, or by health checkers: access lines at DEBUG.
+QUIET_METHODS = frozenset(
+    {"/tally.v1.Coordinator/KeepAlive", "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}
+)
 
 
 def _incoming_id(metadata: Any) -> str | None:
@@ -33,6 +40,15 @@ def _incoming_id(metadata: Any) -> str | None:
         if key == REQUEST_ID_KEY and isinstance(value, str):
             return value
     return None
+
+
+def _access(
+    method: str, code: grpc.StatusCode, elapsed: float, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    if code == grpc.StatusCode.OK and context.cancelled():
+        code = grpc.StatusCode.CANCELLED  # the caller left (a watcher stopped watching)
+    ok = code == grpc.StatusCode.OK
+    logs.access("grpc", method, code.name, elapsed, context.peer(), quiet=method in QUIET_METHODS, ok=ok)
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
@@ -80,7 +96,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     code = context.code() or grpc.StatusCode.CANCELLED
                     raise
                 finally:
-                    latency.labels(method, code.name).observe(time.perf_counter() - started)
+                    elapsed = time.perf_counter() - started
+                    latency.labels(method, code.name).observe(elapsed)
+                    _access(method, code, elapsed, context)
                     logs.request_id.reset(token)
 
             if handler.unary_unary is not None:
@@ -105,9 +123,15 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 # closed from another context, where a reset would fail).
                 rid = logs.accept_request_id(caller_id)
                 logs.request_id.set(rid)
-                await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
-                async for response in streaming(request, context):
-                    yield response
+                started = time.perf_counter()
+                try:
+                    await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+                    async for response in streaming(request, context):
+                        yield response
+                finally:
+                    _access(
+                        method, context.code() or grpc.StatusCode.OK, time.perf_counter() - started, context
+                    )
 
             behavior: Callable[..., Any] = generate
         elif inspect.iscoroutinefunction(streaming):
@@ -115,10 +139,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             async def write(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 rid = logs.accept_request_id(caller_id)
                 token = logs.request_id.set(rid)
+                started = time.perf_counter()
                 try:
                     await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
                     return await streaming(request, context)
                 finally:
+                    _access(
+                        method, context.code() or grpc.StatusCode.OK, time.perf_counter() - started, context
+                    )
                     logs.request_id.reset(token)
 
             behavior = write

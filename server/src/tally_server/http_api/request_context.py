@@ -8,6 +8,9 @@ Latency is labelled with the matched route's template (``/v1/writers/{handle}/de
 raw path: handles and checkpoint names in paths would make the label set unbounded. Event streams
 (``text/event-stream``, e.g. ``/v1/watch``) are not timed, like gRPC streams: their duration is how
 long someone watched.
+
+Every request gets an access line (:func:`tally_server.logs.access`) when it ends; the routes in
+:data:`QUIET_ROUTES` only at DEBUG unless they fail.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from tally_server import logs
 REQUEST_ID_HEADER = b"x-request-id"
 UNMATCHED = "unmatched"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Polled by machines every few seconds per writer or scraper: access lines at DEBUG.
+QUIET_ROUTES = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/v1/writers/{handle}/keepalive", "/ui/{name:path}"}
+)
 
 
 def route_template(scope: Scope) -> str:
@@ -84,10 +91,21 @@ class RequestMiddleware:
             failed = True
             raise
         finally:
+            elapsed = time.perf_counter() - started
+            route = route_template(scope)
             if not event_stream:
                 method = scope["method"] if scope["method"] in _METHODS else "other"
-                self.latency.labels(method, route_template(scope), str(status)).observe(
-                    time.perf_counter() - started
-                )
+                self.latency.labels(method, route, str(status)).observe(elapsed)
+            client = scope.get("client")
+            logs.access(
+                "http",
+                scope["method"],
+                status,
+                elapsed,
+                f"{client[0]}:{client[1]}" if client else None,
+                path=scope["path"],
+                quiet=route in QUIET_ROUTES,
+                ok=status < 400,
+            )
             if not failed:
                 logs.request_id.reset(token)

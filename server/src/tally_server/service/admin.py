@@ -53,7 +53,7 @@ class Admin:
             if new:
                 await core.committer.submit(PutCompleted(cp.name, import_id, new))
                 completed.add(new, import_id)
-                core.stats.completions += len(new)
+                core.stats.completions[cp.name] += len(new)
         finally:
             cp.pins -= 1
         cp.last_activity_at = core.wall()

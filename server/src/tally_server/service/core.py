@@ -78,7 +78,8 @@ class Core:
         self, checkpoint: str, kind: EventKind, message: str, writer_id: str | None = None, **data: Any
     ) -> None:
         """Log an event now and queue it for the registry (written by the registry loop)."""
-        log.info("%s [%s] %s", checkpoint, kind, message)
+        fields = {"checkpoint": checkpoint, "event": kind.value, "writer": writer_id}
+        log.info("%s [%s] %s", checkpoint, kind, message, extra=fields)
         self.bookkeeping.event(EventRecord(checkpoint, kind, message, self.wall(), writer_id, dict(data)))
 
     def check_accepting(self) -> None:

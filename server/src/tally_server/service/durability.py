@@ -194,7 +194,7 @@ class Durability:
                 raise result
             made_durable(cp.ids(), sources, session.writer_id)
             self.persisted(session, sources)
-            self._core.stats.completions += len(sources)
+            self._core.stats.completions[cp.name] += len(sources)
             if cp.cursored or cp.failures or cp.claims:
                 self.completed_cleanup(cp, sources)
         except Exception:

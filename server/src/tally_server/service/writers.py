@@ -129,7 +129,7 @@ class Writers:
             else:
                 session.last_refused = 0
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())
-            core.stats.count(effects.counts)
+            core.stats.count(cp.name, effects.counts)
             cp.last_activity_at = session.last_seen_at
             session.journal_queue.append(Applied(batch_seq, batch, effects.hits))
             if effects.complete:
@@ -164,7 +164,7 @@ class Writers:
                 self.durability.persisted(session, effects.complete)
                 if cp.cursored or cp.failures or cp.claims:
                     self.durability.completed_cleanup(cp, effects.complete)
-                core.stats.completions += len(effects.complete)
+                core.stats.completions[cp.name] += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
             await session.notify()
             return replace(effects.counts)
