@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from tally_server import __version__
 from tally_server.auth import Authorizer
-from tally_server.http_api import bodies
+from tally_server.http_api import openapi
 from tally_server.http_api import schemas as s
 from tally_server.http_api.auth import Guard, check_declared
 from tally_server.http_api.body_limit import BodyLimit
@@ -50,7 +50,7 @@ def create_app(
     app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
     check_declared(app)
     # Routes that read their bodies themselves publish the body models here.
-    bodies.document(
+    openapi.customize(
         app,
         [
             s.OpenWriterBody,
@@ -65,5 +65,6 @@ def create_app(
             s.DeclareBody,
             s.AcquireBody,
         ],
+        metrics_auth=settings.metrics_auth,
     )
     return app

@@ -38,9 +38,23 @@ _CODE_BY_STATUS: dict[int, str] = {
     400: ErrorCode.INVALID_ARGUMENT,
 }
 
+_REFUSALS: dict[int, str] = {
+    400: "INVALID_ARGUMENT: the body, a query parameter or a value in them is not valid; the message "
+    "names it (this server never answers 422).",
+    401: "UNAUTHENTICATED: no bearer token, or one the coordinator does not know (only when it has tokens).",
+    403: "PERMISSION_DENIED: the token's role or its checkpoint scopes do not allow this.",
+    404: "NOT_FOUND: the checkpoint or writer does not exist (a writer whose lease ran out is gone).",
+    409: "ALREADY_EXISTS (e.g. a live writer_id) or FAILED_PRECONDITION (e.g. a fingerprint mismatch, a "
+    "reset while writers are live); the error's code says which.",
+    413: "RESOURCE_EXHAUSTED: the body is over max_message_bytes; send smaller batches.",
+    429: "RESOURCE_EXHAUSTED: a limit of the coordinator's (deltas or ids per call, writers per checkpoint).",
+    500: "INTERNAL: a bug; the server log has the traceback.",
+    503: "UNAVAILABLE: the coordinator cannot do this now (shutting down, a reset under way, storage "
+    "failing); retry.",
+}
 #: The error replies every ``/v1`` route documents (``responses=`` of its router).
 ERROR_REPLIES: dict[int | str, dict[str, Any]] = {
-    status: {"model": s.ErrorReply} for status in (400, 404, 409, 413, 429, 500, 503)
+    status: {"model": s.ErrorReply, "description": text} for status, text in _REFUSALS.items()
 }
 # A 400 lists this many problems of a body; the rest are counted.
 _PROBLEMS_SHOWN = 5
