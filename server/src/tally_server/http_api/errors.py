@@ -119,7 +119,7 @@ def install_handlers(app: FastAPI) -> None:
             # Keys of the client's maps end up in loc: shown cut, like every echoed value.
             loc = [p if isinstance(p, str) and len(p) <= 80 else describe(p) for p in err["loc"]]
             if len(loc) > 1 and loc[0] in _PARAMETER_KINDS:
-                # A query parameter, by the name the client sent, with the value it sent.
+                # A query, path or header parameter, by the name the client sent, with what it sent.
                 where = f"{_PARAMETER_KINDS[loc[0]]} {'.'.join(map(str, loc[1:]))!r}"
                 sent = err.get("input")
                 if isinstance(sent, str):
