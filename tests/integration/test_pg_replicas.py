@@ -192,6 +192,15 @@ def test_a_replica_checks_tokens_itself_for_reads_and_the_owner_checks_forwarded
                 metadata=[("authorization", "Bearer w-token")],
             )
             assert opened.handle
+        # Over HTTP a 401 challenges for a bearer token, whether the replica answers it (its own
+        # /v1/replicas) or forwards it to the owner, and a forwarded 405 keeps its Allow header.
+        with httpx.Client(base_url=f"http://{replica.http_address}") as http:
+            for path in ("/v1/replicas", "/v1/checkpoints"):
+                refused = http.get(path)
+                assert refused.status_code == 401, path
+                assert refused.headers["www-authenticate"] == 'Bearer realm="tally"', path
+            wrong = http.delete("/v1/checkpoints", headers={"authorization": "Bearer r-token"})
+            assert (wrong.status_code, wrong.headers["allow"]) == (405, "GET")
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])

@@ -175,7 +175,7 @@ def test_a_refusal_that_lists_much_client_input_is_cut_not_lost(
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "different fingerprint" in message and "message cut" in message and len(message) < SHORT
     reply = http.post("/v1/writers", json={"checkpoint": "cp", "writer_id": "w2", "fingerprint": second})
-    assert reply.status_code == 412 and len(reply.content) < 2 * SHORT
+    assert reply.status_code == 409 and len(reply.content) < 2 * SHORT
     assert "different fingerprint" in error_of(reply)["message"]
 
 

@@ -36,7 +36,8 @@ def test_reset_moves_files_to_trash_and_refuses_live_writers(tmp_path: Path) -> 
                 w.apply_deltas(tree("a"))
                 w.flush()
                 refused = http.post("/v1/reset", json={"name": "status/reset"})
-                assert refused.status_code == 412
+                assert refused.status_code == 409
+                assert refused.json()["error"]["code"] == "FAILED_PRECONDITION"
                 assert "live writers" in refused.json()["error"]["message"]
                 assert client.are_completed("status/reset", ["a"]) == [True]
             moved = http.post("/v1/reset", json={"name": "status/reset"}).json()

@@ -48,7 +48,7 @@ from tally_server.errors import ErrorCode, TallyServerError, Unavailable
 from tally_server.grpc_api import convert
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
-from tally_server.http_api.errors import HTTP_STATUS, error_response
+from tally_server.http_api.errors import HTTP_STATUS, error_response, www_authenticate
 from tally_server.metrics import CONTENT_TYPE, new_registry
 from tally_server.service.views import ReplicasView, ReplicaView
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
@@ -369,7 +369,10 @@ def http_app(
             principal.require("ListReplicas", None)
             view = await asyncio.to_thread(listing)
         except TallyServerError as exc:
-            return _error(HTTP_STATUS[exc.code], exc.code, exc.message)
+            challenge = None
+            if exc.code is ErrorCode.UNAUTHENTICATED:
+                challenge = {"WWW-Authenticate": www_authenticate(request.headers.get("authorization"))}
+            return error_response(HTTP_STATUS[exc.code], exc.code, exc.message, headers=challenge)
         return JSONResponse(dataclasses.asdict(view))
 
     async def forward(request: Request) -> Response:

@@ -261,7 +261,17 @@ def test_requests_follow_the_json_contract(http_server: tuple[str, Recorder]) ->
             "NOT_FOUND",
         ),
         (409, {"error": {"code": "ALREADY_EXISTS", "message": "m"}}, tally.AlreadyExists, "ALREADY_EXISTS"),
+        # 409 is both: the coordinator's body says which.
+        (409, {"error": {"code": "FAILED_PRECONDITION", "message": "m"}}, tally.FailedPrecondition, None),
         (412, {"error": {"code": "FAILED_PRECONDITION", "message": "m"}}, tally.FailedPrecondition, None),
+        # HTTP's own code for a method the route does not serve (an SDK newer than the server).
+        (405, {"error": {"code": "METHOD_NOT_ALLOWED", "message": "m"}}, tally.Internal, "UNIMPLEMENTED"),
+        (
+            400,
+            {"error": {"code": "SOMETHING_NEW", "message": "m"}},
+            tally.InvalidArgument,
+            "INVALID_ARGUMENT",
+        ),
         # No Tally error body: map by status.
         (400, b"bad", tally.InvalidArgument, "INVALID_ARGUMENT"),
         (401, b"", tally.Unauthenticated, "UNAUTHENTICATED"),

@@ -6,7 +6,7 @@ import pytest
 
 from tally_server.store.disk import TRASH_DIRNAME
 from tests.integration.workload import tree
-from tests.unit.http_api.conftest import InProcess
+from tests.unit.http_api.conftest import InProcess, Serve
 
 pytestmark = pytest.mark.anyio
 
@@ -19,7 +19,8 @@ async def test_refusals_of_the_service_keep_their_code(served: InProcess) -> Non
     reply = await http.post("/v1/writers", json={"checkpoint": "x", "writer_id": "w"})
     assert reply.status_code == 409 and reply.json()["error"]["code"] == "ALREADY_EXISTS"
     reply = await http.post("/v1/reset", json={"name": "x"})
-    assert reply.status_code == 412 and reply.json()["error"]["details"] == {"live_writers": 1}
+    assert reply.status_code == 409 and reply.json()["error"]["details"] == {"live_writers": 1}
+    assert reply.json()["error"]["code"] == "FAILED_PRECONDITION"  # 409 as ALREADY_EXISTS: the code tells
     reply = await http.get("/v1/checkpoints/..%2Fescape")
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "INVALID_ARGUMENT"
 
@@ -38,3 +39,45 @@ async def test_a_storage_error_is_503_unavailable_and_changes_nothing(served: In
     assert "Not a directory" in error["details"]["cause"]
     reply = await http.post("/v1/are-completed", json={"checkpoint": "x", "source_ids": ["a"]})
     assert reply.json() == {"completed": [True]}
+
+
+async def test_an_unknown_method_is_405_naming_every_method_the_path_serves(served: InProcess) -> None:
+    http = served.http
+    reply = await http.delete("/v1/checkpoints")
+    assert reply.status_code == 405 and reply.headers["allow"] == "GET"
+    error = reply.json()["error"]
+    assert error["code"] == "METHOD_NOT_ALLOWED" and "allows GET" in error["message"]
+    # Two routes share /v1/writers (GET lists, POST opens): both are allowed, not only the first.
+    reply = await http.delete("/v1/writers")
+    assert reply.status_code == 405 and reply.headers["allow"] == "GET, POST"
+    reply = await http.get("/v1/writers/some-handle/flush")
+    assert reply.status_code == 405 and reply.headers["allow"] == "POST"
+    # An unknown path stays 404.
+    assert (await http.delete("/v1/nothing-here")).json()["error"]["code"] == "NOT_FOUND"
+
+
+async def test_a_missing_or_unknown_token_is_401_with_a_bearer_challenge(serve: Serve) -> None:
+    async with serve(tokens="good:reader") as s:
+        reply = await s.http.get("/v1/checkpoints")
+        assert reply.status_code == 401 and reply.headers["www-authenticate"] == 'Bearer realm="tally"'
+        assert reply.json()["error"]["code"] == "UNAUTHENTICATED"
+        reply = await s.http.get("/v1/checkpoints", headers={"authorization": "Bearer bad"})
+        assert reply.status_code == 401
+        assert reply.headers["www-authenticate"] == 'Bearer realm="tally", error="invalid_token"'
+        reply = await s.http.get("/v1/checkpoints", headers={"authorization": "Bearer good"})
+        assert reply.status_code == 200 and "www-authenticate" not in reply.headers
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("checkpoint=x&limit=abc", "query parameter 'limit' (sent 'abc')"),
+        ("limit=5", "query parameter 'checkpoint': Field required"),
+        ("checkpoint=x&include_closed=maybe", "query parameter 'include_closed' (sent 'maybe')"),
+    ],
+)
+async def test_a_bad_query_parameter_is_400_naming_it(served: InProcess, query: str, named: str) -> None:
+    reply = await served.http.get(f"/v1/writers?{query}")
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and named in error["message"], error["message"]

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openapi_spec_validator import validate
 
-from tests.unit.http_api.conftest import InProcess
+from tally_server.auth import REQUIRED
+from tally_server.http_api.auth import api_routes, declared_operation
+from tests.unit.http_api.conftest import InProcess, Serve
 
 SNAPSHOT = Path(__file__).resolve().parents[2] / "fixtures" / "openapi.json"
 UPDATE = "TALLY_UPDATE_OPENAPI"
@@ -75,3 +78,55 @@ def test_the_differences_are_named_by_their_path() -> None:
         "- removed paths./b: {}",
         "+ added   paths./c: {}",
     ]
+
+
+@pytest.mark.anyio
+async def test_the_spec_is_valid_openapi_and_says_what_the_server_does(served: InProcess) -> None:
+    spec = (await served.http.get("/openapi.json")).json()
+    validate(spec)  # raises, naming the place, if the document is not valid OpenAPI 3.1
+    operations = {
+        (path, method): operation
+        for path, item in spec["paths"].items()
+        for method, operation in item.items()
+    }
+    # Each /v1 operation is named after the tally.v1 RPC its route declares, and needs a bearer token.
+    declared = {
+        (route.path_format, method.lower()): declared_operation(route)
+        for route in api_routes(served.app.routes)
+        for method in route.methods or ()
+        if route.path.startswith("/v1/")
+    }
+    assert declared and {key: operations[key]["operationId"] for key in declared} == {
+        key: requires.operation for key, requires in declared.items() if requires is not None
+    }
+    assert {operations[key]["operationId"] for key in declared} <= set(REQUIRED)
+    ids = [operation["operationId"] for operation in operations.values()]
+    assert len(ids) == len(set(ids)), ids
+    bearer = spec["components"]["securitySchemes"]["bearer"]
+    assert (bearer["type"], bearer["scheme"]) == ("http", "bearer")
+    for key in declared:
+        assert operations[key]["security"] == [{"bearer": []}], key
+        # The server answers a bad request with 400 INVALID_ARGUMENT, never FastAPI's 422.
+        assert "422" not in operations[key]["responses"], key
+        assert operations[key]["responses"]["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorReply"
+        }
+    assert not {"HTTPValidationError", "ValidationError"} & set(spec["components"]["schemas"])
+    assert "security" not in operations[("/metrics", "get")]  # open unless metrics_auth
+    assert set(operations[("/v1/watch", "get")]["responses"]["200"]["content"]) == {"text/event-stream"}
+    # Units and limits where they matter.
+    params = {p["name"]: p for p in operations[("/v1/watch", "get")]["parameters"]}
+    assert "Milliseconds" in params["interval_ms"]["description"]
+    assert "255 bytes" in params["checkpoint"]["description"]
+    schemas = spec["components"]["schemas"]
+    assert "Seconds" in schemas["OpenedWriter"]["properties"]["lease_ttl_s"]["description"]
+    assert "511 bytes" in schemas["DeltaBody"]["properties"]["source_id"]["description"]
+    assert "100,000" in schemas["ApplyDeltasBody"]["properties"]["deltas"]["description"]
+
+
+@pytest.mark.anyio
+async def test_metrics_documents_its_token_when_metrics_auth_is_on(serve: Serve) -> None:
+    async with serve(tokens="a:admin", metrics_auth=True) as s:
+        spec = (await s.http.get("/openapi.json")).json()
+    validate(spec)
+    assert spec["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]

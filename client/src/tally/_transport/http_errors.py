@@ -13,7 +13,10 @@ from tally.errors import Internal, StatusCode, TallyError, error_for_code
 
 T = TypeVar("T")
 
-# The one HTTP status -> SDK status table, used when the body carries no error code.
+# The one HTTP status -> SDK status table, used when the body carries no error code. A Tally
+# coordinator always sends one: it answers 409 both for ALREADY_EXISTS and FAILED_PRECONDITION, so
+# the status alone cannot tell them apart. 412 and 422 come from other servers (earlier Tally
+# coordinators answered FAILED_PRECONDITION with 412).
 _STATUS: dict[int, StatusCode] = {
     400: StatusCode.INVALID_ARGUMENT,
     401: StatusCode.UNAUTHENTICATED,
@@ -22,7 +25,7 @@ _STATUS: dict[int, StatusCode] = {
     405: StatusCode.UNIMPLEMENTED,
     409: StatusCode.ALREADY_EXISTS,
     412: StatusCode.FAILED_PRECONDITION,
-    422: StatusCode.INVALID_ARGUMENT,  # FastAPI's request-validation status
+    422: StatusCode.INVALID_ARGUMENT,  # FastAPI's default request-validation status
     429: StatusCode.RESOURCE_EXHAUSTED,
     499: StatusCode.CANCELLED,
     500: StatusCode.INTERNAL,
@@ -31,6 +34,9 @@ _STATUS: dict[int, StatusCode] = {
     503: StatusCode.UNAVAILABLE,
     504: StatusCode.DEADLINE_EXCEEDED,
 }
+# Codes of the error body that are HTTP's own, not a tally.v1 status: a route the coordinator does
+# not serve with that method (an SDK newer than the server), as gRPC's UNIMPLEMENTED.
+_HTTP_CODES: dict[str, StatusCode] = {"METHOD_NOT_ALLOWED": StatusCode.UNIMPLEMENTED}
 
 
 def error_from_response(status: int, body: bytes, url: str) -> TallyError:
@@ -41,8 +47,9 @@ def error_from_response(status: int, body: bytes, url: str) -> TallyError:
         payload = None
     error = payload.get("error") if isinstance(payload, dict) else None
     if isinstance(error, dict):
+        named = str(error.get("code"))
         try:
-            code = StatusCode(str(error.get("code")))
+            code = _HTTP_CODES.get(named) or StatusCode(named)
         except ValueError:
             code = _status_code(status)
         message = str(error.get("message") or f"HTTP {status}")

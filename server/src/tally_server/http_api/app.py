@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from tally_server import __version__
 from tally_server.auth import Authorizer
-from tally_server.http_api import bodies
+from tally_server.http_api import openapi, reference
 from tally_server.http_api import schemas as s
 from tally_server.http_api.auth import Guard, check_declared
 from tally_server.http_api.body_limit import BodyLimit
@@ -35,6 +35,9 @@ def create_app(
         title="Tally coordinator",
         version=__version__,
         description="Checkpoint coordination for resumable batch pipelines (the HTTP face of tally.v1).",
+        # FastAPI's pages load Swagger UI and ReDoc from a CDN; reference.py serves them itself.
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(BodyLimit, limit=settings.max_message_bytes)
     # Added last, so outermost: requests refused by the body limit are timed and carry an id too.
@@ -48,9 +51,10 @@ def create_app(
     for resource in (writers, checkpoints, status, admin, failures, totals, claims):
         resource.add_routes(app, service, guard)
     app.include_router(build_dashboard_router())  # GET / and /ui/*: the dashboard
+    app.include_router(reference.build_router())  # GET /docs, /redoc and /docs/assets/*
     check_declared(app)
     # Routes that read their bodies themselves publish the body models here.
-    bodies.document(
+    openapi.customize(
         app,
         [
             s.OpenWriterBody,
@@ -65,5 +69,6 @@ def create_app(
             s.DeclareBody,
             s.AcquireBody,
         ],
+        metrics_auth=settings.metrics_auth,
     )
     return app

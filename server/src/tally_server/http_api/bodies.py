@@ -14,7 +14,7 @@ routes read the raw bytes instead and :func:`parse` them
 - with strict types: ``true`` or ``"1"`` is not a delta.
 
 The body models in ``schemas.py`` stay the contract: they are published in ``/openapi.json`` for these
-routes (:func:`document`) and give every refusal its wording; deltas that plainly match the model are
+routes (``openapi.py``) and give every refusal its wording; deltas that plainly match the model are
 taken without building a model object for each (a third of the time of 100k deltas). Small bodies
 (:func:`model`) are one ``json.loads`` and the model.
 """
@@ -25,10 +25,10 @@ import asyncio
 import json
 import json.scanner
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
@@ -223,28 +223,7 @@ def model(schema: type[M], raw: bytes) -> M:
     return _model(schema, _json(raw, json.loads))
 
 
-def document(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
-    """Publish ``models`` under ``components/schemas`` for routes that parse their body themselves.
-
-    Those routes point at them with :func:`request_body`.
-    """
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        spec = build()  # caches itself in app.openapi_schema, so the additions below are kept
-        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        for model in models:
-            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas[model.__name__] = schema
-        return spec
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the spec
-
-
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` of a route whose JSON body is ``model`` (published by :func:`document`)."""
+    """``openapi_extra`` of a route whose JSON body is ``model`` (published by ``openapi.customize``)."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

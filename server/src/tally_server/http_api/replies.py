@@ -6,7 +6,7 @@ the envelope, field for field as in the tally.v1 response messages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tally_server.domain.ledger import ApplyCounts
 from tally_server.service import CheckpointView, ClaimView, ProgressSample, WriterView
@@ -16,7 +16,7 @@ from tally_server.service import CheckpointView, ClaimView, ProgressSample, Writ
 class KeepAliveReply:
     """The renewed lease."""
 
-    lease_ttl_s: float
+    lease_ttl_s: float = field(metadata={"description": "Seconds from now until the lease runs out."})
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,10 @@ class ApplyDeltasReply:
 
     counts: ApplyCounts
     settled: bool = False
-    refused: int = 0  # deltas not applied: another live writer holds their source's claim
+    refused: int = field(
+        default=0,
+        metadata={"description": "Deltas not applied: another live writer holds their source's claim."},
+    )
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class GetCursorReply:
     """The cursor saved for a source: ``data`` base64 (empty when ``found`` is false)."""
 
     found: bool
-    data: str
-    saved_at: float
+    data: str = field(metadata={"description": "The cursor's bytes, base64 (at most 4,096 decoded)."})
+    saved_at: float = field(metadata={"description": "Unix time, in seconds; 0 when not found."})
     writer_id: str
 
 

@@ -15,16 +15,29 @@ from tally_server.domain.events import Severity
 from tally_server.domain.ledger import ApplyCounts
 from tally_server.domain.ports import FailedAttemptRecord, WriterRecord
 
+_UNIX = "Unix time, in seconds."
+_LEASE = (
+    "each call of the writer renews it (the SDK sends a heartbeat every third of it); a writer silent "
+    "this long is closed and its pending state dropped."
+)
+
+
+def _doc(description: str) -> dict[str, str]:
+    """A field's description in ``/openapi.json``."""
+    return {"description": description}
+
 
 @dataclass(frozen=True)
 class OpenedWriter:
     """A writer just opened: its handle for every later call, its lease and the checkpoint's progress."""
 
-    handle: str
+    handle: str = field(metadata=_doc("Names this writer in every later call (the HTTP paths' {handle})."))
     writer_id: str
-    lease_ttl_s: float
+    lease_ttl_s: float = field(metadata=_doc(f"Seconds the lease lasts without a call; {_LEASE}"))
     completed_count: int
-    settle_ms: int
+    settle_ms: int = field(
+        metadata=_doc("Milliseconds a source whose count reached zero waits before it is completed.")
+    )
     # The batch of an ApplyDeltas may come as columns (gRPC DeltaColumns, HTTP "columns").
     accepts_delta_columns: bool = True
 
@@ -62,9 +75,9 @@ class WriterView:
     state: str
     pending_sources: int
     counts: ApplyCounts
-    opened_at: float
-    last_seen_at: float
-    closed_at: float = field(default=0.0, metadata={"description": "0 while the writer is open."})
+    opened_at: float = field(metadata=_doc(_UNIX))
+    last_seen_at: float = field(metadata=_doc("Its last call or heartbeat. " + _UNIX))
+    closed_at: float = field(default=0.0, metadata=_doc("0 while the writer is open. " + _UNIX))
 
     @classmethod
     def of(cls, r: WriterRecord) -> WriterView:
@@ -91,7 +104,7 @@ class EventView:
     checkpoint: str
     kind: str
     message: str
-    at: float
+    at: float = field(metadata=_doc(_UNIX))
     writer_id: str
     data: dict[str, Any]
     severity: Severity = field(metadata={"description": "How much it matters; set from the kind."})
@@ -111,7 +124,7 @@ class EventPage:
 class ProgressSample:
     """A checkpoint's completed count at one time."""
 
-    at: float
+    at: float = field(metadata=_doc(_UNIX))
     completed_count: int
 
 
@@ -153,16 +166,18 @@ class CheckpointView:
     settling_sources: int
     anomalies: int
     unreadable_files: int
-    created_at: float
-    last_activity_at: float
+    created_at: float = field(metadata=_doc(_UNIX))
+    last_activity_at: float = field(metadata=_doc(_UNIX))
     writers: list[WriterView]
     fingerprint: dict[str, str]
-    owner: str = ""  # the replica applying its deltas (a PostgreSQL store's owner); "" on LMDB
-    failed_sources: int = 0  # at the failure budget and not completed
-    max_attempts: int = 0  # the failure budget; 0: unlimited
-    total: int = 0  # declared sources; 0: no total is known
-    remaining: int = -1  # declared sources not completed; -1: not known
-    claimed_sources: int = 0  # live writers' claims
+    owner: str = field(
+        default="", metadata=_doc("The replica applying its deltas (a PostgreSQL store's owner); '' on LMDB.")
+    )
+    failed_sources: int = field(default=0, metadata=_doc("At the failure budget and not completed."))
+    max_attempts: int = field(default=0, metadata=_doc("The failure budget; 0: unlimited."))
+    total: int = field(default=0, metadata=_doc("Declared sources; 0: no total is known."))
+    remaining: int = field(default=-1, metadata=_doc("Declared sources not completed; -1: not known."))
+    claimed_sources: int = field(default=0, metadata=_doc("Sources live writers hold claims on."))
 
 
 @dataclass(frozen=True)
@@ -172,9 +187,13 @@ class ReplicaView:
     name: str
     grpc_address: str
     http_address: str
-    owner: bool  # it owns the store: applies every writer's deltas; the others forward to it
-    started_at: float
-    silent_s: float  # seconds since it last showed it is alive (every second while it runs)
+    owner: bool = field(
+        metadata=_doc("It owns the store: applies every writer's deltas; the others forward.")
+    )
+    started_at: float = field(metadata=_doc(_UNIX))
+    silent_s: float = field(
+        metadata=_doc("Seconds since it last showed it is alive (it does every second while it runs).")
+    )
 
 
 @dataclass(frozen=True)
@@ -214,9 +233,9 @@ class ClaimView:
 
     source_id: str
     state: str
-    token: int = 0
+    token: int = field(default=0, metadata=_doc("The fencing token (acquired only); tokens only grow."))
     holder: str = ""
-    until: float = 0.0
+    until: float = field(default=0.0, metadata=_doc("When the holder's lease runs out (held only). " + _UNIX))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 from enum import Enum
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 
 from tally_server.auth import Principal
 from tally_server.http_api import bodies
@@ -28,7 +28,13 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=CompletedPage,
         dependencies=[Depends(guard.requires("ListCompleted"))],
     )
-    async def list_completed(checkpoint: str, after: str = "", limit: int = 10_000) -> CompletedPage:
+    async def list_completed(
+        checkpoint: s.CheckpointParam,
+        after: s.AfterParam = "",
+        limit: Annotated[
+            int, Query(description=f"Ids per page: 1 to {s.MAX_IDS:,} (max_ids_per_query).")
+        ] = 10_000,
+    ) -> CompletedPage:
         """Completed source ids in byte order, paged with next_after (for export)."""
         return await service.list_completed(checkpoint, after=after, limit=limit)
 

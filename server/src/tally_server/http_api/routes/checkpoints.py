@@ -5,7 +5,7 @@
 from enum import Enum
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Request
 from starlette.convertors import Convertor, register_url_convertor
 
 from tally_server.auth import Principal
@@ -75,6 +75,6 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=CheckpointView,
         dependencies=[Depends(guard.requires("GetCheckpoint"))],
     )
-    async def get_checkpoint(name: str) -> CheckpointView:
+    async def get_checkpoint(name: Annotated[str, Path(description=s.CHECKPOINT)]) -> CheckpointView:
         """One checkpoint: completed count, live writers, pending sources, anomalies."""
         return await service.get_checkpoint(name)

@@ -3,8 +3,9 @@
 # No "from __future__ import annotations": the Annotated dependencies name the local guard, which
 # FastAPI could not resolve from a string.
 from enum import Enum
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 
 from tally_server.http_api import bodies
 from tally_server.http_api import replies as r
@@ -27,7 +28,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("Acquire"))],
         openapi_extra=bodies.request_body(s.AcquireBody),
     )
-    async def acquire(handle: str, request: Request) -> r.AcquireReply:
+    async def acquire(handle: s.HandleParam, request: Request) -> r.AcquireReply:
         """Claim sources for the writer: each acquired (with a fencing token), held, completed or failed."""
         body = await bodies.parse(request, lambda raw: bodies.model(s.AcquireBody, raw))
         return r.AcquireReply(claims=await service.acquire(handle, body.source_ids))
@@ -39,6 +40,10 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=TokenCheck,
         dependencies=[Depends(guard.requires("TokenIsCurrent"))],
     )
-    async def token_is_current(checkpoint: str, source_id: str, token: int) -> TokenCheck:
+    async def token_is_current(
+        checkpoint: s.CheckpointParam,
+        source_id: s.SourceIdParam,
+        token: Annotated[int, Query(description="The fencing token an acquire answered.")],
+    ) -> TokenCheck:
         """Whether a fencing token is the live claim on a source: fence late writes with it."""
         return await service.token_is_current(checkpoint, source_id, token)

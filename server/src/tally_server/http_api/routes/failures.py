@@ -29,7 +29,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("ReportFailure"))],
         openapi_extra=bodies.request_body(s.ReportFailureBody),
     )
-    async def report_failure(handle: str, request: Request) -> ReportedFailure:
+    async def report_failure(handle: s.HandleParam, request: Request) -> ReportedFailure:
         """Count a failed attempt at a source (durable on return); failed at the checkpoint's budget."""
         body = await bodies.parse(request, lambda raw: bodies.model(s.ReportFailureBody, raw))
         return await service.report_failure(handle, body.source_id, body.reason)
@@ -42,13 +42,15 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("ListFailures"))],
     )
     async def list_failures(
-        checkpoint: str,
+        checkpoint: s.CheckpointParam,
         source_id: Annotated[
             list[str] | None, Query(description="Only these sources (repeat the parameter).")
         ] = None,
-        failed_only: bool = False,
-        after: str = "",
-        limit: int = 0,
+        failed_only: Annotated[bool, Query(description="Only sources at the failure budget.")] = False,
+        after: s.AfterParam = "",
+        limit: Annotated[
+            int, Query(description=f"Sources per page: 1 to {s.MAX_IDS:,} (max_ids_per_query); 0: 1,000.")
+        ] = 0,
     ) -> FailurePage:
         """Sources with failed attempts by source id, with their latest reasons; paged with next_after."""
         return await service.list_failures(

@@ -21,20 +21,29 @@ TAGS: list[str | Enum] = ["health"]
 def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard, metrics: Metrics) -> None:
     """Add the health, readiness and metrics routes to ``app``."""
 
-    @app.get(
-        "/healthz",
-        tags=TAGS,
-    )
+    @app.get("/healthz", tags=TAGS, operation_id="CheckLiveness")
     async def healthz() -> dict[str, str]:
         """Liveness: the process serves requests."""
         return {"status": "ok"}
 
-    @app.get("/metrics", tags=TAGS, response_class=Response, dependencies=[Depends(guard.metrics)])
+    @app.get(
+        "/metrics",
+        tags=TAGS,
+        operation_id="GetMetrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format 0.0.4.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+        dependencies=[Depends(guard.metrics)],
+    )
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition (async on purpose: reads service state on the event loop)."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/readyz", tags=TAGS, responses={503: {"model": s.ErrorReply}})
+    @app.get("/readyz", tags=TAGS, operation_id="CheckReadiness", responses={503: {"model": s.ErrorReply}})
     async def readyz() -> Any:
         """Readiness: whether the coordinator can do its work.
 

@@ -5,7 +5,7 @@
 from enum import Enum
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 
 from tally_server.auth import Principal
 from tally_server.http_api import bodies
@@ -46,6 +46,12 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=CompletedPage,
         dependencies=[Depends(guard.requires("ListRemaining"))],
     )
-    async def list_remaining(checkpoint: str, after: str = "", limit: int = 0) -> CompletedPage:
+    async def list_remaining(
+        checkpoint: s.CheckpointParam,
+        after: s.AfterParam = "",
+        limit: Annotated[
+            int, Query(description=f"Ids per page: 1 to {s.MAX_IDS:,} (max_ids_per_query); 0: 1,000.")
+        ] = 0,
+    ) -> CompletedPage:
         """Declared sources not completed yet, in byte order; page with next_after."""
         return await service.list_remaining(checkpoint, after=after, limit=limit)

@@ -58,7 +58,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=r.KeepAliveReply,
         dependencies=[Depends(guard.requires("KeepAlive"))],
     )
-    async def keep_alive(handle: str) -> r.KeepAliveReply:
+    async def keep_alive(handle: s.HandleParam) -> r.KeepAliveReply:
         """Renew the writer's lease; 404 means its pending state is gone."""
         return r.KeepAliveReply(lease_ttl_s=await service.keep_alive(handle))
 
@@ -70,7 +70,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("ApplyDeltas"))],
         openapi_extra=bodies.request_body(s.ApplyDeltasBody),
     )
-    async def apply_deltas(handle: str, request: Request) -> r.ApplyDeltasReply:
+    async def apply_deltas(handle: s.HandleParam, request: Request) -> r.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
         batch, batch_seq = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
         applied = await service.apply_deltas(handle, batch, batch_seq)
@@ -83,7 +83,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=r.FlushReply,
         dependencies=[Depends(guard.requires("Flush"))],
     )
-    async def flush(handle: str) -> r.FlushReply:
+    async def flush(handle: s.HandleParam) -> r.FlushReply:
         """Barrier: returns when every completion from deltas applied so far is durable."""
         return r.FlushReply(completed=await service.flush(handle))
 
@@ -95,7 +95,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("SaveCursors"))],
         openapi_extra=bodies.request_body(s.SaveCursorsBody),
     )
-    async def save_cursors(handle: str, request: Request) -> r.SaveCursorsReply:
+    async def save_cursors(handle: s.HandleParam, request: Request) -> r.SaveCursorsReply:
         """Save where the writer got to inside sources (each at most 4 KiB): durable on return."""
         body = await bodies.parse(request, lambda raw: bodies.model(s.SaveCursorsBody, raw))
         items = [(c.source_id, _base64(i, c.data)) for i, c in enumerate(body.cursors)]
@@ -109,7 +109,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         response_model=ClosedWriter,
         dependencies=[Depends(guard.requires("CloseWriter"))],
     )
-    async def close_writer(handle: str) -> ClosedWriter:
+    async def close_writer(handle: s.HandleParam) -> ClosedWriter:
         """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
         return await service.close_writer(handle)
 
