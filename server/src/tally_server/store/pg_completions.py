@@ -28,11 +28,13 @@ from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
     DeleteCompleted,
+    JournalOp,
     LoadedCheckpoint,
     LoadedIndex,
     PutCompleted,
 )
 from tally_server.store import postgres
+from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_schema import (
     LEGACY_INDEXES,
     completed_table,
@@ -157,6 +159,22 @@ class PgCompletionStore:
                 before anything is written.
             CompletionWriteError: the database refused or could not be reached; retry.
         """
+        return self.commit_with(None, ops)
+
+    def commit_with(
+        self, first: Callable[[Connection], None] | None, ops: Sequence[CompletionOp]
+    ) -> CommitReport:
+        """:meth:`commit`, with ``first(conn)`` writing in the same transaction, after the fence.
+
+        How a group's journal entries and its completions become durable together (one WAL flush,
+        one fence, one round of statements; see ``commit_group``): a failure of either leaves
+        nothing of both. ``first`` may run twice (see ``_write``), so it must be idempotent within
+        the transaction's retry.
+
+        Raises:
+            ValueError: as :meth:`commit` (nothing written, ``first`` not called).
+            CompletionWriteError: the database refused or could not be reached; retry.
+        """
         self._check_open()
         planned: list[tuple[CompletionOp, list[bytes]]] = []
         for op in ops:
@@ -165,24 +183,47 @@ class PgCompletionStore:
                 if not name or "\x00" in name:
                     raise ValueError(f"name {name!r} cannot be stored in PostgreSQL text; refusing")
             planned.append((op, [nemo_format.encode_key(sid) for sid in op.sources]))
-        if not planned:
+        if not planned and first is None:
             return CommitReport()
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
         try:
             try:
-                self._write(planned, new, tolerant=False)
+                self._write(first, planned, new, tolerant=False)
             except psycopg.errors.UniqueViolation:
                 # An id the origin holds already (a retried commit whose first try was durable, or
                 # two puts of one id in a group): nothing of that try stayed; again, skipping those.
-                self._write(planned, new, tolerant=True)
+                self._write(first, planned, new, tolerant=True)
         except postgres.TRANSIENT_RAW as exc:
-            raise postgres.write_error(self._url, exc, "completions") from exc
+            what = "completions" if first is None else "the writers' journal and completions"
+            raise postgres.write_error(self._url, exc, what) from exc
         with self._lock:
             self._marked.update(new)
         return CommitReport()
 
-    def _write(self, planned: list[tuple[CompletionOp, list[bytes]]], new: list[str], tolerant: bool) -> None:
-        """One transaction: the fence, then the ops in order; puts by COPY unless ``tolerant``.
+    def commit_group(
+        self, journal: PgJournal, journal_ops: Sequence[JournalOp], ops: Sequence[CompletionOp]
+    ) -> CommitReport:
+        """A group's journal entries, then its completions, in one transaction; durable on return.
+
+        A completion is never durable before the journal entry recording it (they commit
+        together), and a failure writes neither: the group committer fails both.
+
+        Raises:
+            ValueError: as :meth:`commit` (nothing written).
+            CompletionWriteError: the database refused or could not be reached; retry.
+        """
+        if not journal_ops:
+            return self.commit(ops)
+        return self.commit_with(functools.partial(journal.write, ops=journal_ops), ops)
+
+    def _write(
+        self,
+        first: Callable[[Connection], None] | None,
+        planned: list[tuple[CompletionOp, list[bytes]]],
+        new: list[str],
+        tolerant: bool,
+    ) -> None:
+        """One transaction: the fence, ``first``, then the ops in order; puts by COPY unless ``tolerant``.
 
         COPY is the fast path (measured ~2x an ``INSERT ... ON CONFLICT`` of the same rows, and a
         third of the client's CPU) but fails on an id the origin holds already; ``tolerant`` puts
@@ -190,6 +231,8 @@ class PgCompletionStore:
         """
         with self._engine.begin() as conn:
             self._fenced(conn)
+            if first is not None:
+                first(conn)
             if new:
                 at = time.time()
                 conn.execute(

@@ -94,17 +94,24 @@ class PgJournal:
             with self._engine.begin() as conn:
                 if self._fence is not None:
                     self._fence(conn)
-                rows: list[dict[str, Any]] = []  # consecutive entries, inserted together
-                for op in ops:
-                    if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):
-                        rows.append({"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)})
-                        continue
-                    self._insert(conn, rows)
-                    rows = []
-                    self._apply(conn, op)
-                self._insert(conn, rows)
+                self.write(conn, ops)
         except postgres.TRANSIENT as exc:
             raise postgres.write_error(self._url, exc, "the writers' journal") from exc
+
+    def write(self, conn: Connection, ops: Sequence[JournalOp]) -> None:
+        """Apply ``ops`` in order in the caller's transaction (fenced by the caller), not committing.
+
+        What ``PgCompletionStore.commit_group`` writes before a group's completions.
+        """
+        rows: list[dict[str, Any]] = []  # consecutive entries, inserted together
+        for op in ops:
+            if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):
+                rows.append({"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)})
+                continue
+            self._insert(conn, rows)
+            rows = []
+            self._apply(conn, op)
+        self._insert(conn, rows)
 
     @staticmethod
     def _insert(conn: Connection, rows: list[dict[str, Any]]) -> None:
