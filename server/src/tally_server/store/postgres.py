@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 # Errors of the database or the way to it (down, restarting, out of disk, out of connections):
 # transient. Integrity and data errors are bugs and propagate as they are.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
-# The same, raised by psycopg itself where a hot path uses its connection under SQLAlchemy's (COPY).
+# The same, raised by psycopg itself where a hot path uses its connection under SQLAlchemy's (a
+# commit's pipeline of writes).
 TRANSIENT_RAW = (*TRANSIENT, psycopg.OperationalError, psycopg.InterfaceError)
 # SQLSTATE class 53: insufficient resources (53100 disk_full, 53200 out_of_memory, ...).
 _RESOURCES = "53"
