@@ -116,6 +116,29 @@ def test_a_connection_lost_in_the_middle_of_a_commit_is_a_transient_error_with_n
     admin.dispose()
 
 
+def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(postgres_url: str) -> None:
+    """Commits skip the pool's ping: the fence finds the connection closed, and the commit runs again."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = sa.make_url(postgres_url).database
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock.fence) as store:
+        journal = PgJournal(postgres_url, lock.fence)
+        store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/r", "w", ["a"])])
+        with admin.connect() as conn:  # as a restart does: every session of the database ends
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+        store.commit_group(journal, [JournalEntry("a", 1, batch(1))], [PutCompleted("cp/r", "w", ["b"])])
+        store.commit([PutCompleted("cp/r", "w", ["c"])])
+        assert store.load("cp/r").completed == {"a", "b", "c"}
+        assert journal.load()[0].entries == [batch(1)]
+        journal.close()
+    admin.dispose()
+
+
 def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:
     with PgCompletionStore(postgres_url):
         pass

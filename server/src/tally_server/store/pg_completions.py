@@ -111,6 +111,9 @@ class PgCompletionStore:
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
+        # Commits take their connection without the pool's ping (a round trip per commit): the
+        # fence, their first statement, finds a connection a restart cut, and the commit runs again.
+        self._commit_engine = postgres.create_engine(self._url, pre_ping=False)
         self._closed = False
         self._lock = threading.Lock()
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
@@ -186,16 +189,28 @@ class PgCompletionStore:
         if not planned and first is None:
             return CommitReport()
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
-        try:
+        for again in (True, False):
             try:
-                self._write(first, planned, new, tolerant=False)
-            except psycopg.errors.UniqueViolation:
-                # An id the origin holds already (a retried commit whose first try was durable, or
-                # two puts of one id in a group): nothing of that try stayed; again, skipping those.
-                self._write(first, planned, new, tolerant=True)
-        except postgres.TRANSIENT_RAW as exc:
-            what = "completions" if first is None else "the writers' journal and completions"
-            raise postgres.write_error(self._url, exc, what) from exc
+                try:
+                    self._write(first, planned, new, tolerant=False)
+                except psycopg.errors.UniqueViolation:
+                    # An id the origin holds already (a retried commit whose first try was durable,
+                    # or two puts of one id in a group): nothing of that try stayed; again, skipping
+                    # those.
+                    self._write(first, planned, new, tolerant=True)
+                break
+            except postgres.TRANSIENT_RAW as exc:
+                if again and postgres.stale_connection(exc):
+                    logger.info(
+                        "a pooled connection to %s was closed (%s); committing again",
+                        self.display_url,
+                        postgres.cause(exc),
+                    )
+                    # Safe whenever the connection was found closed: a commit is idempotent (its
+                    # writes are upserts, or skip what is there already), even one that went through.
+                    continue
+                what = "completions" if first is None else "the writers' journal and completions"
+                raise postgres.write_error(self._url, exc, what) from exc
         with self._lock:
             self._marked.update(new)
         return CommitReport()
@@ -227,11 +242,11 @@ class PgCompletionStore:
 
         The writes go in one pipeline on psycopg's own connection (in SQLAlchemy's transaction,
         after the fence's read): one round trip for all of them, however many ops and entries, so a
-        commit costs four (the pool's ping, the fence, the writes, the commit). A put fails on an id
+        commit costs four (``BEGIN``, the fence, the writes, the commit). A put fails on an id
         the origin holds already unless ``tolerant`` (then it skips those; measured slower).
         """
         put = _PUT_IDS_TOLERANT if tolerant else _PUT_IDS
-        with self._engine.begin() as conn:
+        with self._commit_engine.begin() as conn:
             self._fenced(conn)
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
@@ -402,6 +417,7 @@ class PgCompletionStore:
         """Release the database connections; the store refuses further calls. Idempotent."""
         self._closed = True
         self._engine.dispose()
+        self._commit_engine.dispose()
 
     def __enter__(self) -> PgCompletionStore:
         return self

@@ -113,11 +113,16 @@ def application_name() -> str:
     return f"tally serve pid {os.getpid()} on {socket.gethostname()}"[:63]
 
 
-def create_engine(url: sa.URL, *, pooled: bool = True) -> Engine:
-    """An engine on the store's database whose sessions commit synchronously (durable on return)."""
+def create_engine(url: sa.URL, *, pooled: bool = True, pre_ping: bool = True) -> Engine:
+    """An engine on the store's database whose sessions commit synchronously (durable on return).
+
+    ``pre_ping``: check each pooled connection with a round trip before lending it, as a database
+    restart may have cut it; without, the first statement on such a connection fails with
+    ``connection_invalidated`` set (see :func:`stale_connection`) and the caller tries again.
+    """
     engine = sa.create_engine(
         url,
-        pool_pre_ping=True,  # a pooled connection may have been cut by a database restart
+        pool_pre_ping=pre_ping,  # a pooled connection may have been cut by a database restart
         poolclass=None if pooled else NullPool,
         connect_args={"connect_timeout": _CONNECT_TIMEOUT_S, "application_name": application_name()},
     )
@@ -148,6 +153,15 @@ def open_store_engine(url: sa.URL, prepare: Callable[[Engine], None]) -> Engine:
         engine.dispose()
         raise
     return engine
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` says a pooled connection was found closed (SQLAlchemy then discarded it).
+
+    Raised by the first statement on a connection that a database restart cut while it sat in
+    the pool: nothing of that transaction reached the database, and a new connection may work.
+    """
+    return bool(getattr(exc, "connection_invalidated", False))
 
 
 def cause(exc: BaseException) -> str:
