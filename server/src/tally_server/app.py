@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 def build_service(
     settings: Settings,
     loop_idle: Sequence[Callable[[], float]] = (),
-    fence: Callable[[Connection], None] | None = None,
+    fence: StoreLock | Callable[[Connection], None] | None = None,
 ) -> CoordinatorService:
     """Build the coordinator service the settings describe, on its stores (creating the data directory).
 
@@ -74,7 +74,9 @@ def build_service(
         completions = pg_completions = PgCompletionStore(settings.store, fence)
         try:
             if settings.journal:
-                journal = pg_journal = PgJournal(settings.store, fence)
+                journal = pg_journal = PgJournal(
+                    settings.store, fence.fence if isinstance(fence, StoreLock) else fence
+                )
                 # One database: a group's journal entries and completions in one transaction.
                 joint_commit = functools.partial(pg_completions.commit_group, pg_journal)
         except BaseException:
@@ -363,7 +365,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
-    service = build_service(settings, idle, store_lock.fence if store_lock is not None else None)
+    service = build_service(settings, idle, store_lock)
     # The HTTP transport runs on its own loop and sees the service through the bridge.
     bridged = cast(CoordinatorService, ServiceBridge(service, loop))
     metrics = Metrics(bridged)  # one registry, fed by both transports and the store

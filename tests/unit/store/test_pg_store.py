@@ -120,7 +120,7 @@ def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(pos
     """Commits skip the pool's ping: the fence finds the connection closed, and the commit runs again."""
     admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = sa.make_url(postgres_url).database
-    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock.fence) as store:
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock) as store:
         journal = PgJournal(postgres_url, lock.fence)
         store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/r", "w", ["a"])])
         with admin.connect() as conn:  # as a restart does: every session of the database ends
@@ -364,7 +364,7 @@ def test_a_group_commit_writes_journal_entries_and_completions_in_one_transactio
     url = store_url(registry_postgres_url)
     with StoreLock(url) as lock:
         journal = PgJournal(registry_postgres_url, lock.fence)
-        store = PgCompletionStore(registry_postgres_url, lock.fence)
+        store = PgCompletionStore(registry_postgres_url, lock)  # its epoch read goes with the writes
         store.commit_group(journal, [OpenJournal(who("a"))], [])  # journal ops alone
         store.commit_group(
             journal,
@@ -430,7 +430,7 @@ def test_a_deposed_coordinator_writes_neither_journal_entries_nor_completions_of
     url = store_url(postgres_url)
     first = StoreLock(url)
     first.acquire()
-    journal, store = PgJournal(postgres_url, first.fence), PgCompletionStore(postgres_url, first.fence)
+    journal, store = PgJournal(postgres_url, first.fence), PgCompletionStore(postgres_url, first)
     store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/g", "w1", ["a"])])
     first.release()
     with StoreLock(url):

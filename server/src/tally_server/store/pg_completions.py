@@ -105,9 +105,16 @@ class PgCompletionStore:
 
     remote = True  # every lookup is a query: the service holds loaded ids in memory
 
-    def __init__(self, url: str, fence: Callable[[Connection], None] | None = None) -> None:
-        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
-        self._fence = fence
+    def __init__(
+        self, url: str, fence: postgres.StoreLock | Callable[[Connection], None] | None = None
+    ) -> None:
+        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``).
+
+        The store's lock itself: commits send its epoch read with their writes (one round trip
+        less) and check it before they commit (``StoreLock.check_epoch``).
+        """
+        self._store_lock = fence if isinstance(fence, postgres.StoreLock) else None
+        self._fence = fence.fence if isinstance(fence, postgres.StoreLock) else fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
@@ -240,31 +247,40 @@ class PgCompletionStore:
     ) -> None:
         """One transaction: the fence, then ``first`` and the ops in order, then the commit.
 
-        The writes go in one pipeline on psycopg's own connection (in SQLAlchemy's transaction,
-        after the fence's read): one round trip for all of them, however many ops and entries, so a
-        commit costs four (``BEGIN``, the fence, the writes, the commit). A put fails on an id
-        the origin holds already unless ``tolerant`` (then it skips those; measured slower).
+        The writes go in one pipeline on psycopg's own connection (in SQLAlchemy's transaction):
+        one round trip for all of them, however many ops and entries, and for ``BEGIN`` and the
+        store lock's epoch read before them (checked once they are through, before the commit).
+        So a commit costs two round trips (three with a fence of another kind, run on its own
+        first). A put fails on an id the origin holds already unless ``tolerant`` (then it skips
+        those; measured slower).
         """
         put = _PUT_IDS_TOLERANT if tolerant else _PUT_IDS
         with self._commit_engine.begin() as conn:
-            self._fenced(conn)
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
-            with raw.pipeline(), raw.cursor() as cursor:
-                if first is not None:
-                    first(cursor)
-                if new:
-                    at = time.time()
-                    cursor.executemany(_MARK, [(name, at) for name in new])
-                for op, keys in planned:
-                    if not keys:
-                        continue
-                    if isinstance(op, PutCompleted):
-                        cursor.execute(put, (op.checkpoint, op.writer_id, keys))
-                    elif isinstance(op, DeleteCompleted):
-                        cursor.execute(_DELETE_IDS, (op.checkpoint, keys))
-                    else:  # pragma: no cover - guarded by the type checker
-                        raise TypeError(f"unknown completion op {op!r}")
+            if self._store_lock is None:
+                self._fenced(conn)
+            with raw.cursor() as epoch, raw.cursor() as cursor:
+                with raw.pipeline():
+                    if self._store_lock is not None:
+                        epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR SHARE
+                    if first is not None:
+                        first(cursor)
+                    if new:
+                        at = time.time()
+                        cursor.executemany(_MARK, [(name, at) for name in new])
+                    for op, keys in planned:
+                        if not keys:
+                            continue
+                        if isinstance(op, PutCompleted):
+                            cursor.execute(put, (op.checkpoint, op.writer_id, keys))
+                        elif isinstance(op, DeleteCompleted):
+                            cursor.execute(_DELETE_IDS, (op.checkpoint, keys))
+                        else:  # pragma: no cover - guarded by the type checker
+                            raise TypeError(f"unknown completion op {op!r}")
+                if self._store_lock is not None:
+                    row = epoch.fetchone()
+                    self._store_lock.check_epoch(None if row is None else int(row[0]))
 
     def _fenced(self, conn: Connection) -> None:
         if self._fence is not None:

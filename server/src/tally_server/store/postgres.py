@@ -64,7 +64,9 @@ _END_HOLDER = sa.text(
 # its session, and so the lock, however long it is stopped).
 RENEW_EVERY_S = 1.0
 TAKE_OVER_AFTER_S = 5.0
-_READ_EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
+# What StoreLock.fence reads; a commit sends it first in its pipeline of writes (check_epoch).
+READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE"
+_READ_EPOCH = sa.text(READ_EPOCH)
 # How often a standby tries the lock while another coordinator holds it.
 _STANDBY_POLL_S = 0.5
 _LOCK_SESSION = (
@@ -156,12 +158,16 @@ def open_store_engine(url: sa.URL, prepare: Callable[[Engine], None]) -> Engine:
 
 
 def stale_connection(exc: BaseException) -> bool:
-    """Whether ``exc`` says a pooled connection was found closed (SQLAlchemy then discarded it).
+    """Whether ``exc`` says a connection the pool lent was found closed, so a new one may work.
 
-    Raised by the first statement on a connection that a database restart cut while it sat in
-    the pool: nothing of that transaction reached the database, and a new connection may work.
+    As a database restart leaves the connections that sat in the pool: SQLAlchemy says so
+    (``connection_invalidated``, and discards it), or psycopg itself, for statements sent on its
+    own connection (a commit's pipeline), with a connection error or an administrator's shutdown.
+    A connection that cannot be made at all is neither (the pool raises that through SQLAlchemy).
     """
-    return bool(getattr(exc, "connection_invalidated", False))
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57")
 
 
 def cause(exc: BaseException) -> str:
@@ -367,7 +373,18 @@ class StoreLock:
         Raises:
             Fenced: another coordinator took the store over; nothing may be written.
         """
-        now = conn.execute(_READ_EPOCH).scalar()
+        self.check_epoch(conn.execute(_READ_EPOCH).scalar())
+
+    def check_epoch(self, now: int | None) -> None:
+        """What :meth:`fence` checks, for a commit that read ``READ_EPOCH`` itself.
+
+        A commit sends that read first in its transaction, in one pipeline with its writes, and
+        checks the epoch before it commits: the read's lock is the same, and a refused commit's
+        writes are rolled back, never committed.
+
+        Raises:
+            Fenced: ``now`` (the store's epoch) is not the one this coordinator took.
+        """
         if self.epoch is None or now != self.epoch:
             raise Fenced(self.url, self.epoch or 0, now)
 
