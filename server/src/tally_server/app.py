@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 
 from tally_server import replica
 from tally_server.auth import Authorizer, load_tokens
-from tally_server.domain.ports import CompletionStore, Journal
+from tally_server.domain.ports import CompletionStore, JointCommit, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
 from tally_server.http_api.app import create_app
 from tally_server.loop_load import new_event_loop
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 def build_service(
     settings: Settings,
     loop_idle: Sequence[Callable[[], float]] = (),
-    fence: Callable[[Connection], None] | None = None,
+    fence: StoreLock | Callable[[Connection], None] | None = None,
 ) -> CoordinatorService:
     """Build the coordinator service the settings describe, on its stores (creating the data directory).
 
@@ -65,15 +65,20 @@ def build_service(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     completions: CompletionStore
     journal: Journal = NoJournal()
+    joint_commit: JointCommit | None = None
     if settings.store is None:  # the default: NeMo Curator's LMDB files in the data directory
         completions = LmdbCompletionStore(settings.data_dir)
         if settings.journal:
             journal = LmdbJournal(settings.data_dir)
     else:
-        completions = PgCompletionStore(settings.store, fence)
+        completions = pg_completions = PgCompletionStore(settings.store, fence)
         try:
             if settings.journal:
-                journal = PgJournal(settings.store, fence)
+                journal = pg_journal = PgJournal(
+                    settings.store, fence.fence if isinstance(fence, StoreLock) else fence
+                )
+                # One database: a group's journal entries and completions in one transaction.
+                joint_commit = functools.partial(pg_completions.commit_group, pg_journal)
         except BaseException:
             completions.close()
             raise
@@ -94,6 +99,7 @@ def build_service(
         progress_interval_s=settings.progress_interval_s,
         memory_budget_bytes=settings.checkpoint_memory_mb << 20,
         loop_idle=loop_idle,
+        joint_commit=joint_commit,
     )
 
 
@@ -359,7 +365,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     http_sock = _bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
-    service = build_service(settings, idle, store_lock.fence if store_lock is not None else None)
+    service = build_service(settings, idle, store_lock)
     # The HTTP transport runs on its own loop and sees the service through the bridge.
     bridged = cast(CoordinatorService, ServiceBridge(service, loop))
     metrics = Metrics(bridged, settings.data_dir)  # one registry, fed by both transports and the store

@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tally_server.domain.ports import CommitReport, CompletionOp
+from tally_server.domain.journal import Applied
+from tally_server.domain.ports import (
+    CommitReport,
+    CompletionOp,
+    CompletionWriteError,
+    JournalEntry,
+    JournalOp,
+    PutCompleted,
+)
 from tally_server.domain.validation import Limits
-from tally_server.errors import NotFound
+from tally_server.errors import NotFound, Unavailable
 from tally_server.service import CoordinatorService
 from tally_server.store.journal import LmdbJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
@@ -196,3 +204,67 @@ def test_closing_completes_every_settling_source_at_once(tmp_path: Path) -> None
         assert await svc.are_completed("unit/closing", ["a", "b", "c"]) == [True, True, False]
 
     run(tmp_path, scenario)
+
+
+def test_a_joint_commit_makes_a_groups_journal_and_completions_durable_together_or_not_at_all(
+    tmp_path: Path,
+) -> None:
+    """The PostgreSQL store's way (one transaction per group), here over the LMDB stores."""
+    groups: list[tuple[list[JournalOp], list[CompletionOp]]] = []
+    joined: list[int] = []  # the completion ops of each joint commit that went through
+    failing = False
+
+    async def main() -> None:
+        clock = Clock()
+        store, journal = CountingStore(tmp_path), LmdbJournal(tmp_path)
+
+        def joint(entries: Sequence[JournalOp], changes: Sequence[CompletionOp]) -> CommitReport:
+            groups.append((list(entries), list(changes)))
+            if failing:
+                raise CompletionWriteError("the database is down", path="db", disk_full=False)
+            journal.commit(entries)
+            joined.append(len(changes))
+            return store.commit(changes)
+
+        service = CoordinatorService(
+            completions=store,
+            journal=journal,
+            registry=SqlRegistry(default_sqlite_url(tmp_path)),
+            limits=Limits(),
+            settle_ms=0,
+            lease_ttl_s=TTL,
+            clock=clock,
+            wall_clock=clock,
+            sleep=never,
+            joint_commit=joint,
+        )
+        await service.start()
+        try:
+            await scenario(Harness(service, clock, store), journal)
+        finally:
+            await service.shutdown()
+
+    async def scenario(h: Harness, journal: LmdbJournal) -> None:
+        nonlocal failing
+        svc = h.service
+        opened = await svc.open_writer("unit/joint", writer_id="w")
+        failing = True
+        with pytest.raises(Unavailable, match="could not persist completions"):
+            await svc.apply_deltas(opened.handle, tree("a"), batch_seq=1)
+        entries, changes = groups[-1]
+        assert [type(e) for e in entries] == [JournalEntry, JournalEntry]  # Applied, Completing
+        assert changes == [PutCompleted("unit/joint", "w", ["a"])]  # the same group, the same failure
+        assert await svc.are_completed("unit/joint", ["a"]) == [False]
+        (writer,) = journal.load()
+        assert writer.entries == []  # neither is durable
+        failing = False
+        await h.step("settle")  # the reverted source settles again and commits
+        assert await asyncio.wait_for(svc.flush(opened.handle), 5) == 1
+        assert await svc.are_completed("unit/joint", ["a"]) == [True]
+        (writer,) = journal.load()
+        assert any(isinstance(e, Applied) for e in writer.entries)
+        # The files were only ever committed through the joint commit, never on their own.
+        assert h.store.commits == len(joined) and sum(joined) == 1
+
+    asyncio.run(main())
+    assert nemo_read(tmp_path / "checkpoints" / "unit" / "joint") == {"a"}

@@ -116,6 +116,29 @@ def test_a_connection_lost_in_the_middle_of_a_commit_is_a_transient_error_with_n
     admin.dispose()
 
 
+def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(postgres_url: str) -> None:
+    """Commits skip the pool's ping: the fence finds the connection closed, and the commit runs again."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = sa.make_url(postgres_url).database
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock) as store:
+        journal = PgJournal(postgres_url, lock.fence)
+        store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/r", "w", ["a"])])
+        with admin.connect() as conn:  # as a restart does: every session of the database ends
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+        store.commit_group(journal, [JournalEntry("a", 1, batch(1))], [PutCompleted("cp/r", "w", ["b"])])
+        store.commit([PutCompleted("cp/r", "w", ["c"])])
+        assert store.load("cp/r").completed == {"a", "b", "c"}
+        assert journal.load()[0].entries == [batch(1)]
+        journal.close()
+    admin.dispose()
+
+
 def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:
     with PgCompletionStore(postgres_url):
         pass
@@ -312,6 +335,111 @@ def test_journal_entries_come_back_in_order_and_snapshots_drop_what_came_before(
     stored = rows(registry_postgres_url, "SELECT entry FROM journal_entries WHERE idx = 15")
     assert bytes(stored[0][0]) == encode_entry(batch(15))
     journal.close()
+
+
+def _refuse_on_insert(url: str, table: str, condition: str) -> None:
+    """A trigger making an insert into ``table`` fail as a full disk would, where ``condition`` holds."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "RAISE EXCEPTION 'no space left on device' USING ERRCODE = 'disk_full'; END $$"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    f"CREATE TRIGGER refuse BEFORE INSERT ON {table} FOR EACH ROW "
+                    f"WHEN ({condition}) EXECUTE FUNCTION refuse()"
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def test_a_group_commit_writes_journal_entries_and_completions_in_one_transaction(
+    registry_postgres_url: str,
+) -> None:
+    url = store_url(registry_postgres_url)
+    with StoreLock(url) as lock:
+        journal = PgJournal(registry_postgres_url, lock.fence)
+        store = PgCompletionStore(registry_postgres_url, lock)  # its epoch read goes with the writes
+        store.commit_group(journal, [OpenJournal(who("a"))], [])  # journal ops alone
+        store.commit_group(
+            journal,
+            [JournalEntry("a", 1, batch(1)), JournalEntry("a", 2, Completing(["s", "t"]))],
+            [PutCompleted("cp/j", "w1", ["s", "t"])],
+        )
+        store.commit_group(journal, [], [PutCompleted("cp/j", "w1", ["u"])])  # completions alone
+        # An id held already: the group runs again, skipping it; the journal entry is written once.
+        store.commit_group(
+            journal, [JournalEntry("a", 3, Persisted(["s"]))], [PutCompleted("cp/j", "w1", ["s", "v"])]
+        )
+        assert store.load("cp/j").completed == {"s", "t", "u", "v"}
+        (loaded,) = journal.load()
+        assert loaded.entries == [batch(1), Completing(["s", "t"]), Persisted(["s"])]
+        journal.close()
+        store.close()
+
+
+def test_a_group_whose_completions_fail_leaves_no_journal_entry_and_the_other_way_round(
+    registry_postgres_url: str,
+) -> None:
+    journal = PgJournal(registry_postgres_url)
+    store = PgCompletionStore(registry_postgres_url)
+    store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/k", "w1", ["a"])])
+    _refuse_on_insert(registry_postgres_url, "completed", "NEW.source_id = 'boom'::bytea")
+    with pytest.raises(CompletionWriteError, match="disk of the PostgreSQL store .* is full") as failed:
+        store.commit_group(
+            journal,
+            [JournalEntry("a", 1, batch(1)), JournalEntry("a", 2, Completing(["b", "boom"]))],
+            [PutCompleted("cp/k", "w1", ["b", "boom"])],
+        )
+    assert failed.value.disk_full
+    (loaded,) = journal.load()
+    assert loaded.entries == []  # the completions failed: their journal entries are not durable either
+    assert store.load("cp/k").completed == {"a"}
+
+    # The journal fails: nothing of the group's completions is written (the completions are
+    # written after the journal's entries, in the same transaction).
+    engine = sa.create_engine(registry_postgres_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TRIGGER refuse ON completed"))
+        conn.execute(
+            sa.text(
+                "CREATE TRIGGER refuse BEFORE INSERT ON journal_entries FOR EACH ROW "
+                "WHEN (NEW.idx = 5) EXECUTE FUNCTION refuse()"
+            )
+        )
+    engine.dispose()
+    with pytest.raises(CompletionWriteError, match="journal and completions"):
+        store.commit_group(journal, [JournalEntry("a", 5, batch(5))], [PutCompleted("cp/k", "w1", ["c"])])
+    assert store.load("cp/k").completed == {"a"}
+    assert journal.load()[0].entries == []
+    store.commit_group(journal, [JournalEntry("a", 6, batch(6))], [PutCompleted("cp/k", "w1", ["c"])])
+    assert store.load("cp/k").completed == {"a", "c"}
+    assert journal.load()[0].entries == [batch(6)]
+    journal.close()
+    store.close()
+
+
+def test_a_deposed_coordinator_writes_neither_journal_entries_nor_completions_of_a_group(
+    postgres_url: str,
+) -> None:
+    url = store_url(postgres_url)
+    first = StoreLock(url)
+    first.acquire()
+    journal, store = PgJournal(postgres_url, first.fence), PgCompletionStore(postgres_url, first)
+    store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/g", "w1", ["a"])])
+    first.release()
+    with StoreLock(url):
+        with pytest.raises(Fenced):
+            store.commit_group(journal, [JournalEntry("a", 1, batch(1))], [PutCompleted("cp/g", "w1", ["b"])])
+        assert store.load("cp/g").completed == {"a"}
+        assert journal.load()[0].entries == []
+    journal.close()
+    store.close()
 
 
 def test_a_second_lock_on_the_store_is_refused_naming_the_holder(postgres_url: str) -> None:

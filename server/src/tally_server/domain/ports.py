@@ -388,6 +388,11 @@ class ForgetWriter:
 
 JournalOp = OpenJournal | JournalEntry | ForgetWriter
 
+#: Where the journal and the completions live in one database (the PostgreSQL store): commits a
+#: group's journal ops, then its completion ops, in one transaction, durable on return; a failure
+#: writes neither. Raises what ``Journal.commit`` and ``CompletionStore.commit`` raise.
+JointCommit = Callable[[Sequence[JournalOp], Sequence[CompletionOp]], CommitReport]
+
 
 class Journal(Protocol):
     """Writers' journals (DESIGN §2.1): what a restart needs to bring every live writer back.

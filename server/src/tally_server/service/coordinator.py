@@ -22,7 +22,7 @@ from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import Delta
-from tally_server.domain.ports import CompletionStore, Journal, Registry
+from tally_server.domain.ports import CompletionStore, JointCommit, Journal, Registry
 from tally_server.domain.validation import Limits
 from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
@@ -86,6 +86,8 @@ class CoordinatorService:
         sleep: what background loops sleep with.
         loop_idle: per event loop that hears heartbeats, its cumulative seconds waiting for I/O (see
             ``loop_load``), so lease time slows while one is saturated; empty: only stalls pause it.
+        joint_commit: commits a group's journal entries and completions in one transaction, where
+            both live in one database (the PostgreSQL store); None: the journal first, then the files.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class CoordinatorService:
         wall_clock: Callable[[], float] = time.time,
         sleep: Sleep = asyncio.sleep,
         loop_idle: Sequence[Callable[[], float]] = (),
+        joint_commit: JointCommit | None = None,
     ) -> None:
         self.limits = limits
         self.settle_ms = settle_ms
@@ -114,7 +117,7 @@ class CoordinatorService:
         self._sleep = sleep
         self._journal = journal
         committer = GroupCommitter(
-            completions, journal, self.stats, lambda q: self._checkpoints.quarantined(q)
+            completions, journal, self.stats, lambda q: self._checkpoints.quarantined(q), joint_commit
         )
         self._core = core = Core(
             limits=limits,

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import psycopg
@@ -28,11 +28,13 @@ from tally_server.domain.ports import (
     CommitReport,
     CompletionOp,
     DeleteCompleted,
+    JournalOp,
     LoadedCheckpoint,
     LoadedIndex,
     PutCompleted,
 )
 from tally_server.store import postgres
+from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_schema import (
     LEGACY_INDEXES,
     completed_table,
@@ -51,14 +53,14 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _LOAD_CHUNK = 1 << 15
 
 _Ids = postgresql.ARRAY(postgresql.BYTEA())
-_PUT = sa.text(
-    "INSERT INTO completed (checkpoint, source_id, origin) "
-    "SELECT :checkpoint, id, :origin FROM unnest(:ids) AS id ON CONFLICT DO NOTHING"
-).bindparams(sa.bindparam("ids", type_=_Ids))
-_COPY = "COPY completed (checkpoint, source_id, origin) FROM STDIN"
-_DELETE = sa.text(
-    "DELETE FROM completed WHERE checkpoint = :checkpoint AND source_id = ANY(:ids)"
-).bindparams(sa.bindparam("ids", type_=_Ids))
+# A commit's writes, sent together in one pipeline on psycopg's own connection (one round trip):
+# a put is one INSERT of an array of ids (as fast as COPY for the database, and pipelined).
+_PUT_IDS = (
+    "INSERT INTO completed (checkpoint, source_id, origin) SELECT %s, id, %s FROM unnest(%b::bytea[]) AS id"
+)
+_PUT_IDS_TOLERANT = _PUT_IDS + " ON CONFLICT DO NOTHING"
+_DELETE_IDS = "DELETE FROM completed WHERE checkpoint = %s AND source_id = ANY(%b::bytea[])"
+_MARK = "INSERT INTO completion_checkpoints (checkpoint, created_at) VALUES (%s, %s) ON CONFLICT DO NOTHING"
 _CONTAINS = sa.text(
     "SELECT source_id FROM completed "
     "WHERE checkpoint = :checkpoint AND origin = :origin AND source_id = ANY(:ids)"
@@ -103,12 +105,22 @@ class PgCompletionStore:
 
     remote = True  # every lookup is a query: the service holds loaded ids in memory
 
-    def __init__(self, url: str, fence: Callable[[Connection], None] | None = None) -> None:
-        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
-        self._fence = fence
+    def __init__(
+        self, url: str, fence: postgres.StoreLock | Callable[[Connection], None] | None = None
+    ) -> None:
+        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``).
+
+        The store's lock itself: commits send its epoch read with their writes (one round trip
+        less) and check it before they commit (``StoreLock.check_epoch``).
+        """
+        self._store_lock = fence if isinstance(fence, postgres.StoreLock) else None
+        self._fence = fence.fence if isinstance(fence, postgres.StoreLock) else fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
+        # Commits take their connection without the pool's ping (a round trip per commit): the
+        # fence, their first statement, finds a connection a restart cut, and the commit runs again.
+        self._commit_engine = postgres.create_engine(self._url, pre_ping=False)
         self._closed = False
         self._lock = threading.Lock()
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
@@ -157,6 +169,22 @@ class PgCompletionStore:
                 before anything is written.
             CompletionWriteError: the database refused or could not be reached; retry.
         """
+        return self.commit_with(None, ops)
+
+    def commit_with(
+        self, first: Callable[[psycopg.Cursor[Any]], None] | None, ops: Sequence[CompletionOp]
+    ) -> CommitReport:
+        """:meth:`commit`, with ``first(cursor)`` writing in the same transaction, after the fence.
+
+        How a group's journal entries and its completions become durable together (one WAL flush,
+        one fence, one round of statements; see ``commit_group``): a failure of either leaves
+        nothing of both. ``first`` may run twice (see ``_write``), so it must be idempotent within
+        the transaction's retry.
+
+        Raises:
+            ValueError: as :meth:`commit` (nothing written, ``first`` not called).
+            CompletionWriteError: the database refused or could not be reached; retry.
+        """
         self._check_open()
         planned: list[tuple[CompletionOp, list[bytes]]] = []
         for op in ops:
@@ -165,57 +193,94 @@ class PgCompletionStore:
                 if not name or "\x00" in name:
                     raise ValueError(f"name {name!r} cannot be stored in PostgreSQL text; refusing")
             planned.append((op, [nemo_format.encode_key(sid) for sid in op.sources]))
-        if not planned:
+        if not planned and first is None:
             return CommitReport()
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
-        try:
+        for again in (True, False):
             try:
-                self._write(planned, new, tolerant=False)
-            except psycopg.errors.UniqueViolation:
-                # An id the origin holds already (a retried commit whose first try was durable, or
-                # two puts of one id in a group): nothing of that try stayed; again, skipping those.
-                self._write(planned, new, tolerant=True)
-        except postgres.TRANSIENT_RAW as exc:
-            raise postgres.write_error(self._url, exc, "completions") from exc
+                try:
+                    self._write(first, planned, new, tolerant=False)
+                except psycopg.errors.UniqueViolation:
+                    # An id the origin holds already (a retried commit whose first try was durable,
+                    # or two puts of one id in a group): nothing of that try stayed; again, skipping
+                    # those.
+                    self._write(first, planned, new, tolerant=True)
+                break
+            except postgres.TRANSIENT_RAW as exc:
+                if again and postgres.stale_connection(exc):
+                    logger.info(
+                        "a pooled connection to %s was closed (%s); committing again",
+                        self.display_url,
+                        postgres.cause(exc),
+                    )
+                    # Safe whenever the connection was found closed: a commit is idempotent (its
+                    # writes are upserts, or skip what is there already), even one that went through.
+                    continue
+                what = "completions" if first is None else "the writers' journal and completions"
+                raise postgres.write_error(self._url, exc, what) from exc
         with self._lock:
             self._marked.update(new)
         return CommitReport()
 
-    def _write(self, planned: list[tuple[CompletionOp, list[bytes]]], new: list[str], tolerant: bool) -> None:
-        """One transaction: the fence, then the ops in order; puts by COPY unless ``tolerant``.
+    def commit_group(
+        self, journal: PgJournal, journal_ops: Sequence[JournalOp], ops: Sequence[CompletionOp]
+    ) -> CommitReport:
+        """A group's journal entries, then its completions, in one transaction; durable on return.
 
-        COPY is the fast path (measured ~2x an ``INSERT ... ON CONFLICT`` of the same rows, and a
-        third of the client's CPU) but fails on an id the origin holds already; ``tolerant`` puts
-        skip those instead.
+        A completion is never durable before the journal entry recording it (they commit
+        together), and a failure writes neither: the group committer fails both.
+
+        Raises:
+            ValueError: as :meth:`commit` (nothing written).
+            CompletionWriteError: the database refused or could not be reached; retry.
         """
-        with self._engine.begin() as conn:
-            self._fenced(conn)
-            if new:
-                at = time.time()
-                conn.execute(
-                    postgresql.insert(completion_checkpoints_table).on_conflict_do_nothing(),
-                    [{"checkpoint": name, "created_at": at} for name in new],
-                )
-            # psycopg's own connection, in SQLAlchemy's transaction (after the fence's read).
+        if not journal_ops:
+            return self.commit(ops)
+        return self.commit_with(functools.partial(journal.write, ops=journal_ops), ops)
+
+    def _write(
+        self,
+        first: Callable[[psycopg.Cursor[Any]], None] | None,
+        planned: list[tuple[CompletionOp, list[bytes]]],
+        new: list[str],
+        tolerant: bool,
+    ) -> None:
+        """One transaction: the fence, then ``first`` and the ops in order, then the commit.
+
+        The writes go in one pipeline on psycopg's own connection (in SQLAlchemy's transaction):
+        one round trip for all of them, however many ops and entries, and for ``BEGIN`` and the
+        store lock's epoch read before them (checked once they are through, before the commit).
+        So a commit costs two round trips (three with a fence of another kind, run on its own
+        first). A put fails on an id the origin holds already unless ``tolerant`` (then it skips
+        those; measured slower).
+        """
+        put = _PUT_IDS_TOLERANT if tolerant else _PUT_IDS
+        with self._commit_engine.begin() as conn:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
-            for op, keys in planned:
-                if isinstance(op, PutCompleted):
-                    if not keys:
-                        continue
-                    if tolerant:
-                        params = {"checkpoint": op.checkpoint, "origin": op.writer_id, "ids": keys}
-                        conn.execute(_PUT, params)
-                        continue
-                    with raw.cursor() as cursor, cursor.copy(_COPY) as copy:
-                        write, checkpoint, origin = copy.write_row, op.checkpoint, op.writer_id
-                        for key in keys:
-                            write((checkpoint, key, origin))
-                elif isinstance(op, DeleteCompleted):
-                    if keys:
-                        conn.execute(_DELETE, {"checkpoint": op.checkpoint, "ids": keys})
-                else:  # pragma: no cover - guarded by the type checker
-                    raise TypeError(f"unknown completion op {op!r}")
+            if self._store_lock is None:
+                self._fenced(conn)
+            with raw.cursor() as epoch, raw.cursor() as cursor:
+                with raw.pipeline():
+                    if self._store_lock is not None:
+                        epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR SHARE
+                    if first is not None:
+                        first(cursor)
+                    if new:
+                        at = time.time()
+                        cursor.executemany(_MARK, [(name, at) for name in new])
+                    for op, keys in planned:
+                        if not keys:
+                            continue
+                        if isinstance(op, PutCompleted):
+                            cursor.execute(put, (op.checkpoint, op.writer_id, keys))
+                        elif isinstance(op, DeleteCompleted):
+                            cursor.execute(_DELETE_IDS, (op.checkpoint, keys))
+                        else:  # pragma: no cover - guarded by the type checker
+                            raise TypeError(f"unknown completion op {op!r}")
+                if self._store_lock is not None:
+                    row = epoch.fetchone()
+                    self._store_lock.check_epoch(None if row is None else int(row[0]))
 
     def _fenced(self, conn: Connection) -> None:
         if self._fence is not None:
@@ -368,6 +433,7 @@ class PgCompletionStore:
         """Release the database connections; the store refuses further calls. Idempotent."""
         self._closed = True
         self._engine.dispose()
+        self._commit_engine.dispose()
 
     def __enter__(self) -> PgCompletionStore:
         return self

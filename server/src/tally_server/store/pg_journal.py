@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from tally_server.domain.journal import JournaledWriter, Snapshot
@@ -30,6 +30,17 @@ _COMPRESSION = sa.text(
 )
 _LOCK_NOT_AVAILABLE = "55P03"
 _LZ4 = sa.text("ALTER TABLE journal_entries ALTER COLUMN entry SET COMPRESSION lz4")
+_PUT_ENTRY = (
+    "INSERT INTO journal_entries (handle, idx, entry) VALUES (%s, %s, %b) "
+    "ON CONFLICT (handle, idx) DO UPDATE SET entry = excluded.entry"
+)
+_PUT_WRITER = (
+    "INSERT INTO journal_writers (handle, opened) VALUES (%s, %b) "
+    "ON CONFLICT (handle) DO UPDATE SET opened = excluded.opened"
+)
+_DROP_BEFORE = "DELETE FROM journal_entries WHERE handle = %s AND idx < %s"
+_FORGET_WRITER = "DELETE FROM journal_writers WHERE handle = %s"
+_FORGET_ENTRIES = "DELETE FROM journal_entries WHERE handle = %s"
 _SIZE = sa.text(
     "SELECT pg_total_relation_size('journal_entries') + pg_total_relation_size('journal_writers')"
 )
@@ -94,48 +105,40 @@ class PgJournal:
             with self._engine.begin() as conn:
                 if self._fence is not None:
                     self._fence(conn)
-                rows: list[dict[str, Any]] = []  # consecutive entries, inserted together
-                for op in ops:
-                    if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):
-                        rows.append({"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)})
-                        continue
-                    self._insert(conn, rows)
-                    rows = []
-                    self._apply(conn, op)
-                self._insert(conn, rows)
-        except postgres.TRANSIENT as exc:
+                raw = conn.connection.driver_connection
+                assert isinstance(raw, psycopg.Connection)
+                with raw.pipeline(), raw.cursor() as cursor:
+                    self.write(cursor, ops)
+        except postgres.TRANSIENT_RAW as exc:
             raise postgres.write_error(self._url, exc, "the writers' journal") from exc
 
     @staticmethod
-    def _insert(conn: Connection, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            insert = postgresql.insert(journal_entries_table)
-            conn.execute(
-                insert.on_conflict_do_update(
-                    index_elements=["handle", "idx"], set_={"entry": insert.excluded.entry}
-                ),
-                rows,
-            )
+    def write(cursor: psycopg.Cursor[Any], ops: Sequence[JournalOp]) -> None:
+        """Apply ``ops`` in order on the caller's cursor, in its transaction (fenced by the caller).
 
-    def _apply(self, conn: Connection, op: JournalOp) -> None:
-        e, w = journal_entries_table.c, journal_writers_table.c
-        if isinstance(op, OpenJournal):
-            insert = postgresql.insert(journal_writers_table).values(
-                handle=op.opened.handle, opened=encode_opened(op.opened)
-            )
-            conn.execute(
-                insert.on_conflict_do_update(
-                    index_elements=["handle"], set_={"opened": insert.excluded.opened}
-                )
-            )
-        elif isinstance(op, JournalEntry):  # a snapshot: it replaces everything before it
-            conn.execute(sa.delete(journal_entries_table).where(e.handle == op.handle, e.idx < op.index))
-            self._insert(conn, [{"handle": op.handle, "idx": op.index, "entry": encode_entry(op.entry)}])
-        elif isinstance(op, ForgetWriter):
-            conn.execute(sa.delete(journal_writers_table).where(w.handle == op.handle))
-            conn.execute(sa.delete(journal_entries_table).where(e.handle == op.handle))
-        else:  # pragma: no cover - guarded by the type checker
-            raise TypeError(f"unknown journal op {op!r}")
+        Sends the statements without waiting for them (the caller's pipeline does, once for all of
+        them); what ``PgCompletionStore.commit_group`` writes before a group's completions.
+        """
+        rows: list[tuple[str, int, bytes]] = []  # consecutive entries, inserted together
+        for op in ops:
+            if isinstance(op, JournalEntry) and not isinstance(op.entry, Snapshot):
+                rows.append((op.handle, op.index, encode_entry(op.entry)))
+                continue
+            if rows:
+                cursor.executemany(_PUT_ENTRY, rows)
+                rows = []
+            if isinstance(op, OpenJournal):
+                cursor.execute(_PUT_WRITER, (op.opened.handle, encode_opened(op.opened)))
+            elif isinstance(op, JournalEntry):  # a snapshot: it replaces everything before it
+                cursor.execute(_DROP_BEFORE, (op.handle, op.index))
+                cursor.execute(_PUT_ENTRY, (op.handle, op.index, encode_entry(op.entry)))
+            elif isinstance(op, ForgetWriter):
+                cursor.execute(_FORGET_WRITER, (op.handle,))
+                cursor.execute(_FORGET_ENTRIES, (op.handle,))
+            else:  # pragma: no cover - guarded by the type checker
+                raise TypeError(f"unknown journal op {op!r}")
+        if rows:
+            cursor.executemany(_PUT_ENTRY, rows)
 
     def load(self) -> list[JournaledWriter]:
         """Every journaled writer with its entries in order (from its newest snapshot on)."""

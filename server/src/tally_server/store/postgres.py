@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 # Errors of the database or the way to it (down, restarting, out of disk, out of connections):
 # transient. Integrity and data errors are bugs and propagate as they are.
 TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
-# The same, raised by psycopg itself where a hot path uses its connection under SQLAlchemy's (COPY).
+# The same, raised by psycopg itself where a hot path uses its connection under SQLAlchemy's (a
+# commit's pipeline of writes).
 TRANSIENT_RAW = (*TRANSIENT, psycopg.OperationalError, psycopg.InterfaceError)
 # SQLSTATE class 53: insufficient resources (53100 disk_full, 53200 out_of_memory, ...).
 _RESOURCES = "53"
@@ -63,7 +64,9 @@ _END_HOLDER = sa.text(
 # its session, and so the lock, however long it is stopped).
 RENEW_EVERY_S = 1.0
 TAKE_OVER_AFTER_S = 5.0
-_READ_EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
+# What StoreLock.fence reads; a commit sends it first in its pipeline of writes (check_epoch).
+READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE"
+_READ_EPOCH = sa.text(READ_EPOCH)
 # How often a standby tries the lock while another coordinator holds it.
 _STANDBY_POLL_S = 0.5
 _LOCK_SESSION = (
@@ -112,11 +115,16 @@ def application_name() -> str:
     return f"tally serve pid {os.getpid()} on {socket.gethostname()}"[:63]
 
 
-def create_engine(url: sa.URL, *, pooled: bool = True) -> Engine:
-    """An engine on the store's database whose sessions commit synchronously (durable on return)."""
+def create_engine(url: sa.URL, *, pooled: bool = True, pre_ping: bool = True) -> Engine:
+    """An engine on the store's database whose sessions commit synchronously (durable on return).
+
+    ``pre_ping``: check each pooled connection with a round trip before lending it, as a database
+    restart may have cut it; without, the first statement on such a connection fails with
+    ``connection_invalidated`` set (see :func:`stale_connection`) and the caller tries again.
+    """
     engine = sa.create_engine(
         url,
-        pool_pre_ping=True,  # a pooled connection may have been cut by a database restart
+        pool_pre_ping=pre_ping,  # a pooled connection may have been cut by a database restart
         poolclass=None if pooled else NullPool,
         connect_args={"connect_timeout": _CONNECT_TIMEOUT_S, "application_name": application_name()},
     )
@@ -147,6 +155,19 @@ def open_store_engine(url: sa.URL, prepare: Callable[[Engine], None]) -> Engine:
         engine.dispose()
         raise
     return engine
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` says a connection the pool lent was found closed, so a new one may work.
+
+    As a database restart leaves the connections that sat in the pool: SQLAlchemy says so
+    (``connection_invalidated``, and discards it), or psycopg itself, for statements sent on its
+    own connection (a commit's pipeline), with a connection error or an administrator's shutdown.
+    A connection that cannot be made at all is neither (the pool raises that through SQLAlchemy).
+    """
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57")
 
 
 def cause(exc: BaseException) -> str:
@@ -352,7 +373,18 @@ class StoreLock:
         Raises:
             Fenced: another coordinator took the store over; nothing may be written.
         """
-        now = conn.execute(_READ_EPOCH).scalar()
+        self.check_epoch(conn.execute(_READ_EPOCH).scalar())
+
+    def check_epoch(self, now: int | None) -> None:
+        """What :meth:`fence` checks, for a commit that read ``READ_EPOCH`` itself.
+
+        A commit sends that read first in its transaction, in one pipeline with its writes, and
+        checks the epoch before it commits: the read's lock is the same, and a refused commit's
+        writes are rolled back, never committed.
+
+        Raises:
+            Fenced: ``now`` (the store's epoch) is not the one this coordinator took.
+        """
         if self.epoch is None or now != self.epoch:
             raise Fenced(self.url, self.epoch or 0, now)
 
