@@ -1,4 +1,5 @@
-"""The README's tour runs as written against a real server."""
+"""The README's tour runs as written against a real server, and every Python snippet of the README
+and the docs passes the repository's own lint (a user copies them)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,34 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tally_server.testing import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
+RUFF = Path(sys.executable).parent / "ruff"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# A fragment continues the page's text: its names (``tally``, ``args``, ``process``) are defined
+# around it, and ``...`` stands for what it leaves out (which may use a loop's variable). Everything
+# else of the lint applies.
+FRAGMENT_IGNORES = ["F821", "PIE790", "B007"]
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """Each ```python block of ``page``: the line it starts on, and its code."""
+    text = page.read_text()
+    return [
+        (text[: m.start()].count("\n") + 2, m.group(1))
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S)
+    ]
+
+
+def lint(code: str, ignore: list[str]) -> subprocess.CompletedProcess[str]:
+    """``ruff check`` of ``code`` with the repository's configuration, as a file at its root."""
+    command = [str(RUFF), "check", "--config", str(REPO / "pyproject.toml"), "--output-format", "concise"]
+    command += [f"--extend-ignore={','.join(ignore)}"] if ignore else []
+    command += ["--stdin-filename", str(REPO / "snippet.py"), "-"]
+    return subprocess.run(command, input=code, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
 def worker_script() -> str:
@@ -37,3 +62,26 @@ def test_readme_worker_runs_then_skips_everything(server: RunningServer, tmp_pat
     status = httpx.get(f"{server.http_url}/v1/checkpoints/demo/run-1").json()
     assert status["name"] == "demo/run-1"
     assert (status["completed_count"], status["live_writers"], status["pending_sources"]) == (10, 0, 0)
+
+
+def test_the_tour_worker_passes_the_whole_lint() -> None:
+    """The worker is a whole file a user saves: nothing is excused (B905, ``zip()`` without
+    ``strict=``, was once in it)."""
+    result = lint(worker_script(), [])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[str(p.relative_to(REPO)) for p in DOCS])
+def test_every_python_snippet_passes_the_lint(page: Path) -> None:
+    failures = []
+    for line, code in python_blocks(page):
+        result = lint(code, FRAGMENT_IGNORES)
+        if result.returncode != 0:
+            failures.append(f"{page.relative_to(REPO)}:{line}:\n{result.stdout}{result.stderr}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_readme_has_the_snippets_these_tests_lint() -> None:
+    # Guards the two tests above against checking nothing after an edit of the page's layout.
+    assert len(python_blocks(REPO / "README.md")) >= 2
+    assert "import tally" in worker_script()
