@@ -85,3 +85,20 @@ def test_the_readme_has_the_snippets_these_tests_lint() -> None:
     # Guards the two tests above against checking nothing after an edit of the page's layout.
     assert len(python_blocks(REPO / "README.md")) >= 2
     assert "import tally" in worker_script()
+
+
+def test_dev_tally_runs_the_readme_s_cli_commands(server: RunningServer) -> None:
+    """The README says to run ``tally`` as ``./dev tally`` in a checkout (it is not on PATH)."""
+    venv = REPO / ".venv"
+    if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".installed-dev").exists():
+        pytest.skip(
+            "runs only in the checkout's own .venv, set up by ./dev test (./dev tally would install it)"
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+    env["TALLY_ADDRESS"] = server.grpc_address
+    result = subprocess.run(
+        [str(REPO / "dev"), "tally", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "no checkpoints" in result.stdout.lower()
+    assert "./dev tally status" in (REPO / "README.md").read_text()
