@@ -89,10 +89,16 @@ def test_the_readme_has_the_snippets_these_tests_lint() -> None:
 
 def test_dev_tally_runs_the_readme_s_cli_commands(server: RunningServer) -> None:
     """The README says to run ``tally`` as ``./dev tally`` in a checkout (it is not on PATH)."""
-    venv = REPO / ".venv"
-    if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".installed-dev").exists():
+    venv, stamp = REPO / ".venv", REPO / ".venv" / ".installed-dev"
+    projects = [
+        REPO / "pyproject.toml",
+        REPO / "client" / "pyproject.toml",
+        REPO / "server" / "pyproject.toml",
+    ]
+    current = stamp.exists() and all(p.stat().st_mtime <= stamp.stat().st_mtime for p in projects)
+    if Path(sys.prefix).resolve() != venv.resolve() or not current:
         pytest.skip(
-            "runs only in the checkout's own .venv, set up by ./dev test (./dev tally would install it)"
+            "runs only in the checkout's .venv as ./dev test left it (./dev tally would reinstall it)"
         )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
     env["TALLY_ADDRESS"] = server.grpc_address
