@@ -108,3 +108,42 @@ def test_dev_tally_runs_the_readme_s_cli_commands(server: RunningServer) -> None
     assert result.returncode == 0, result.stderr
     assert "no checkpoints" in result.stdout.lower()
     assert "./dev tally status" in (REPO / "README.md").read_text()
+
+
+def shell_blocks(page: Path, section: str) -> list[str]:
+    """The ```sh blocks of ``section`` (a ``## `` heading) of ``page``."""
+    text = page.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.*?)```", text, re.S)
+
+
+def test_the_slurm_trial_without_slurm_runs_as_written(server: RunningServer, tmp_path: Path) -> None:
+    """docs/slurm.md's hand-played array: the input it makes, four tasks crashing after one file each,
+    then the rest. Only the paths and the address are this test's own."""
+    make_input, crashing, rest = shell_blocks(REPO / "docs" / "slurm.md", "Trying it without SLURM")
+
+    def run(block: str) -> str:
+        block = block.replace("/tmp/in", str(tmp_path / "in")).replace("/tmp/out", str(tmp_path / "out"))
+        block = block.replace("127.0.0.1:50051", server.grpc_address).replace(
+            ".venv/bin/python", sys.executable
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TALLY_", "SLURM_"))}
+        result = subprocess.run(
+            ["bash", "-c", block], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    def completed() -> int:
+        status = httpx.get(f"{server.http_url}/v1/checkpoints/demo/array").json()
+        return int(status["completed_count"])
+
+    run(make_input)
+    assert len(list((tmp_path / "in").glob("*.txt"))) == 12
+    out = run(crashing)
+    assert out.count("crashing after 1 source") == 4, out
+    assert completed() == 4
+    out = run(rest)
+    # Four processes share the pipe: their lines may interleave, so each is looked for on its own.
+    assert sorted(re.findall(r"task (\d)/4: 3 sources, 1 completed", out)) == ["0", "1", "2", "3"], out
+    assert completed() == 12
+    assert len(list((tmp_path / "out").glob("*.txt"))) == 24  # two non-empty lines per file
