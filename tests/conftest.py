@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tally_server.testing import RunningServer, running_server
+from tests import pg_setup
 
 REPO = Path(__file__).resolve().parents[1]
 # Recordings of NeMo Curator 1.4.0 (see tests/fixtures/README.md); copies kept in the repository so
@@ -21,9 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 NEMO_TRACE = FIXTURES / "nemo_curator_1.4.0_trace_fanout_filter.jsonl"
 
-POSTGRES_ADMIN_URL = os.environ.get(
-    "TALLY_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
+# The database the tests create theirs from; ./dev test creates it when missing (tests/pg_setup.py).
+POSTGRES_ADMIN_URL = pg_setup.test_url()
 
 
 def free_ports(n: int) -> list[int]:

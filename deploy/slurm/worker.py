@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--fail-after", type=int, help="crash after this many sources (for testing)")
     parser.add_argument("--work-ms", type=int, default=0, help="extra time each source takes (for testing)")
     args = parser.parse_args()
+    if not args.input.is_dir():
+        parser.error(f"--input {args.input} is not a directory; give the directory of the input .txt files")
 
     index = int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
     count = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
@@ -76,7 +78,7 @@ def main() -> None:
 def crash(writer: tally.Writer, done: int) -> None:
     """Stop like a killed process (no cleanup, the writer is not closed), its work so far durable."""
     writer.flush()
-    print(f"crashing after {done} sources", flush=True)
+    print(f"crashing after {done} source{'' if done == 1 else 's'}", flush=True)
     os._exit(3)
 
 

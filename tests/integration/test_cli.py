@@ -318,7 +318,7 @@ def test_reset_refuses_live_writers_then_forces(server: RunningServer, busy: tal
 
         out = ok("reset", "cli/run", "--force", "--yes", address=server.grpc_address)
         moved = re.search(
-            r"moved 2 files to (\S+) in the server's data directory; closed 1 live writers", out
+            r"moved 2 files to (\S+) in the server's data directory; closed 1 live writer$", out
         )
         assert moved, out
         trash = server.data_dir / moved.group(1)
@@ -326,6 +326,51 @@ def test_reset_refuses_live_writers_then_forces(server: RunningServer, busy: tal
         assert sorted(p.name for p in trash.rglob("*.mdb")) == ["array-7.mdb", "first.mdb"]
         assert client.are_completed("cli/run", ["a", "b", "c", "d", "e"]) == [False] * 5
         assert not list((server.data_dir / "checkpoints" / "cli" / "run").rglob("*.mdb"))
+
+
+def test_in_a_pipe_reset_asks_for_yes_and_counts_read_right(server: RunningServer, tmp_path: Path) -> None:
+    """Run as a script runs it (stdin and stdout pipes, no terminal): a question nobody can answer
+    says to add --yes; one file is "1 file"; an import of nothing new writes nothing and says so."""
+    with tally.Client(server.grpc_address) as client:
+        with client.writer("pipe/run", writer_id="only") as w:
+            w.apply_deltas(tree("a"))
+        unanswered = run("reset", "pipe/run", address=server.grpc_address)  # stdin: an empty pipe
+        assert unanswered.returncode == 1
+        assert unanswered.stderr.strip().splitlines() == [
+            "error: tally reset pipe/run asks for confirmation and got no answer: add --yes to reset "
+            "without a terminal"
+        ]
+        assert "Aborted" not in unanswered.stdout + unanswered.stderr
+        assert client.are_completed("pipe/run", ["a"]) == [True]  # nothing was reset
+
+        out = ok("reset", "pipe/run", "--yes", address=server.grpc_address)
+        assert re.fullmatch(
+            r"reset pipe/run: moved 1 file to \S+ in the server's data directory; closed 0 live writers\n",
+            out,
+        ), out
+        assert client.are_completed("pipe/run", ["a"]) == [False]
+        nothing = ok("reset", "pipe/run", "--yes", address=server.grpc_address)
+        assert nothing == "reset pipe/run: no files to move; closed 0 live writers\n"
+
+    meta = tmp_path / "nemo" / ".nemo_curator_metadata"
+    meta.mkdir(parents=True)
+    write_nemo_file(meta / "host-1.mdb", ["s1"])
+    first = ok("import", str(tmp_path / "nemo"), "--as", "pipe/imported", address=server.grpc_address)
+    assert re.fullmatch(
+        r"imported 1 new of 1 completed source into pipe/imported \(file imported-\d+\.mdb\); "
+        r"completed count now 1\n",
+        first,
+    ), first
+    files = sorted((server.data_dir / "checkpoints" / "pipe" / "imported").rglob("*.mdb"))
+    again = ok("import", str(tmp_path / "nemo"), "--as", "pipe/imported", address=server.grpc_address)
+    assert again == (
+        "imported 0 new of 1 completed source into pipe/imported (nothing written: every one was "
+        "completed there already); completed count now 1\n"
+    )
+    assert sorted((server.data_dir / "checkpoints" / "pipe" / "imported").rglob("*.mdb")) == files
+    with tally.Client(server.grpc_address) as client:
+        (event, *_) = client.events("pipe/imported").events
+        assert event.message == "nothing imported: the one source offered was already completed"
 
 
 def test_watch_prints_progress(server: RunningServer) -> None:
@@ -373,6 +418,7 @@ def test_sdk_errors_are_one_red_line(server: RunningServer, tmp_path: Path) -> N
         assert result.returncode == 1 and result.stderr.startswith("error: "), (args, result.stderr)
     assert not export_to.exists()  # a refused export creates nothing
     down = run("status", "--address", "127.0.0.1:1", "--timeout", "0.5")
-    assert down.returncode == 1 and "unavailable" in down.stderr and "Traceback" not in down.stderr
+    assert down.returncode == 1 and "no Tally coordinator is listening at 127.0.0.1:1" in down.stderr
+    assert "Traceback" not in down.stderr
     bad = run("status", "--address", "ftp://x")
     assert bad.returncode == 1 and "unsupported address scheme" in bad.stderr

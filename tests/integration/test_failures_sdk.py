@@ -106,9 +106,12 @@ def test_the_cli_lists_and_retries_failed_sources_in_a_pipe(tmp_path: Path) -> N
         refused = cli(address, "retry", "fb/cli")  # every source, no terminal, no --yes
         assert refused.returncode == 1 and "--yes" in refused.stderr
         one = cli(address, "retry", "fb/cli", "b")
-        assert one.returncode == 0 and "cleared the failed attempts of 1 sources" in one.stdout
+        assert (
+            one.returncode == 0
+            and "cleared the failed attempts of 1 source of fb/cli; it runs again" in one.stdout
+        )
         rest = cli(address, "retry", "fb/cli", "--yes")
-        assert rest.returncode == 0 and "of 1 sources" in rest.stdout
+        assert rest.returncode == 0 and "of 1 source of fb/cli" in rest.stdout
         assert "no failed sources in fb/cli" in cli(address, "failed", "fb/cli").stdout
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,28 @@ def test_progress_history_survives_a_restart(tmp_path: Path) -> None:
     assert len(counts) >= 2 and counts[-2] == 3
     times = [s["at"] for s in samples["samples"]]
     assert times == sorted(times)
+
+
+def test_a_new_checkpoint_has_a_baseline_sample_so_a_quick_first_run_plots_a_rise(tmp_path: Path) -> None:
+    """The tour's case: a run over in a second, the dashboard opened right after. Without a sample
+    taken when the checkpoint was created, the plot would be the one live point (a flat line, rate 0)
+    until the first periodic sample, and then two points at the same count."""
+    env = {"TALLY_PROGRESS_INTERVAL_S": "3600"}  # no periodic sample during this test
+    with (
+        running_server(tmp_path / "data", settle_ms=0, env=env) as server,
+        tally.Client(server.grpc_address) as client,
+    ):
+        before = time.time()
+        with client.writer("status/baseline", writer_id="w") as w:
+            for sid in ("a", "b", "c"):
+                w.apply_deltas(tree(sid))
+        samples = client.progress("status/baseline")
+        over_http = httpx.get(
+            f"{server.http_url}/v1/progress", params={"checkpoint": "status/baseline"}
+        ).json()
+    assert [s.completed_count for s in samples] == [0, 3]  # the baseline, then the live count
+    assert before - 1 < samples[0].at <= samples[1].at
+    assert [s["completed_count"] for s in over_http["samples"]] == [0, 3]
 
 
 def test_reset_moves_files_to_trash_and_refuses_live_writers(tmp_path: Path) -> None:

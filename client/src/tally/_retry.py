@@ -2,18 +2,23 @@
 
 Only :class:`tally.Unavailable` (connection failures, timeouts, UNAVAILABLE) is retried: every
 other status means the request itself was refused and resending it cannot help. Whether a call may
-be retried at all is its description's business (``Call.retry``).
+be retried at all is its description's business (``Call.retry``). A refused connection to a
+coordinator that never answered is not retried either (``tally._transport.contact``): nothing runs
+there. The first retry of a call logs a warning naming the coordinator, so a caller that waits
+knows what for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from tally._transport.contact import NeverReached
 from tally.errors import Unavailable
 
 if TYPE_CHECKING:
@@ -21,6 +26,8 @@ if TYPE_CHECKING:
     from tally._transport.base import AsyncTransport, Transport
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # Attempts beyond this no longer grow the delay; it also keeps the power below float overflow.
 _MAX_EXPONENT = 32
@@ -63,6 +70,10 @@ def _timed_out(err: Unavailable, what: str, deadline: Deadline) -> Unavailable:
     )
 
 
+def _retrying(err: Unavailable, what: str, deadline: Deadline) -> None:
+    logger.warning("%s: %s; retrying for up to %.0fs", what, err.message, deadline.remaining())
+
+
 # A floor for the per-attempt timeout: a zero timeout would fail without even trying.
 _MIN_ATTEMPT_S = 0.001
 
@@ -77,11 +88,15 @@ def call_with_retry(fn: Callable[[float], T], policy: RetryPolicy, deadline: Dea
     while True:
         try:
             return fn(max(deadline.remaining(), _MIN_ATTEMPT_S))
+        except NeverReached:
+            raise
         except Unavailable as err:
             attempt += 1
             delay = policy.delay(attempt)
             if deadline.remaining() <= delay:
                 raise _timed_out(err, what, deadline) from None
+            if attempt == 1:
+                _retrying(err, what, deadline)
             time.sleep(delay)
 
 
@@ -93,11 +108,15 @@ async def async_call_with_retry(
     while True:
         try:
             return await fn(max(deadline.remaining(), _MIN_ATTEMPT_S))
+        except NeverReached:
+            raise
         except Unavailable as err:
             attempt += 1
             delay = policy.delay(attempt)
             if deadline.remaining() <= delay:
                 raise _timed_out(err, what, deadline) from None
+            if attempt == 1:
+                _retrying(err, what, deadline)
             await asyncio.sleep(delay)
 
 

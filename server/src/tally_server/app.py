@@ -28,6 +28,7 @@ from tally_server.auth import Authorizer, load_tokens
 from tally_server.domain.ports import CompletionStore, JointCommit, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
 from tally_server.http_api.app import create_app
+from tally_server.listen import bind_http
 from tally_server.loop_load import new_event_loop
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
@@ -109,17 +110,6 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def _bind_http(listen: str) -> socket.socket:
-    host, port = split_listen(listen)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def _hide_password(url: str) -> str:
@@ -362,7 +352,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
                 return
             settings = bound
             log.info("taking over store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
-    http_sock = _bind_http(settings.http_listen)
+    http_sock = bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
     service = build_service(settings, idle, store_lock)
@@ -460,7 +450,7 @@ async def _serve_as_replica(
     or None if SIGTERM/SIGINT came first.
     """
     loop = asyncio.get_running_loop()
-    http_sock = _bind_http(settings.http_listen)
+    http_sock = bind_http(settings.http_listen)
     route = replica.OwnerRoute()
     metrics = replica.ReplicaMetrics(lock.holder, route)
     reader = replica.CompletedReader(lock.url)

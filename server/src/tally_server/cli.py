@@ -9,9 +9,12 @@ group, so ``tally serve`` exists wherever the server is installed. Only typer is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def serve(
@@ -97,10 +100,13 @@ def serve(
     from tally_server import logs
     from tally_server.settings import Settings
 
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        settings = Settings(**{k: v for k, v in flags.items() if v is not None})
+        settings = Settings(**given)
     except ValidationError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        for line in settings_errors(exc, set(given)):
+            typer.echo(f"tally serve: {line}", err=True)
+        raise typer.Exit(2) from None
     logs.configure(settings.log_level, settings.log_format)
     from tally_server.app import run
 
@@ -109,6 +115,39 @@ def serve(
     except OSError as exc:
         typer.echo(f"tally serve: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+# Values never repeated in an error: they may hold passwords or tokens.
+_SECRET_FIELDS = frozenset({"tokens", "registry_url", "store"})
+
+
+def settings_errors(exc: ValidationError, flags: set[str]) -> list[str]:
+    """One line per invalid setting, naming it as the user gave it (``--flag`` or ``TALLY_*``).
+
+    pydantic names its fields (``lease_ttl_s``) and adds its own error codes and links; a user
+    set ``TALLY_LEASE_TTL_S`` or ``--lease-ttl-s``, and wants to know what is expected.
+
+    Args:
+        exc: The error of ``Settings(...)``.
+        flags: The fields given as flags (the others came from the environment or a default).
+    """
+    lines = []
+    for error in exc.errors(include_url=False):
+        message = str(error["msg"]).removeprefix("Value error, ")
+        message = message[:1].lower() + message[1:]
+        if not error["loc"]:  # a rule across fields: its message names them
+            lines.append(message)
+            continue
+        field = str(error["loc"][0])
+        value = error.get("input")
+        if field in flags:
+            name = f"--{field.replace('_', '-')}"
+            shown = "" if field in _SECRET_FIELDS else f" {value}"
+        else:
+            name = f"TALLY_{field.upper()}"
+            shown = "" if field in _SECRET_FIELDS else f"={value}"
+        lines.append(f"{name}{shown} is not valid: {message}")
+    return lines
 
 
 def register(app: typer.Typer) -> None:

@@ -49,6 +49,7 @@ from tally_server.grpc_api import convert
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
 from tally_server.http_api.errors import HTTP_STATUS, error_response, www_authenticate
+from tally_server.listen import add_grpc_port
 from tally_server.metrics import CONTENT_TYPE, new_registry
 from tally_server.service.views import ReplicasView, ReplicaView
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
@@ -457,14 +458,7 @@ def grpc_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = (
-        server.add_secure_port(listen, credentials)
-        if credentials is not None
-        else server.add_insecure_port(listen)
-    )
-    if port == 0:
-        raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
-    return server, port, health
+    return server, add_grpc_port(server, listen, credentials), health
 
 
 def list_replicas(board: ReplicaBoard) -> ReplicasView:

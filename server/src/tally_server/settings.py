@@ -85,7 +85,8 @@ class Settings(BaseSettings):
         default=5.0,
         gt=0,
         description="How often each checkpoint's completed count is sampled into the registry (when it "
-        "changed), for the progress plot and rate; samples survive restarts.",
+        "changed; and once when the checkpoint is created), for the progress plot and rate; samples "
+        "survive restarts.",
     )
     checkpoint_memory_mb: int = Field(
         default=1024,

@@ -85,7 +85,7 @@ def test_retry_named_sources_and_all(fake: FakeTransport) -> None:
     assert code == 1 and "--yes" in output
     assert fake.failed_attempts == {"c": ["z"]}
     code, output = run("retry", "cp", "--yes")
-    assert code == 0 and "of 1 sources" in output
+    assert code == 0 and "of 1 source of cp; it runs again" in output
     assert fake.args["retry_failed"] == [("cp", ("a", "b")), ("cp", ())]
 
 

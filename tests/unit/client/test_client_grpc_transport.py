@@ -18,6 +18,7 @@ import pytest
 
 import tally
 from tally import _calls as calls
+from tally._transport.contact import NeverReached
 from tally._transport.grpc import DETAILS_METADATA_KEY, AsyncGrpcTransport, GrpcTransport
 from tally._types import WriterSpec
 from tally.v1 import coordinator_pb2 as pb
@@ -292,8 +293,13 @@ def test_error_message_and_details_survive(grpc_server: tuple[str, Servicer]) ->
 def test_unreachable_coordinator_is_unavailable() -> None:
     transport = GrpcTransport("127.0.0.1:1")
     try:
-        with pytest.raises(tally.Unavailable, match=r"127\.0\.0\.1:1 is unavailable"):
+        # Never reached: the error says nothing listens there; the transport's own names the target.
+        with pytest.raises(
+            NeverReached, match=r"no Tally coordinator is listening at 127\.0\.0\.1:1"
+        ) as info:
             transport.send(calls.AreCompleted("cp", ["a"]), 2)
+        assert isinstance(info.value, tally.Unavailable)
+        assert "127.0.0.1:1 is unavailable" in info.value.refused.message
     finally:
         transport.close()
 

@@ -14,6 +14,7 @@ import pytest
 
 import tally
 from tally import _calls as calls
+from tally._transport.contact import NeverReached
 from tally._transport.http import AsyncHttpTransport, HttpTransport
 from tally._types import WriterSpec
 
@@ -307,8 +308,9 @@ def test_http_errors_map_to_sdk_errors(
 
 def test_unreachable_http_coordinator_is_unavailable() -> None:
     transport = HttpTransport("http://127.0.0.1:1")
-    with pytest.raises(tally.Unavailable, match="unreachable"):
+    with pytest.raises(NeverReached, match="no Tally coordinator is listening at http://127.0.0.1:1") as info:
         transport.send(calls.Flush("h"), 2)
+    assert "unreachable" in info.value.refused.message
 
 
 def test_async_http_transport_runs_the_sync_one_in_threads(http_server: tuple[str, Recorder]) -> None:
@@ -425,8 +427,9 @@ def test_watch_errors_map_to_sdk_errors(
 
 
 def test_watch_of_an_unreachable_coordinator_is_unavailable() -> None:
-    with pytest.raises(tally.Unavailable, match="unreachable"):
+    with pytest.raises(NeverReached, match="no Tally coordinator is listening at http://127.0.0.1:1") as info:
         next(HttpTransport("http://127.0.0.1:1").watch(calls.WatchCheckpoint("cp", 1000), 2))
+    assert "unreachable" in info.value.refused.message
 
 
 def test_a_quiet_stream_outlives_the_timeout_and_closes_from_another_thread(

@@ -13,6 +13,7 @@ from typing import get_args
 from tally import _calls as calls
 from tally._config import ClientConfig, tls_files_from_env
 from tally._retry import Deadline, RetryPolicy
+from tally._transport.contact import NeverReached
 from tally._types import (
     CheckpointStatus,
     CompletedPage,
@@ -103,8 +104,11 @@ class _Reconnect:
         """Seconds to wait before reconnecting.
 
         Raises:
-            Unavailable: No status arrived for ``timeout`` seconds.
+            Unavailable: No status arrived for ``timeout`` seconds, or the first connection was
+                refused (nothing to wait for).
         """
+        if isinstance(err, NeverReached):
+            raise err
         if self._deadline is None:
             self._deadline = Deadline(self._timeout)
         self._attempt += 1
@@ -114,6 +118,10 @@ class _Reconnect:
                 f"{self._what}: no answer within {self._timeout:g}s; last error: {err.message}",
                 err.code,
                 err.details,
+            )
+        if self._attempt == 1:
+            logger.warning(
+                "%s: %s; reconnecting for up to %.0fs", self._what, err.message, self._deadline.remaining()
             )
         return delay
 

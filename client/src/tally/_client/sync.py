@@ -65,7 +65,8 @@ class Client(BaseClient):
                 next whenever one is unavailable, retrying there within ``timeout``.
             token: Bearer token; defaults to ``$TALLY_TOKEN``.
             timeout: Seconds each call may take, retries included; defaults to ``$TALLY_TIMEOUT``,
-                else 30.
+                else 30. A refused connection before the coordinator ever answered this client is
+                not retried: :class:`Unavailable` at once says that nothing listens there.
             ca_cert: PEM file of the CA that signed the coordinator's certificate (``grpcs://``,
                 ``https://``); defaults to ``$TALLY_CA_CERT``, else the system's root certificates.
             client_cert: PEM certificate for a coordinator that requires client certificates

@@ -15,6 +15,9 @@ the last time; everything else goes to the current replica.
 The first retry after a move waits ``retry_initial_s`` (50 ms by default, less jitter), so one
 replica down costs a call about that much: it was not worth teaching the retry layer about moves.
 
+A refused first connection (``tally._transport.contact``) fails a call at once only when every
+replica has refused one since it last answered: one replica not started yet is just a move.
+
 Several threads or tasks may fail on the same replica at once; only the first failure moves, the
 others find the client already elsewhere (a generation number tells them apart), so one outage
 never skips a healthy replica.
@@ -32,6 +35,7 @@ from typing import Generic, TypeVar
 
 from tally._calls import AreCompleted, Call, WatchCheckpoint
 from tally._transport.base import AsyncTransport, Transport  # base imports this module lazily
+from tally._transport.contact import NeverReached, never_reached
 from tally._types import CheckpointStatus
 from tally.errors import Unavailable
 
@@ -99,6 +103,20 @@ class _Replicas(Generic[Tr]):
         self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
         self._reads = itertools.count(self._rotation.current()[0])  # next() is atomic in CPython
         self._read_pause_until = [0.0] * len(names)
+        self._never_reached: set[int] = set()  # replicas whose first connection was refused
+
+    def _answered(self, index: int) -> None:
+        self._never_reached.discard(index)
+
+    def _unavailable(self, index: int, err: Unavailable) -> Unavailable:
+        """What a replica's failure becomes: a :class:`NeverReached` only once every replica refused
+        its first connection (naming them all); otherwise a plain, retryable :class:`Unavailable`."""
+        if not isinstance(err, NeverReached):
+            return err
+        self._never_reached.add(index)
+        if len(self._never_reached) < len(self._transports):
+            return err.refused
+        return never_reached(", ".join(self._rotation.names), err.refused)
 
     def _reader(self, call: Call[T]) -> int | None:
         """The replica a read goes to (the next one answering reads), or None for other calls."""
@@ -134,31 +152,37 @@ class FailoverTransport(_Replicas[Transport]):
         reader = self._reader(call)
         if reader is not None:
             try:
-                return self._transports[reader].send(call, timeout)
+                answer = self._transports[reader].send(call, timeout)
             except Unavailable as err:
                 self._read_failed(reader, err)
-                raise
+                raise self._unavailable(reader, err) from None
+            self._answered(reader)
+            return answer
         index, generation = self._rotation.current()
         try:
-            return self._transports[index].send(call, timeout)
+            answer = self._transports[index].send(call, timeout)
         except Unavailable as err:
             self._rotation.failed(generation, err)
-            raise
+            raise self._unavailable(index, err) from None
+        self._answered(index)
+        return answer
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
         index, generation = self._rotation.current()
-        return self._watch(self._transports[index].watch(call, timeout), generation)
+        return self._watch(self._transports[index].watch(call, timeout), index, generation)
 
     def _watch(
-        self, stream: Generator[CheckpointStatus, None, None], generation: int
+        self, stream: Generator[CheckpointStatus, None, None], index: int, generation: int
     ) -> Generator[CheckpointStatus, None, None]:
         # Unavailable while opening or later: that replica let the stream down, and the caller's
         # reconnect should find the next one.
         try:
-            yield from stream
+            for status in stream:
+                self._answered(index)
+                yield status
         except Unavailable as err:
             self._rotation.failed(generation, err)
-            raise
+            raise self._unavailable(index, err) from None
         finally:
             stream.close()
 
@@ -181,30 +205,35 @@ class AsyncFailoverTransport(_Replicas[AsyncTransport]):
         reader = self._reader(call)
         if reader is not None:
             try:
-                return await self._transports[reader].send(call, timeout)
+                answer = await self._transports[reader].send(call, timeout)
             except Unavailable as err:
                 self._read_failed(reader, err)
-                raise
+                raise self._unavailable(reader, err) from None
+            self._answered(reader)
+            return answer
         index, generation = self._rotation.current()
         try:
-            return await self._transports[index].send(call, timeout)
+            answer = await self._transports[index].send(call, timeout)
         except Unavailable as err:
             self._rotation.failed(generation, err)
-            raise
+            raise self._unavailable(index, err) from None
+        self._answered(index)
+        return answer
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
         index, generation = self._rotation.current()
-        return self._watch(self._transports[index].watch(call, timeout), generation)
+        return self._watch(self._transports[index].watch(call, timeout), index, generation)
 
     async def _watch(
-        self, stream: AsyncGenerator[CheckpointStatus, None], generation: int
+        self, stream: AsyncGenerator[CheckpointStatus, None], index: int, generation: int
     ) -> AsyncGenerator[CheckpointStatus, None]:
         try:
             async for status in stream:
+                self._answered(index)
                 yield status
         except Unavailable as err:
             self._rotation.failed(generation, err)
-            raise
+            raise self._unavailable(index, err) from None
         finally:
             await stream.aclose()
 

@@ -18,6 +18,7 @@ from tally._calls import Call, WatchCheckpoint
 from tally._config import read_pem
 from tally._transport import grpc_convert as convert
 from tally._transport.base import TlsFiles
+from tally._transport.contact import FirstContact
 from tally._types import CheckpointStatus
 from tally.errors import StatusCode, TallyError, Unavailable, error_for_code
 from tally.v1.coordinator_pb2_grpc import CoordinatorStub
@@ -76,6 +77,19 @@ def error_from_rpc(
         if tls is not None:
             text += _tls_hint(text, tls)
     return error_for_code(status, text, _details(metadata))
+
+
+def _failure(
+    contact: FirstContact, code: grpc.StatusCode | None, message: str | None, metadata: Any, tls: bool
+) -> TallyError:
+    """:func:`error_from_rpc`, remembering in ``contact`` whether the coordinator answered: a
+    refused connection before it ever did is :class:`~tally._transport.contact.NeverReached`."""
+    error = error_from_rpc(code, message, metadata, contact.where, tls)
+    if code is grpc.StatusCode.UNAVAILABLE and isinstance(error, Unavailable):
+        return contact.failed(error, refused="Connection refused" in (message or ""))
+    if code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+        contact.ok()  # any other status is the coordinator's answer
+    return error
 
 
 def _tls_hint(text: str, tls: bool) -> str:
@@ -152,6 +166,7 @@ class GrpcTransport:
             self._channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
         self._stub = CoordinatorStub(self._channel)
         self._metadata = _auth_metadata(token)
+        self._contact = FirstContact(target)
 
     def send(self, call: Call[T], timeout: float) -> T:
         route = convert.route(call)
@@ -159,11 +174,12 @@ class GrpcTransport:
             reply = route.rpc(self._stub)(route.request(call), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             failed = cast(grpc.Call, err)  # sync stubs raise objects that are both RpcError and Call
-            raise error_from_rpc(
-                failed.code(), failed.details(), failed.trailing_metadata(), self._target, self._tls
+            raise _failure(
+                self._contact, failed.code(), failed.details(), failed.trailing_metadata(), self._tls
             ) from None
         except ValueError as err:  # grpc's answer to a call on a closed channel
             raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
+        self._contact.ok()
         return route.read(reply)
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
@@ -175,11 +191,12 @@ class GrpcTransport:
             raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
         try:
             for msg in stream:
+                self._contact.ok()
                 yield convert.checkpoint_from_pb(msg)
         except grpc.RpcError as err:
             failed = cast(grpc.Call, err)
-            raise error_from_rpc(
-                failed.code(), failed.details(), failed.trailing_metadata(), self._target, self._tls
+            raise _failure(
+                self._contact, failed.code(), failed.details(), failed.trailing_metadata(), self._tls
             ) from None
         except ValueError as err:
             raise Unavailable(f"gRPC channel to {self._target} is closed: {err}") from None
@@ -207,6 +224,7 @@ class AsyncGrpcTransport:
         self._metadata = _auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: CoordinatorAsyncStub | None = None
+        self._contact = FirstContact(target)
 
     def _get_stub(self) -> CoordinatorAsyncStub:
         if self._stub is None:
@@ -224,11 +242,12 @@ class AsyncGrpcTransport:
             rpc = cast("grpc.aio.UnaryUnaryMultiCallable[Any, Any]", route.rpc(self._get_stub()))
             reply = await rpc(route.request(call), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(
-                err.code(), err.details(), err.trailing_metadata(), self._target, self._tls
+            raise _failure(
+                self._contact, err.code(), err.details(), err.trailing_metadata(), self._tls
             ) from None
         except grpc.aio.UsageError as err:  # e.g. the channel was closed
             raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
+        self._contact.ok()
         return route.read(reply)
 
     async def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
@@ -239,10 +258,11 @@ class AsyncGrpcTransport:
             raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None
         try:
             async for msg in stream:
+                self._contact.ok()
                 yield convert.checkpoint_from_pb(msg)
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(
-                err.code(), err.details(), err.trailing_metadata(), self._target, self._tls
+            raise _failure(
+                self._contact, err.code(), err.details(), err.trailing_metadata(), self._tls
             ) from None
         except grpc.aio.UsageError as err:
             raise Unavailable(f"gRPC channel to {self._target} is unusable: {err}") from None

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from tally._calls import Call, WatchCheckpoint
 from tally._transport import http_convert as convert
 from tally._transport.base import TlsFiles
+from tally._transport.contact import FirstContact
 from tally._transport.http_errors import error_from_response, parse, ssl_context, tls_hint
 from tally._transport.sse import EventStream
 from tally._types import CheckpointStatus
@@ -48,6 +49,7 @@ class HttpTransport:
         self._context = ssl_context(tls) if tls is not None else None
         handlers = [urllib.request.HTTPSHandler(context=self._context)] if self._context is not None else []
         self._opener = urllib.request.build_opener(*handlers)
+        self._contact = FirstContact(self._base)
 
     def send(self, call: Call[T], timeout: float) -> T:
         route = convert.route(call)
@@ -66,14 +68,17 @@ class HttpTransport:
             with self._opener.open(request, timeout=timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
+            self._contact.ok()
             with err:
                 raise error_from_response(err.code, err.read(), url) from None
         except urllib.error.URLError as err:
             code = StatusCode.DEADLINE_EXCEEDED if isinstance(err.reason, TimeoutError) else None
             hint = tls_hint(err.reason, self._base.startswith("https:"))
-            raise Unavailable(
+            unreachable = Unavailable(
                 f"Tally coordinator at {self._base} is unreachable: {err.reason}{hint}", code
-            ) from None
+            )
+            refused = isinstance(err.reason, ConnectionRefusedError)
+            raise self._contact.failed(unreachable, refused=refused) from None
         except TimeoutError:
             raise Unavailable(
                 f"Tally coordinator at {self._base} did not answer {method} {path} within {timeout:g}s",
@@ -81,9 +86,9 @@ class HttpTransport:
             ) from None
         except (http.client.HTTPException, OSError) as err:
             hint = tls_hint(err, self._base.startswith("https:"))
-            raise Unavailable(
-                f"connection to Tally coordinator at {self._base} failed: {err!r}{hint}"
-            ) from None
+            failed = Unavailable(f"connection to Tally coordinator at {self._base} failed: {err!r}{hint}")
+            raise self._contact.failed(failed, refused=isinstance(err, ConnectionRefusedError)) from None
+        self._contact.ok()
         try:
             return json.loads(raw) if raw else {}
         except ValueError:
@@ -91,7 +96,9 @@ class HttpTransport:
 
     def event_stream(self, call: WatchCheckpoint, timeout: float) -> EventStream:
         """An unopened Server-Sent Events stream of the checkpoint's status."""
-        return EventStream(self._base, convert.watch_path(call), self._headers, timeout, self._context)
+        return EventStream(
+            self._base, convert.watch_path(call), self._headers, timeout, self._context, self._contact
+        )
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
         stream = self.event_stream(call, timeout)

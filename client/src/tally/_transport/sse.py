@@ -11,6 +11,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 
 from tally._transport import http_convert as convert
+from tally._transport.contact import FirstContact
 from tally._transport.http_errors import error_from_response, parse, tls_hint
 from tally._types import CheckpointStatus
 from tally.errors import Internal, StatusCode, Unavailable
@@ -31,6 +32,7 @@ class EventStream:
         headers: Mapping[str, str],
         timeout: float,
         context: ssl.SSLContext | None = None,
+        contact: FirstContact | None = None,
     ) -> None:
         """Prepare the request; nothing is sent until :meth:`open`.
 
@@ -40,7 +42,10 @@ class EventStream:
             headers: Request headers (authorization included).
             timeout: Seconds for connecting and receiving the response headers.
             context: TLS settings for ``https``; None: the system's defaults.
+            contact: The transport's memory of whether the coordinator ever answered (a refused
+                first connection then fails at once); None: every failure may be retried.
         """
+        self._contact = contact if contact is not None else FirstContact(base_url)
         parts = urllib.parse.urlsplit(base_url)
         self._base = base_url
         self.url = base_url + path
@@ -85,7 +90,9 @@ class EventStream:
         except (http.client.HTTPException, OSError) as err:
             self.close()
             hint = tls_hint(err, base.startswith("https:"))
-            raise Unavailable(f"Tally coordinator at {base} is unreachable: {err!r}{hint}") from None
+            unreachable = Unavailable(f"Tally coordinator at {base} is unreachable: {err!r}{hint}")
+            raise self._contact.failed(unreachable, refused=isinstance(err, ConnectionRefusedError)) from None
+        self._contact.ok()
         if response.status != 200:
             body = response.read()
             self.close()

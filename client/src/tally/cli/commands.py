@@ -30,6 +30,7 @@ from tally.cli.common import (
     age,
     clock,
     connect,
+    count,
     duration,
     err,
     fail,
@@ -508,7 +509,8 @@ def retry(
             if not typer.confirm(question, default=False):
                 raise fail("retry cancelled")
         cleared = client.retry_failed(checkpoint, source_ids or None)
-    out.print(f"cleared the failed attempts of {cleared} sources of {checkpoint}; they run again")
+    they = "it runs" if cleared == 1 else "they run"
+    out.print(f"cleared the failed attempts of {count(cleared, 'source')} of {checkpoint}; {they} again")
 
 
 # --------------------------------------------------------------------------- reset
@@ -532,17 +534,27 @@ def reset(
                 else ""
             )
             question = (
-                f"Reset {checkpoint}: forget its {current.completed_count} completed sources{closing}? "
-                "(the files move to the server's trash folder)"
+                f"Reset {checkpoint}: forget its {count(current.completed_count, 'completed source')}"
+                f"{closing}? (the files move to the server's trash folder)"
             )
-            if not typer.confirm(question, default=False):
+            try:
+                confirmed = typer.confirm(question, default=False)
+            except typer.Abort:  # end of input before an answer: a pipe, a script
+                err.print()  # end the question's line
+                raise fail(
+                    f"tally reset {checkpoint} asks for confirmation and got no answer: add --yes to "
+                    "reset without a terminal"
+                ) from None
+            if not confirmed:
                 raise fail("reset cancelled")
         try:
             result = client.reset(checkpoint, force=force)
         except tally.FailedPrecondition as exc:
             hint = "" if force else " (tally reset --force closes them)"
             raise fail(exc.message + hint) from None
-    out.print(
-        f"reset {checkpoint}: moved {result.files_moved} files to {result.moved_to or '(nothing to move)'} "
-        f"in the server's data directory; closed {result.writers_closed} live writers"
+    moved = (
+        f"moved {count(result.files_moved, 'file')} to {result.moved_to} in the server's data directory"
+        if result.moved_to
+        else "no files to move"
     )
+    out.print(f"reset {checkpoint}: {moved}; closed {count(result.writers_closed, 'live writer')}")

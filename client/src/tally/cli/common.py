@@ -81,6 +81,11 @@ def connect(address: str, token: str | None, timeout: float) -> Iterator[tally.C
 # --------------------------------------------------------------------------- formatting
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "file")`` → ``"1 file"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def age(at: float, now: float | None = None) -> str:
     """``at`` (epoch seconds) as a short age, e.g. ``"3m 12s ago"``; ``"-"`` when unset."""
     if at <= 0:

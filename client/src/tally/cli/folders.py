@@ -23,6 +23,7 @@ from tally.cli.common import (
     Timeout,
     Token,
     connect,
+    count,
     fail,
     out,
     warn,
@@ -109,9 +110,15 @@ def import_(
     import_id = f"imported-{int(time.time())}"
     with connect(address, token, timeout) as client:
         result = client.import_completed(checkpoint, sorted(ids), import_id=import_id)
+    if result.imported:
+        written = f"file {import_id}.mdb"
+    elif ids:
+        written = "nothing written: every one was completed there already"
+    else:
+        written = "nothing written: the folder's files list no completed source"
     out.print(
-        f"imported {result.imported} new of {len(ids)} completed sources into {checkpoint} "
-        f"(file {import_id}.mdb); completed count now {result.completed_count}"
+        f"imported {result.imported} new of {count(len(ids), 'completed source')} into {checkpoint} "
+        f"({written}); completed count now {result.completed_count}"
     )
 
 
@@ -133,7 +140,7 @@ def export(
         meta.mkdir(parents=True, exist_ok=True)
         try:
             # Built aside and renamed into place: a failed export never leaves a half-written file.
-            count = nemo_format.create_file(target, client.completed(checkpoint), replace=True)
+            exported = nemo_format.create_file(target, client.completed(checkpoint), replace=True)
         except (lmdb.Error, OSError) as exc:
             raise fail(f"cannot write {target}: {nemo_format.describe_error(exc, target)}") from None
-    out.print(f"exported {count} completed sources of {checkpoint} to {target}")
+    out.print(f"exported {count(exported, 'completed source')} of {checkpoint} to {target}")

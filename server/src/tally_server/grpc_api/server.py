@@ -16,6 +16,7 @@ from tally_server.grpc_api.auth import AuthInterceptor
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.request_context import RequestInterceptor
 from tally_server.grpc_api.servicer import CoordinatorServicer
+from tally_server.listen import add_grpc_port
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 
@@ -65,10 +66,4 @@ def build_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    if credentials is not None:
-        port = server.add_secure_port(listen, credentials)
-    else:
-        port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not bind gRPC to {listen}; is the port in use?")
-    return server, port, health
+    return server, add_grpc_port(server, listen, credentials), health

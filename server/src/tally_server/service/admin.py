@@ -60,8 +60,16 @@ class Admin:
         core.event(
             checkpoint,
             EventKind.IMPORTED,
-            f"{len(new)} completed sources imported into {import_id}.mdb "
-            f"({len(source_ids) - len(new)} were already completed)",
+            f"{_count(len(new), 'completed source')} imported into {import_id}.mdb "
+            f"({len(source_ids) - len(new)} already completed)"
+            if new
+            else "nothing imported: "
+            + (
+                "the one source offered was"
+                if len(source_ids) == 1
+                else f"all {len(source_ids)} sources offered were"
+            )
+            + " already completed",
             import_id,
             imported=len(new),
             offered=len(source_ids),
@@ -114,8 +122,10 @@ class Admin:
             core.event(
                 name,
                 EventKind.CHECKPOINT_RESET,
-                f"checkpoint reset: {files} files moved to {moved_to or '(nothing to move)'}; "
-                f"{closed} live writers closed",
+                f"checkpoint reset: {_count(files, 'file')} moved to {moved_to} (the trash); "
+                f"{_count(closed, 'live writer')} closed"
+                if moved_to
+                else f"checkpoint reset: no files to move; {_count(closed, 'live writer')} closed",
                 moved_to=moved_to,
                 files_moved=files,
                 writers_closed=closed,
@@ -123,3 +133,8 @@ class Admin:
             return ResetResult(moved_to, files, closed)
         finally:
             self._checkpoints.resetting.discard(name)
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun if n == 1 else noun + 's'}"

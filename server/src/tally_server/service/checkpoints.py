@@ -112,6 +112,10 @@ class CheckpointTable:
             core.event(name, EventKind.CHECKPOINT_CREATED, f"checkpoint {name} created")
             if loaded is not None:
                 self._take_loaded(cp, loaded)
+            # A baseline at once: the first periodic sample then makes a second point, so the plot
+            # and the rate of a checkpoint whose first run was quick are not one flat dot.
+            self._core.bookkeeping.samples([ProgressRecord(name, now, cp.completed_count)])
+            self._sampled[name] = cp.completed_count
         self.unload_idle()
         return cp
 
