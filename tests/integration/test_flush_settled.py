@@ -66,6 +66,7 @@ def test_answers_say_settled_only_when_nothing_is_settling(settling: RunningServ
     assert httpx.post(url, json={"deltas": [{"task_id": "0_r", "source_id": "r", "delta": 1}]}).json() == {
         "counts": {"applied": 1, "skipped": 0, "rewritten": 0, "anomalies": 0, "completed": 0},
         "settled": False,  # "b" is still settling
+        "refused": 0,  # nobody holds a claim on "r"
     }
 
 
