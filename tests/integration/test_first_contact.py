@@ -89,7 +89,7 @@ def test_the_cli_fails_at_once_in_one_line() -> None:
     assert result.stderr.splitlines() == [
         f"error: no Tally coordinator is listening at {address} (connection refused); start one with "
         "`tally serve` (`./dev serve` in a checkout), or point TALLY_ADDRESS (the CLI's --address) at a "
-        "running one"
+        "running one (TALLY_CONNECT_WAIT=SECONDS waits that long for one that is starting)"
     ]
 
 
@@ -137,3 +137,30 @@ def test_a_client_that_reached_its_coordinator_waits_through_a_restart_and_says_
             call.join(TIMEOUT)
     client.close()
     assert answers == [[]]
+
+
+def test_with_a_connect_wait_a_client_waits_for_a_coordinator_that_is_still_starting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TALLY_CONNECT_WAIT``: a worker started before its coordinator (or while it restarts) waits."""
+    monkeypatch.setenv("TALLY_CONNECT_WAIT", "60")
+    grpc_port, http_port = free_ports(2)
+    address = f"127.0.0.1:{grpc_port}"
+    client = tally.Client(address, timeout=TIMEOUT)
+    answers: list[object] = []
+    call = threading.Thread(target=lambda: answers.append(client.checkpoints()))
+    with caplog.at_level(logging.WARNING, "tally"):
+        call.start()
+        wait_until(
+            lambda: any("retrying for up to" in r.getMessage() for r in caplog.records),
+            timeout=QUICK,
+            what="the warning that the client is retrying",
+        )
+        assert call.is_alive()  # refused, and not failed at once
+        with running_server(tmp_path / "data", grpc_listen=address, http_listen=f"127.0.0.1:{http_port}"):
+            call.join(TIMEOUT)
+    client.close()
+    assert answers == [[]]
+    monkeypatch.setenv("TALLY_CONNECT_WAIT", "soon")
+    with pytest.raises(ValueError, match="TALLY_CONNECT_WAIT must be a number of seconds"):
+        tally.Client(address)

@@ -66,6 +66,9 @@ class ClientConfig:
         client_cert: PEM certificate presented to a coordinator that requires client certificates
             (mutual TLS); needs ``client_key``.
         client_key: PEM private key of ``client_cert``.
+        connect_wait: Seconds after the client is made during which a refused connection to a
+            coordinator that never answered is retried (a coordinator still starting, or
+            restarting). 0, the default: it fails at once, saying no coordinator listens there.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -79,12 +82,15 @@ class ClientConfig:
     ca_cert: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
+    connect_wait: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ValueError("address is empty; pass host:port, grpc://host:port or http://host:port")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if not self.connect_wait >= 0:
+            raise ValueError(f"connect_wait must be 0 or more seconds, got {self.connect_wait}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.max_buffered < 1:
@@ -106,9 +112,9 @@ class ClientConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientConfig:
-        """Read ``TALLY_ADDRESS``, ``TALLY_TOKEN``, ``TALLY_TIMEOUT``, ``TALLY_CA_CERT``,
-        ``TALLY_CLIENT_CERT`` and ``TALLY_CLIENT_KEY``; unset ones keep defaults. The three TLS
-        files apply only when the address is ``grpcs://`` or ``https://``.
+        """Read ``TALLY_ADDRESS``, ``TALLY_TOKEN``, ``TALLY_TIMEOUT``, ``TALLY_CONNECT_WAIT``,
+        ``TALLY_CA_CERT``, ``TALLY_CLIENT_CERT`` and ``TALLY_CLIENT_KEY``; unset ones keep defaults.
+        The three TLS files apply only when the address is ``grpcs://`` or ``https://``.
 
         Args:
             environ: Mapping to read instead of ``os.environ`` (for tests).
@@ -117,8 +123,8 @@ class ClientConfig:
             The configuration.
 
         Raises:
-            ValueError: ``TALLY_TIMEOUT`` is not a positive number, or the TLS files do not fit
-                the address (see the attributes).
+            ValueError: ``TALLY_TIMEOUT`` is not a positive number, ``TALLY_CONNECT_WAIT`` not a
+                number, or the TLS files do not fit the address (see the attributes).
         """
         env = os.environ if environ is None else environ
         timeout = DEFAULT_TIMEOUT
@@ -127,12 +133,19 @@ class ClientConfig:
                 timeout = float(raw)
             except ValueError:
                 raise ValueError(f"TALLY_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        connect_wait = 0.0
+        if raw := env.get("TALLY_CONNECT_WAIT", "").strip():
+            try:
+                connect_wait = float(raw)
+            except ValueError:
+                raise ValueError(f"TALLY_CONNECT_WAIT must be a number of seconds, got {raw!r}") from None
         address = env.get("TALLY_ADDRESS", "").strip() or DEFAULT_ADDRESS
         tls = tls_files_from_env(address, env)
         return cls(
             address=address,
             token=env.get("TALLY_TOKEN") or None,
             timeout=timeout,
+            connect_wait=connect_wait,
             ca_cert=tls["ca_cert"],
             client_cert=tls["client_cert"],
             client_key=tls["client_key"],

@@ -60,6 +60,7 @@ def resolve_config(
         address=address,
         token=(token if token is not None else env.token) or None,
         timeout=timeout if timeout is not None else env.timeout,
+        connect_wait=env.connect_wait,
         ca_cert=files["ca_cert"],
         client_cert=files["client_cert"],
         client_key=files["client_key"],

@@ -194,17 +194,27 @@ def _one_transport(config: ClientConfig, endpoint: Endpoint) -> Transport:
     if endpoint.scheme == "grpc":
         from tally._transport.grpc import GrpcTransport
 
-        return GrpcTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
+        return GrpcTransport(
+            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+        )
     from tally._transport.http import HttpTransport
 
-    return HttpTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
+    return HttpTransport(
+        endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+    )
 
 
 def _one_async_transport(config: ClientConfig, endpoint: Endpoint) -> AsyncTransport:
     if endpoint.scheme == "grpc":
         from tally._transport.grpc import AsyncGrpcTransport
 
-        return AsyncGrpcTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint))
+        return AsyncGrpcTransport(
+            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+        )
     from tally._transport.http import AsyncHttpTransport, HttpTransport
 
-    return AsyncHttpTransport(HttpTransport(endpoint.target, token=config.token, tls=_tls(config, endpoint)))
+    return AsyncHttpTransport(
+        HttpTransport(
+            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+        )
+    )

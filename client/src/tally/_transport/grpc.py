@@ -149,7 +149,9 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
 class GrpcTransport:
     """Blocking transport over a ``grpc.Channel``."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, target: str, *, token: str | None = None, tls: TlsFiles | None = None, connect_wait: float = 0.0
+    ) -> None:
         """Create the channel (connection is lazy: nothing happens until the first call).
 
         Args:
@@ -157,6 +159,8 @@ class GrpcTransport:
             token: Bearer token sent as ``authorization`` metadata.
             tls: Use TLS with these files (``TlsFiles()``: the system's root certificates); None
                 speaks plain text.
+            connect_wait: Seconds during which a refused first connection is retried (see
+                ``tally._transport.contact``).
         """
         self._target = target
         self._tls = tls is not None
@@ -166,7 +170,7 @@ class GrpcTransport:
             self._channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
         self._stub = CoordinatorStub(self._channel)
         self._metadata = _auth_metadata(token)
-        self._contact = FirstContact(target)
+        self._contact = FirstContact(target, connect_wait)
 
     def send(self, call: Call[T], timeout: float) -> T:
         route = convert.route(call)
@@ -210,7 +214,9 @@ class GrpcTransport:
 class AsyncGrpcTransport:
     """asyncio transport over a ``grpc.aio.Channel``."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, target: str, *, token: str | None = None, tls: TlsFiles | None = None, connect_wait: float = 0.0
+    ) -> None:
         """Remember where to connect; the channel is created on first use.
 
         A grpc.aio channel binds to the event loop that is running when it is created, and
@@ -224,7 +230,7 @@ class AsyncGrpcTransport:
         self._metadata = _auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: CoordinatorAsyncStub | None = None
-        self._contact = FirstContact(target)
+        self._contact = FirstContact(target, connect_wait)
 
     def _get_stub(self) -> CoordinatorAsyncStub:
         if self._stub is None:

@@ -31,7 +31,14 @@ T = TypeVar("T")
 class HttpTransport:
     """Blocking transport over the HTTP/JSON API using ``urllib.request``."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        connect_wait: float = 0.0,
+    ) -> None:
         """Create the transport.
 
         Args:
@@ -49,7 +56,7 @@ class HttpTransport:
         self._context = ssl_context(tls) if tls is not None else None
         handlers = [urllib.request.HTTPSHandler(context=self._context)] if self._context is not None else []
         self._opener = urllib.request.build_opener(*handlers)
-        self._contact = FirstContact(self._base)
+        self._contact = FirstContact(self._base, connect_wait)
 
     def send(self, call: Call[T], timeout: float) -> T:
         route = convert.route(call)
