@@ -11,7 +11,7 @@
  *   views/*.js     one module per page or panel: list, checkpoint, writers, events, auth
  *
  * Pages (hash routing, checkpoint names contain "/"):
- *   #/                      every checkpoint as a card
+ *   #/                      every checkpoint as a card or a table row, grouped by name prefix
  *   #/checkpoint/<name>     one checkpoint: tiles, progress plot, writers, event log
  *
  * When the state changes the view is rebuilt as a detached DOM tree at the next animation frame, then
@@ -127,6 +127,16 @@ document.addEventListener("click", (ev) => {
   } else if (action === "signout") {
     setToken("");
     follow(); // an open stream still carries the old token
+  } else if (action === "writer-sort" && state.checkpoint) {
+    state.checkpoint.writerView.sort = target.dataset.sort;
+    state.checkpoint.writerView.page = 0;
+    scheduleRender();
+  } else if (action === "writer-page" && state.checkpoint) {
+    state.checkpoint.writerView.page = Math.max(0, state.checkpoint.writerView.page + Number(target.dataset.step));
+    scheduleRender();
+  } else if (action === "list-view" || action === "list-sort") {
+    setPref(action === "list-view" ? "listView" : "listSort", target.dataset.value);
+    scheduleRender();
   } else if (action === "range") {
     setPref("range", target.dataset.range);
     state.hoverAt = null;
@@ -153,9 +163,14 @@ document.addEventListener("change", (ev) => {
 });
 
 document.addEventListener("input", (ev) => {
-  const target = ev.target.closest("[data-action='filter']");
+  const target = ev.target.closest("[data-action='filter'], [data-action='writer-filter']");
   if (!target) return;
-  state.list.filter = target.value;
+  if (target.dataset.action === "filter") {
+    state.list.filter = target.value;
+  } else if (state.checkpoint) {
+    state.checkpoint.writerView.filter = target.value;
+    state.checkpoint.writerView.page = 0;
+  }
   scheduleRender();
 });
 

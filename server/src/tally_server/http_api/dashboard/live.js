@@ -194,11 +194,13 @@ class CheckpointSession {
     if (!page.cp) return; // nothing to show them with yet: the first status reads them
     this.sideBusy = true;
     const enc = q(page.name);
+    const liveCount = (page.cp.writers || []).length;
     const samples = page.samplesQuery();
     const signal = this.ctrl.signal;
     try {
       const [writers, events, progress] = await Promise.allSettled([
-        getJson(`v1/writers?checkpoint=${enc}&include_closed=${prefs.showClosed}&limit=${WRITERS_LIMIT}`, signal),
+        // Every live writer (the stream has them all, so does the table) and the latest closed ones.
+        getJson(`v1/writers?checkpoint=${enc}&include_closed=${prefs.showClosed}&limit=${liveCount + WRITERS_LIMIT}`, signal),
         getJson(`v1/events?checkpoint=${enc}&limit=${EVENTS_PAGE}`, signal),
         getJson(`v1/progress?checkpoint=${enc}&since=${samples.since}`, signal),
       ]);

@@ -9,7 +9,15 @@ import { namePath } from "./api.js";
 import { serverNow } from "./format.js";
 
 export const EVENTS_PAGE = 50;
+// Closed writers read with the history (every live writer is read too: the stream carries them all).
 export const WRITERS_LIMIT = 100;
+export const WRITERS_PAGE = 50; // writer rows per page of the table
+export const WRITER_SORTS = [
+  ["state", "state"],
+  ["id", "writer id"],
+  ["completed", "completed"],
+  ["seen", "last seen"],
+];
 const MAX_SAMPLES = 200000;
 export const RANGES = [
   ["15m", 900],
@@ -31,8 +39,14 @@ function stored(key, fallback) {
   }
 }
 
-/** The user's choices, kept in localStorage: the plot's time range, whether closed writers show. */
-export const prefs = { range: stored("range", "1h"), showClosed: stored("showClosed", true) };
+/** The user's choices, kept in localStorage: the plot's time range, whether closed writers show, the
+ *  list as cards or a table and the table's order. */
+export const prefs = {
+  range: stored("range", "1h"),
+  showClosed: stored("showClosed", true),
+  listView: stored("listView", "cards"),
+  listSort: stored("listSort", "name"),
+};
 
 export function setPref(key, value) {
   prefs[key] = value;
@@ -110,6 +124,7 @@ export class CheckpointPage {
     this.samplesKey = "";
     this.provisional = null; // the server's live count at the last read, not cached
     this.progressNote = null;
+    this.writerView = { sort: "state", filter: "", page: 0 }; // the writer table's controls
   }
 
   /** Takes a status from the stream. True when the histories should be read again now: a writer came
@@ -141,9 +156,8 @@ export class CheckpointPage {
       streamed.delete(w.writer_id);
       return (fresh.last_seen_at || 0) >= (w.last_seen_at || 0) ? fresh : w;
     });
-    // Writers opened since the history was read, unless the history is a full page: then the new
-    // writer's arrival triggers a fresh read, which decides whether it makes the page.
-    return this.history.length < WRITERS_LIMIT ? rows.concat(Array.from(streamed.values())) : rows;
+    // Writers opened since the history was read (it holds every writer live then: see live.js).
+    return rows.concat(Array.from(streamed.values()));
   }
 
   closedWriters() {
