@@ -187,3 +187,41 @@ def test_the_checkpoint_list_table_sorts_by_name_and_activity_and_groups_by_pref
         page.get_by_test_id("sort-name").click()
         expect(page.get_by_test_id("sort-name")).to_have_attribute("aria-pressed", "true")
         assert shown() == by_name
+
+
+def test_writers_without_array_jobs_group_by_host_and_closed_ones_show_beside_them(
+    dash_server: RunningServer,  # noqa: F811
+    browser_page: Any,  # noqa: F811
+) -> None:
+    """Writers opened over HTTP (which names the host): 24 live on two hosts, 2 closed."""
+    from playwright.sync_api import expect
+
+    page = browser_page
+    page.set_viewport_size(VIEWPORT)
+    name = "plain/hosts"
+    handles = []
+    with httpx.Client(base_url=dash_server.http_url, timeout=10) as http:
+        for i in range(26):
+            body = {"checkpoint": name, "writer_id": f"w-{i}", "host": f"node-{i % 2}", "pid": 100 + i}
+            body["labels"] = {"stage": "embed", "shard": str(i)}
+            reply = http.post("/v1/writers", json=body)
+            reply.raise_for_status()
+            handles.append(reply.json()["handle"])
+        for handle in handles[24:]:
+            http.post(f"/v1/writers/{handle}/close").raise_for_status()
+
+        page.goto(f"{dash_server.http_url}/#/checkpoint/plain/hosts")
+        expect(page.get_by_test_id("writers").locator(".panel-note")).to_have_text("24 live · 2 closed")
+        rows = page.get_by_test_id("writer-row")
+        expect(rows).to_have_count(26)
+        expect(page.get_by_test_id("shared-labels").get_by_test_id("label")).to_have_text(["stage embed"])
+        groups = page.get_by_test_id("writer-group")
+        expect(groups).to_have_count(2)
+        assert groups.evaluate_all("els => els.map((e) => e.dataset.group)") == ["node-0", "node-1"]
+        expect(groups.first).to_contain_text("host node-0 · 13 writers · 12 live")
+        # The filter matches the host; the closed writers are among the rows.
+        page.get_by_test_id("writer-filter").fill("node-1")
+        expect(rows).to_have_count(13)
+        expect(page.locator("[data-writer='w-25']").get_by_test_id("writer-state")).to_have_text("closed")
+        for handle in handles[:24]:
+            http.post(f"/v1/writers/{handle}/close").raise_for_status()
