@@ -209,6 +209,8 @@ def test_writers_without_array_jobs_group_by_host_and_closed_ones_show_beside_th
             handles.append(reply.json()["handle"])
         for handle in handles[24:]:
             http.post(f"/v1/writers/{handle}/close").raise_for_status()
+        # Writers opened over HTTP renew their lease only when told: w-5 is the one seen last.
+        http.post(f"/v1/writers/{handles[5]}/keepalive").raise_for_status()
 
         page.goto(f"{dash_server.http_url}/#/checkpoint/plain/hosts")
         expect(page.get_by_test_id("writers").locator(".panel-note")).to_have_text("24 live · 2 closed")
@@ -223,5 +225,10 @@ def test_writers_without_array_jobs_group_by_host_and_closed_ones_show_beside_th
         page.get_by_test_id("writer-filter").fill("node-1")
         expect(rows).to_have_count(13)
         expect(page.locator("[data-writer='w-25']").get_by_test_id("writer-state")).to_have_text("closed")
+        page.get_by_test_id("writer-sort").get_by_role("button", name="last seen").click()
+        expect(rows.first).to_have_attribute("data-writer", "w-5")
+        page.get_by_test_id("writer-sort").get_by_role("button", name="writer id").click()
+        expect(rows.first).to_have_attribute("data-writer", "w-1")
+        assert rows.evaluate_all("els => els.map((e) => e.dataset.writer)")[:3] == ["w-1", "w-3", "w-5"]
         for handle in handles[:24]:
             http.post(f"/v1/writers/{handle}/close").raise_for_status()
