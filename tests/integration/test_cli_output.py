@@ -174,3 +174,11 @@ def test_in_a_pipe_long_identifiers_are_never_cut_in_any_output(server: RunningS
         writers = ok("writers", name, "--all", "-o", output, address=server.grpc_address)
         assert row(writers, "w-" + "x" * 205)
     assert as_json("status", address=server.grpc_address)[0]["name"] == name
+
+
+def test_help_names_each_environment_variable_once() -> None:
+    for command in ("status", "writers", "events", "failed", "remaining", "replicas"):
+        text = run(command, "--help").stdout
+        for env in ("TALLY_ADDRESS", "TALLY_TOKEN", "TALLY_TIMEOUT"):
+            assert text.count(env) == 1, (command, env, text)
+        assert "<table|wide|json>" in text, (command, text)

@@ -41,20 +41,18 @@ Address = Annotated[
         envvar="TALLY_ADDRESS",
         help=(
             "Coordinator: host:port or grpc://, grpcs://, http://, https://; replicas as a "
-            "comma-separated list [TALLY_ADDRESS]."
+            "comma-separated list."
         ),
     ),
 ]
-Token = Annotated[
-    str | None, typer.Option("--token", envvar="TALLY_TOKEN", help="Bearer token [TALLY_TOKEN].")
-]
+Token = Annotated[str | None, typer.Option("--token", envvar="TALLY_TOKEN", help="Bearer token.")]
 Timeout = Annotated[
     float,
     typer.Option(
         "--timeout",
         envvar="TALLY_TIMEOUT",
         min=0.001,
-        help="Seconds to wait for the coordinator [TALLY_TIMEOUT].",
+        help="Seconds to wait for the coordinator.",
     ),
 ]
 
@@ -125,7 +123,7 @@ def plain(value: Any) -> Any:
 def emit_json(value: Any) -> None:
     """Print ``value`` as one JSON document on stdout, and nothing else (never styled or cut)."""
     try:
-        sys.stdout.write(json.dumps(plain(value), indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(json.dumps(plain(value), indent=2, ensure_ascii=False, default=str) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:  # `tally status -o json | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
