@@ -10,6 +10,7 @@ fresh database.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -96,6 +97,15 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
         shown = tally_cli("replicas", "--address", replica.grpc_address)
         assert owner_name in shown and "owner" in shown and "store epoch 1" in shown
         assert f"owner: {owner_name}" in tally_cli("status", "--address", replica.grpc_address)
+        # -o json: the store as one object; -o wide: the start time in full and the silence in seconds.
+        store = json.loads(tally_cli("replicas", "-o", "json", "--address", replica.grpc_address))
+        assert store["epoch"] == 1 and store["answered_by"] != owner_name
+        assert [r["name"] for r in store["replicas"] if r["owner"]] == [owner_name]
+        assert all(isinstance(r["started_at"], float) for r in store["replicas"])
+        wide = tally_cli("replicas", "-o", "wide", "--address", replica.grpc_address)
+        assert "started at" in wide and "silent s" in wide and "store epoch 1" in wide
+        (checkpoint,) = json.loads(tally_cli("status", "-o", "json", "--address", replica.grpc_address))
+        assert checkpoint["owner"] == owner_name
         # The owner counted the replica's reads nowhere: it answered the forwarded calls only.
         forwarded = httpx.get(f"http://{replica.http_address}/metrics").text
         assert "tally_replica_are_completed_calls_total 1.0" in forwarded

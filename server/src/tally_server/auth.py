@@ -254,14 +254,15 @@ def parse_tokens(spec: str) -> dict[str, Principal]:
     An entry is ``TOKEN:ROLE`` or ``TOKEN:ROLE@PREFIX``; a token in several entries gets every grant.
     """
     grants: dict[str, list[Grant]] = {}
-    for raw in spec.replace(",", "\n").splitlines():
+    for number, raw in enumerate(spec.replace(",", "\n").splitlines(), 1):
         entry = raw.split("#", 1)[0].strip()
         if not entry:
             continue
         token, sep, rest = entry.rpartition(":")
         if not sep or not token.strip():
+            # Not echoed: an entry without its role may be a bare token.
             raise ValueError(
-                f"token entry {entry!r} must be TOKEN:ROLE or TOKEN:ROLE@PREFIX with ROLE one of "
+                f"token entry {number} must be TOKEN:ROLE or TOKEN:ROLE@PREFIX with ROLE one of "
                 "reader, worker, admin"
             )
         role_name, at, prefix = rest.partition("@")

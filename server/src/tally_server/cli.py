@@ -8,93 +8,138 @@ group, so ``tally serve`` exists wherever the server is installed. Only typer is
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import typer.main
+from typer.core import TyperCommand
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
+    from pydantic.fields import FieldInfo
+
+_HELP = """Run the coordinator (gRPC + HTTP) until SIGTERM.
+
+Every option is also the environment variable shown with it (a flag wins over the environment).
+Bearer tokens: TALLY_TOKENS="TOKEN:ROLE,TOKEN:ROLE@PREFIX" (roles reader, worker, admin) or
+--tokens-file; with neither, authentication is off.
+"""
 
 
-def serve(
-    data_dir: Annotated[
-        Path | None, typer.Option(help="Data directory [env TALLY_DATA_DIR; ./tally-data].")
-    ] = None,
-    grpc_listen: Annotated[
-        str | None, typer.Option(help="gRPC HOST:PORT, 0 = free port [TALLY_GRPC_LISTEN; 127.0.0.1:50051].")
-    ] = None,
-    http_listen: Annotated[
-        str | None, typer.Option(help="HTTP HOST:PORT, 0 = free port [TALLY_HTTP_LISTEN; 127.0.0.1:8080].")
-    ] = None,
-    registry_url: Annotated[
-        str | None,
-        typer.Option(help="SQLAlchemy URL of the registry [TALLY_REGISTRY_URL; SQLite in data dir]."),
-    ] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            help="postgresql+psycopg://USER@HOST/DB: completions and journals in PostgreSQL "
-            "[TALLY_STORE; LMDB files in data dir]."
-        ),
-    ] = None,
-    standby: Annotated[
-        bool | None,
-        typer.Option(
-            "--standby/--no-standby",
-            help="With --store: wait while another coordinator serves it, take over when it is gone "
-            "[TALLY_STANDBY; off].",
-        ),
-    ] = None,
-    settle_ms: Annotated[
-        int | None, typer.Option(help="Settle window in ms, 0 = NeMo's [TALLY_SETTLE_MS; 250].")
-    ] = None,
-    lease_ttl_s: Annotated[
-        float | None, typer.Option(help="Writer lease in seconds [TALLY_LEASE_TTL_S; 30].")
-    ] = None,
-    log_level: Annotated[str | None, typer.Option(help="Log level [TALLY_LOG_LEVEL; INFO].")] = None,
-    log_format: Annotated[str | None, typer.Option(help="text or json [TALLY_LOG_FORMAT; text].")] = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option(help="PEM certificate: serve TLS on both ports [TALLY_TLS_CERT].")
-    ] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="PEM key of --tls-cert [TALLY_TLS_KEY].")] = None,
-    tls_client_ca: Annotated[
-        Path | None,
-        typer.Option(help="PEM CA: require client certificates it signed (mTLS) [TALLY_TLS_CLIENT_CA]."),
-    ] = None,
-    metrics_auth: Annotated[
-        bool | None,
-        typer.Option(
-            "--metrics-auth/--no-metrics-auth",
-            help="/metrics needs a reader token when tokens are set [TALLY_METRICS_AUTH; off].",
-        ),
-    ] = None,
-    journal: Annotated[
-        bool | None,
-        typer.Option(
-            "--journal/--no-journal",
-            help="Journal live writers so they survive a restart [TALLY_JOURNAL; on].",
-        ),
-    ] = None,
-) -> None:
+def serve() -> None:
     """Run the coordinator (gRPC + HTTP) until SIGTERM."""
-    flags: dict[str, Any] = {
-        "data_dir": data_dir,
-        "grpc_listen": grpc_listen,
-        "http_listen": http_listen,
-        "registry_url": registry_url,
-        "store": store,
-        "standby": standby,
-        "settle_ms": settle_ms,
-        "lease_ttl_s": lease_ttl_s,
-        "log_level": log_level,
-        "log_format": log_format,
-        "tls_cert": tls_cert,
-        "tls_key": tls_key,
-        "tls_client_ca": tls_client_ca,
-        "metrics_auth": metrics_auth,
-        "journal": journal,
-    }
+
+
+class _SettingsCommand(TyperCommand):
+    """``tally serve``, whose options are built from :class:`Settings` when it runs or shows its help.
+
+    Built then and not when the ``tally`` app is, because the other commands (``tally status``)
+    load this module too and must not import pydantic for it.
+    """
+
+    _built = False
+
+    def _build(self) -> None:
+        if self._built:
+            return
+        real = typer.main.get_command(_serve_app())
+        self.params = real.params
+        self.callback = real.callback
+        self.help = real.help
+        # Plain click help: rich's narrow option table cuts long words (URLs, paths) with "…", and
+        # would read the "[env var: ...]" in a description as markup.
+        self.rich_markup_mode = None
+        self._built = True
+
+    # typer's own click (typer._click) types these; Any keeps this module off its private names.
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        self._build()
+        return super().make_context(info_name, args, parent, **extra)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        self._build()
+        return super().get_params(ctx)
+
+
+def _serve_app() -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+    app.command(help=_HELP)(settings_command())
+    return app
+
+
+def env_var(name: str) -> str:
+    """The environment variable of the setting ``name``: ``data_dir`` → ``TALLY_DATA_DIR``."""
+    return f"TALLY_{name.upper()}"
+
+
+def flag(name: str) -> str:
+    """The flag of the setting ``name``: ``data_dir`` → ``--data-dir``."""
+    return "--" + name.replace("_", "-")
+
+
+def shown_default(field: FieldInfo) -> str:
+    """A setting's default as ``tally serve --help`` shows it (``default_text`` says what unset means)."""
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("default_text"), str):
+        return str(extra["default_text"])
+    value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, Path) and not value.is_absolute():
+        return f"./{value}"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The type a flag parses: the setting's, without its ``| None``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner
+    return annotation
+
+
+def settings_command() -> Callable[..., None]:
+    """The ``serve`` function typer turns into a command: one ``--flag`` per :class:`Settings` field.
+
+    A flag's help is the field's description, its environment variable (once) and its default;
+    a flag left out is None here, so the environment or the default applies.
+    """
+    from tally_server.settings import Settings
+
+    parameters = []
+    for name, field in Settings.model_fields.items():
+        kind = _flag_type(field.annotation)
+        decl = f"{flag(name)}/--no-{flag(name)[2:]}" if kind is bool else flag(name)
+        option = typer.Option(
+            decl,
+            help=f"{field.description} [env var: {env_var(name)}; default: {shown_default(field)}]",
+            show_default=False,
+        )
+        parameters.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
+            )
+        )
+
+    def run_serve(**flags: Any) -> None:
+        _run(flags)
+
+    run_serve.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    run_serve.__annotations__ = {p.name: p.annotation for p in parameters}
+    run_serve.__name__ = "serve"
+    return run_serve
+
+
+def _run(flags: dict[str, Any]) -> None:
     from pydantic import ValidationError
 
     from tally_server import logs
@@ -152,7 +197,7 @@ def settings_errors(exc: ValidationError, flags: set[str]) -> list[str]:
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` to the ``tally`` command (the ``tally.commands`` entry point)."""
-    app.command()(serve)
+    app.command(cls=_SettingsCommand)(serve)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
         default=None,
         description="SQLAlchemy URL of the registry (checkpoints, writers, events); default the store's "
         "database when store is set, else SQLite in data_dir. PostgreSQL: postgresql+psycopg://user@host:5432/db.",
+        json_schema_extra={"default_text": "the store's database with store, else SQLite in data_dir"},
     )
     store: str | None = Field(
         default=None,
@@ -47,6 +48,7 @@ class Settings(BaseSettings):
         "service: one owns the store (an advisory lock and a fencing epoch) and applies every writer's "
         "deltas; the others are replicas that answer are_completed from the database, forward all "
         "other calls to the owner and take the store over when it goes.",
+        json_schema_extra={"default_text": "unset: LMDB files in data_dir"},
     )
     standby: bool = Field(
         default=False,
@@ -60,6 +62,7 @@ class Settings(BaseSettings):
         max_length=200,
         description="This coordinator's name among the store's replicas (shown by status views and the "
         "dashboard); default HOSTNAME-PID. Unique per store.",
+        json_schema_extra={"default_text": "HOSTNAME-PID"},
     )
     advertise_host: str | None = Field(
         default=None,
@@ -67,6 +70,7 @@ class Settings(BaseSettings):
         description="The host other replicas of the store reach this one at (the ports are the listening "
         "ones); default the listening host, or this machine's hostname when listening on all addresses "
         "(on Kubernetes give the pod's IP).",
+        json_schema_extra={"default_text": "the listening host"},
     )
     settle_ms: int = Field(
         default=250,
@@ -136,7 +140,9 @@ class Settings(BaseSettings):
         description="Bearer tokens with roles, 'TOKEN:ROLE' separated by commas (roles: reader, worker, "
         "admin). 'TOKEN:ROLE@PREFIX' limits the entry to checkpoints whose name starts with PREFIX "
         "(e.g. 'team-a/'); a token listed in several entries gets every grant. Unset (and no "
-        "tokens_file): authentication is off.",
+        "tokens_file): authentication is off. Give them as TALLY_TOKENS or in tokens_file rather than "
+        "as a flag: every user of the machine sees a command line (ps).",
+        json_schema_extra={"default_text": "unset: authentication off"},
     )
     tokens_file: Path | None = Field(
         default=None,
@@ -167,6 +173,16 @@ class Settings(BaseSettings):
     @classmethod
     def _listen(cls, value: str) -> str:
         split_listen(value)
+        return value
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, value: str | None) -> str | None:
+        # Refused here, as one line naming --tokens or TALLY_TOKENS, rather than when the app starts.
+        if value:
+            from tally_server.auth import parse_tokens
+
+            parse_tokens(value)
         return value
 
     @field_validator("store")

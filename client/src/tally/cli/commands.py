@@ -25,6 +25,8 @@ import tally
 from tally._config import DEFAULT_ADDRESS, DEFAULT_TIMEOUT
 from tally.cli.common import (
     Address,
+    Output,
+    OutputFormat,
     Timeout,
     Token,
     age,
@@ -32,6 +34,7 @@ from tally.cli.common import (
     connect,
     count,
     duration,
+    emit_json,
     err,
     fail,
     out,
@@ -48,19 +51,31 @@ _RATE_WINDOW_S = 60.0
 
 def status(
     checkpoint: Annotated[str | None, typer.Argument(help="Checkpoint name; omit for all.")] = None,
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Checkpoints at a glance, or one checkpoint in detail."""
+    """Checkpoints at a glance, or one checkpoint in detail.
+
+    -o json: an array of checkpoints by name, or with CHECKPOINT one object (with its writers).
+    """
     with connect(address, token, timeout) as client:
         if checkpoint is None:
-            _status_all(client.checkpoints())
+            found = sorted(client.checkpoints(), key=lambda c: c.name)
+            if output == Output.JSON:
+                emit_json(found)
+            else:
+                _status_all(found, wide=output == Output.WIDE)
         else:
-            _status_one(client.checkpoint(checkpoint))
+            one = client.checkpoint(checkpoint)
+            if output == Output.JSON:
+                emit_json(one)
+            else:
+                _status_one(one, wide=output == Output.WIDE)
 
 
-def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
+def _status_all(checkpoints: list[tally.CheckpointStatus], *, wide: bool) -> None:
     if not checkpoints:
         out.print("no checkpoints yet")
         return
@@ -68,14 +83,20 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
     table.add_column("checkpoint")
     for name in ("completed", "pending", "live writers", "anomalies", "unreadable files"):
         table.add_column(name, justify="right")
-    failures = any(c.failed_sources for c in checkpoints)
+    if wide:
+        for name in ("settling", "claimed", "max attempts", "total", "remaining"):
+            table.add_column(name, justify="right")
+    failures = wide or any(c.failed_sources for c in checkpoints)
     if failures:  # a column only when some checkpoint has failed sources
         table.add_column("failed", justify="right")
-    totals = any(c.total > 0 for c in checkpoints)
+    totals = wide or any(c.total > 0 for c in checkpoints)
     if totals:  # a column only when some checkpoint has declared sources
         table.add_column("done", justify="right")
     table.add_column("last activity")
-    for c in sorted(checkpoints, key=lambda c: c.name):
+    if wide:
+        for name in ("last activity at", "created at", "owner", "fingerprint"):
+            table.add_column(name)
+    for c in checkpoints:
         row: list[str | Text] = [
             c.name,
             str(c.completed_count),
@@ -84,11 +105,18 @@ def _status_all(checkpoints: list[tally.CheckpointStatus]) -> None:
             _flag(c.anomalies),
             _flag(c.unreadable_files),
         ]
+        if wide:
+            row += [str(c.settling_sources), str(c.claimed_sources), str(c.max_attempts or "unlimited")]
+            row += [str(c.total), "-" if c.remaining < 0 else str(c.remaining)]
         if failures:
             row.append(_flag(c.failed_sources))
         if totals:
             row.append("-" if c.percent is None else f"{c.percent:.1f} %")
-        table.add_row(*row, age(c.last_activity_at))
+        row.append(age(c.last_activity_at))
+        if wide:
+            row += [clock(c.last_activity_at, "milliseconds"), clock(c.created_at, "milliseconds")]
+            row += [c.owner or "-", pairs(c.fingerprint) or "-"]
+        table.add_row(*row)
     out.print(table)
     owners = sorted({c.owner for c in checkpoints if c.owner})
     if owners:  # a PostgreSQL store: the replica applying these checkpoints' deltas
@@ -100,12 +128,14 @@ def _flag(count: int) -> Text:
     return Text(str(count), style="bold red" if count else "")
 
 
-def _status_one(c: tally.CheckpointStatus) -> None:
+def _status_one(c: tally.CheckpointStatus, *, wide: bool) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     grid.add_row("checkpoint", c.name)
     grid.add_row("completed", str(c.completed_count))
+    if wide and c.percent is None:
+        grid.add_row("total", "none declared")
     if c.percent is not None:  # a declared total (client.declare): how far along, what is left
         grid.add_row("total", f"{c.total} declared ({c.percent:.1f} % completed)")
         left = "unknown (a count was declared)" if c.remaining < 0 else str(c.remaining)
@@ -114,14 +144,15 @@ def _status_one(c: tally.CheckpointStatus) -> None:
     grid.add_row("pending", str(c.pending_sources))
     grid.add_row("settling", str(c.settling_sources))
     grid.add_row("live writers", str(c.live_writers))
-    if c.claimed_sources:
+    if c.claimed_sources or wide:
         grid.add_row("claimed", f"{c.claimed_sources} sources held by live writers")
     grid.add_row("anomalies", _flag(c.anomalies))
     grid.add_row("unreadable files", _flag(c.unreadable_files))
-    grid.add_row("created", f"{clock(c.created_at)} ({age(c.created_at)})")
-    grid.add_row("last activity", f"{clock(c.last_activity_at)} ({age(c.last_activity_at)})")
+    spec = "milliseconds" if wide else "seconds"
+    grid.add_row("created", f"{clock(c.created_at, spec)} ({age(c.created_at)})")
+    grid.add_row("last activity", f"{clock(c.last_activity_at, spec)} ({age(c.last_activity_at)})")
     grid.add_row("fingerprint", pairs(c.fingerprint) or "-")
-    if c.max_attempts or c.failed_sources:
+    if c.max_attempts or c.failed_sources or wide:
         hint = f" (tally failed {c.name} lists them)" if c.failed_sources else ""
         grid.add_row(
             "failed", Text(str(c.failed_sources), style="bold red" if c.failed_sources else "").append(hint)
@@ -129,37 +160,53 @@ def _status_one(c: tally.CheckpointStatus) -> None:
         grid.add_row("max attempts", str(c.max_attempts) if c.max_attempts else "unlimited")
     if c.owner:
         grid.add_row("owner", f"{c.owner} (the replica applying its deltas; tally replicas lists all)")
+    elif wide:
+        grid.add_row("owner", "- (one coordinator on LMDB files)")
     out.print(grid)
     if c.writers:
-        out.print(writers_table(c.writers, title="live writers"))
+        out.print(writers_table(c.writers, title="live writers", wide=wide))
 
 
 # --------------------------------------------------------------------------- replicas
 
 
 def replicas(
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """The coordinators serving a PostgreSQL store: which owns it, which are replicas."""
+    """The coordinators serving a PostgreSQL store: which owns it, which are replicas.
+
+    -o json: one object, the store: its replicas (an array, empty on LMDB files), epoch, answered_by.
+    """
     with connect(address, token, timeout) as client:
         found = client.replicas()
+    if output == Output.JSON:
+        emit_json(found)
+        return
     if not found.replicas:
         out.print("one coordinator, no replicas (the LMDB store; replicas need --store postgresql://...)")
         return
+    wide = output == Output.WIDE
     table = Table()
     for name in ("replica", "role", "grpc", "http", "started", "last seen"):
         table.add_column(name)
+    if wide:
+        for name in ("started at", "silent s"):
+            table.add_column(name)
     for r in found.replicas:
-        table.add_row(
+        row: list[str | Text] = [
             r.name,
             Text("owner", style="bold") if r.owner else "replica",
             r.grpc_address,
             r.http_address,
             age(r.started_at),
             Text(duration(r.silent_s) + " ago", style="" if r.silent_s < 5 else "bold red"),
-        )
+        ]
+        if wide:
+            row += [clock(r.started_at, "milliseconds"), f"{r.silent_s:.3f}"]
+        table.add_row(*row)
     out.print(table)
     out.print(f"store epoch {found.epoch}; answered by {found.answered_by}")
 
@@ -287,11 +334,16 @@ def watch(
 def remaining(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint name.")],
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Most ids printed.")] = None,
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Declared sources not completed yet, one id per line (for a pipe); a count on stderr."""
+    """Declared sources not completed yet, one id per line (for a pipe); a count on stderr.
+
+    -o json: one array of the ids; -o wide is the default (an id is the only column).
+    """
+    listed: list[str] = []  # -o json: the ids, printed as one array at the end
     shown = 0
     more = False
     with connect(address, token, timeout) as client:
@@ -302,13 +354,18 @@ def remaining(
                 if limit is not None and shown >= limit:
                     more = True
                     break
-                # Plain print: an id is never wrapped, styled or cut, whatever the terminal.
-                print(sid)
+                if output == Output.JSON:
+                    listed.append(sid)
+                else:
+                    # Plain print: an id is never wrapped, styled or cut, whatever the terminal.
+                    print(sid)
                 shown += 1
             sys.stdout.flush()
         except BrokenPipeError:  # `tally remaining cp | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return
+    if output == Output.JSON:
+        emit_json(listed)
     if current.total <= 0:
         err.print(f"{checkpoint}: no sources declared (client.declare or writer(expected_sources=))")
     elif shown == 0 and current.remaining < 0:
@@ -329,17 +386,24 @@ def writers(
         bool, typer.Option("--all", help="Also writers that closed, expired or were lost.")
     ] = False,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Most writers shown.")] = 100,
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Writers of a checkpoint: host, pid, labels (SLURM ids), heartbeat age, counts."""
+    """Writers of a checkpoint: host, pid, labels (SLURM ids), heartbeat age, counts.
+
+    -o json: an array of writers; -o wide adds every count and the times in full.
+    """
     with connect(address, token, timeout) as client:
         found = client.writers(checkpoint, include_closed=all_, limit=limit)
+    if output == Output.JSON:
+        emit_json(found)
+        return
     if not found:
         out.print(f"no {'' if all_ else 'live '}writers in {checkpoint}")
         return
-    out.print(writers_table(found, closed=all_))
+    out.print(writers_table(found, closed=all_, wide=output == Output.WIDE))
 
 
 def events(
@@ -352,13 +416,24 @@ def events(
         tally.Severity,
         typer.Option("--severity", case_sensitive=False, help="Only events of this severity or worse."),
     ] = tally.Severity.INFO,
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Events of a checkpoint, newest first: anomalies, unreadable files, writers, resets."""
+    """Events of a checkpoint, newest first: anomalies, unreadable files, writers, resets.
+
+    -o json: an array of events, newest first (older ones: --before the last one's id).
+    """
     with connect(address, token, timeout) as client:
         shown, older = _events_at_least(client, checkpoint, severity, limit, before)
+    also = "" if severity == tally.Severity.INFO else f" --severity {severity}"
+    if output == Output.JSON:
+        emit_json(shown)
+        if older is not None:
+            err.print(f"older events: tally events {checkpoint} --before {older}{also} -o json")
+        return
+    spec = "milliseconds" if output == Output.WIDE else "seconds"
     if not shown:
         worse = "" if severity == tally.Severity.INFO else f" of severity {severity} or worse"
         out.print(f"no events{worse} in {checkpoint}")
@@ -371,7 +446,7 @@ def events(
         style = _SEVERITY_STYLE.get(e.severity, "")
         table.add_row(
             str(e.id),
-            clock(e.at),
+            clock(e.at, spec),
             Text(e.severity, style=style),
             Text(e.kind, style=style),
             e.writer_id or "-",
@@ -380,7 +455,6 @@ def events(
         )
     out.print(table)
     if older is not None:
-        also = "" if severity == tally.Severity.INFO else f" --severity {severity}"
         out.print(f"older events: tally events {checkpoint} --before {older}{also}")
 
 
@@ -427,16 +501,27 @@ def failed(
         typer.Option("--all", help="Every source with a failed attempt, not only those at the budget."),
     ] = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="One JSON object per source and line, with every reason kept.")
+        bool,
+        typer.Option("--json", help="JSON Lines: one object per source and line, with every reason kept."),
     ] = False,
+    output: OutputFormat = Output.TABLE,
     address: Address = DEFAULT_ADDRESS,
     token: Token = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> None:
-    """Failed sources of a checkpoint (max_attempts failed attempts): attempts and latest reasons."""
+    """Failed sources of a checkpoint (max_attempts failed attempts): attempts and latest reasons.
+
+    -o json: one array of sources, each with every reason kept; -o wide shows every reason kept.
+    """
+    if as_json and output != Output.TABLE:
+        raise fail(f"--json (one object per line) and -o {output} are two outputs: give one of them")
     with connect(address, token, timeout) as client:
         current = client.checkpoint(checkpoint)
         found = list(client.failures(checkpoint, failed_only=not all_))
+    if output == Output.JSON:
+        emit_json(found)
+        return
+    wide = output == Output.WIDE
     if as_json:
         for f in found:
             recent = [{"reason": a.reason, "at": a.at, "writer_id": a.writer_id} for a in f.recent]
@@ -462,17 +547,24 @@ def failed(
     table = Table()
     table.add_column("source")
     table.add_column("attempts", justify="right")
-    if all_:
+    if all_ or wide:
         table.add_column("failed")
-    for name in ("last attempt", "writer", "latest reasons (newest first)"):
+    table.add_column("last attempt")
+    if wide:
+        table.add_column("last attempt at")
+    for name in ("writer", "every reason kept (newest first)" if wide else "latest reasons (newest first)"):
         table.add_column(name)
     for f in found:
         last = f.recent[-1] if f.recent else None
-        reasons = " | ".join(_one_line(a.reason) for a in reversed(f.recent[-_REASONS_SHOWN:]))
+        kept = f.recent if wide else f.recent[-_REASONS_SHOWN:]
+        reasons = " | ".join(_one_line(a.reason) for a in reversed(kept))
         row: list[str | Text] = [Text(f.source_id), str(f.attempts)]
-        if all_:
+        if all_ or wide:
             row.append(Text("failed", style="bold red") if f.failed else "no")
-        row += [age(last.at) if last else "-", Text(last.writer_id if last else "-"), Text(reasons or "-")]
+        row.append(age(last.at) if last else "-")
+        if wide:
+            row.append(clock(last.at, "milliseconds") if last else "-")
+        row += [Text(last.writer_id if last else "-"), Text(reasons or "-")]
         table.add_row(*row)
     out.print(table)
     what = "sources with failed attempts" if all_ else "failed sources"

@@ -4,8 +4,13 @@ one red line, and the formatting of ages, times and labels."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import enum
 import json
+import os
+import pathlib
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Annotated, Any
@@ -36,20 +41,38 @@ Address = Annotated[
         envvar="TALLY_ADDRESS",
         help=(
             "Coordinator: host:port or grpc://, grpcs://, http://, https://; replicas as a "
-            "comma-separated list [TALLY_ADDRESS]."
+            "comma-separated list."
         ),
     ),
 ]
-Token = Annotated[
-    str | None, typer.Option("--token", envvar="TALLY_TOKEN", help="Bearer token [TALLY_TOKEN].")
-]
+Token = Annotated[str | None, typer.Option("--token", envvar="TALLY_TOKEN", help="Bearer token.")]
 Timeout = Annotated[
     float,
     typer.Option(
         "--timeout",
         envvar="TALLY_TIMEOUT",
         min=0.001,
-        help="Seconds to wait for the coordinator [TALLY_TIMEOUT].",
+        help="Seconds to wait for the coordinator.",
+    ),
+]
+
+
+class Output(enum.StrEnum):
+    """What a listing command prints: its table, the table with every column, or JSON."""
+
+    TABLE = "table"
+    WIDE = "wide"
+    JSON = "json"
+
+
+OutputFormat = Annotated[
+    Output,
+    typer.Option(
+        "--output",
+        "-o",
+        case_sensitive=False,
+        help="table (the default), wide (every column: full times, counts, labels), or json (one "
+        "JSON document on stdout: the SDK's fields, times as seconds since the epoch).",
     ),
 ]
 
@@ -78,6 +101,34 @@ def connect(address: str, token: str | None, timeout: float) -> Iterator[tally.C
         raise fail(exc.message) from None
 
 
+# --------------------------------------------------------------------------- JSON
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON data: a dataclass as an object of its fields (in their order), a mapping
+    as an object, a tuple as an array, an enum as its value, a path as a string."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return plain(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    return value
+
+
+def emit_json(value: Any) -> None:
+    """Print ``value`` as one JSON document on stdout, and nothing else (never styled or cut)."""
+    try:
+        sys.stdout.write(json.dumps(plain(value), indent=2, ensure_ascii=False, default=str) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `tally status -o json | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 # --------------------------------------------------------------------------- formatting
 
 
@@ -102,11 +153,11 @@ def age(at: float, now: float | None = None) -> str:
     return f"{text} ago"
 
 
-def clock(at: float) -> str:
-    """Epoch seconds as local ISO time to the second; ``"-"`` when unset."""
+def clock(at: float, timespec: str = "seconds") -> str:
+    """Epoch seconds as local ISO time (to the second, or ``timespec``); ``"-"`` when unset."""
     if at <= 0:
         return "-"
-    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec="seconds")
+    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec=timespec)
 
 
 def pairs(mapping: Mapping[str, Any]) -> str:
@@ -130,20 +181,34 @@ def duration(seconds: float) -> str:
 
 
 def writers_table(
-    writers: Iterable[tally.WriterStatus], *, closed: bool = False, title: str | None = None
+    writers: Iterable[tally.WriterStatus],
+    *,
+    closed: bool = False,
+    title: str | None = None,
+    wide: bool = False,
 ) -> Table:
+    """The writers as a table; ``wide`` adds their times in full and every count."""
     table = Table(title=title, title_justify="left")
     for name in ("writer", "host", "pid", "labels", "state", "opened", "heartbeat"):
         table.add_column(name)
-    if closed:
+    if closed or wide:
         table.add_column("closed")
     for name in ("pending", "applied", "completions"):
         table.add_column(name, justify="right")
+    if wide:
+        for name in ("skipped", "rewritten", "anomalies"):
+            table.add_column(name, justify="right")
+        for name in ("opened at", "last seen at", "closed at"):
+            table.add_column(name)
     for w in writers:
         row = [w.writer_id, w.host, str(w.pid), pairs(w.labels), w.state, age(w.opened_at)]
         row.append(age(w.last_seen_at))
-        if closed:
+        if closed or wide:
             row.append(age(w.closed_at))
         row += [str(w.pending_sources), str(w.counts.applied), str(w.counts.completed)]
+        if wide:
+            row += [str(w.counts.skipped), str(w.counts.rewritten), str(w.counts.anomalies)]
+            row += [clock(w.opened_at, "milliseconds"), clock(w.last_seen_at, "milliseconds")]
+            row.append(clock(w.closed_at, "milliseconds"))
         table.add_row(*row)
     return table

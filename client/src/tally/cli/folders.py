@@ -20,10 +20,13 @@ from rich.text import Text
 from tally._config import DEFAULT_ADDRESS, DEFAULT_TIMEOUT
 from tally.cli.common import (
     Address,
+    Output,
+    OutputFormat,
     Timeout,
     Token,
     connect,
     count,
+    emit_json,
     fail,
     out,
     warn,
@@ -71,18 +74,31 @@ def inspect(
     folder: Annotated[
         Path, typer.Argument(help="A NeMo Curator checkpoint folder (or its metadata folder).")
     ],
+    output: OutputFormat = Output.TABLE,
 ) -> None:
-    """Offline: completed count, per-file counts and unreadable files of a NeMo-format folder."""
+    """Offline: completed count, per-file counts and unreadable files of a NeMo-format folder.
+
+    -o json: one object: folder, completed_sources, files (path, sources, error: null when readable);
+    -o wide shows each file's full path.
+    """
     files = read_folder(folder)
     readable = [f for f in files if f.error is None]
     completed = set().union(*(f.sources for f in readable))
+    if output == Output.JSON:
+        listed = [
+            {"path": str(f.path), "sources": None if f.error else len(f.sources), "error": f.error}
+            for f in files
+        ]
+        emit_json({"folder": str(metadata_dir(folder)), "completed_sources": len(completed), "files": listed})
+        return
     table = Table()
     table.add_column("file")
     table.add_column("sources", justify="right")
     table.add_column("status")
     for f in files:
         state = Text("ok") if f.error is None else Text(f"unreadable: {f.error}", style="red")
-        table.add_row(f.path.name, "-" if f.error else str(len(f.sources)), state)
+        name = str(f.path) if output == Output.WIDE else f.path.name
+        table.add_row(name, "-" if f.error else str(len(f.sources)), state)
     out.print(f"folder: {metadata_dir(folder)}")
     out.print(f"completed sources: {len(completed)} (union of {len(readable)} readable files)")
     out.print(f"files: {len(files)}, unreadable: {len(files) - len(readable)}")
