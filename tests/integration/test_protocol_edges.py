@@ -231,3 +231,19 @@ def test_paging_and_stream_numbers_out_of_range_are_refused(
     reply = http.get("/v1/progress", params={"checkpoint": "cp", "since": "nan"})
     assert reply.status_code == 400 and "since" in error_of(reply)["message"]
     assert "Traceback" not in server.log()
+
+
+def test_a_writer_id_at_its_length_limit_gets_its_completions_stored(server: RunningServer) -> None:
+    """The longest writer id allowed (251 bytes: ``<id>.mdb`` fills a 255-byte file name) once made
+    the temporary name of its new file too long to create, and the writer retried for ever."""
+    import tally
+    from tests.integration.workload import tree
+
+    writer_id = "w" * 251
+    with tally.Client(server.grpc_address, timeout=20) as client:
+        with client.writer("edges/long-writer", writer_id=writer_id) as w:
+            w.apply_deltas(tree("s"))
+            w.flush()
+        assert client.are_completed("edges/long-writer", ["s"]) == [True]
+        with pytest.raises(tally.InvalidArgument, match="over the limit of 251"):
+            client.writer("edges/long-writer", writer_id=writer_id + "w").open()

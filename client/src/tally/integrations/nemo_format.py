@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -256,8 +257,16 @@ def apply_changes(env: Any, db: Any, changes: Mapping[bytes, bool]) -> bool:
 
 
 def temp_name(path: Path, tag: str | None = None) -> Path:
-    """Where ``create_file`` builds ``path``: ``.<name>.tmp-<tag>`` (a random tag by default)."""
-    return path.with_name(f".{path.name}{TEMP_MARKER}{tag or secrets.token_hex(4)}")
+    """Where ``create_file`` builds ``path``: ``.<name>.tmp-<tag>`` (a random tag by default).
+
+    A name that would not fit in a file name (255 bytes: a writer id near its limit) is replaced
+    by a digest of it, the same for the same name.
+    """
+    tail = f"{TEMP_MARKER}{tag or secrets.token_hex(4)}"
+    name = f".{path.name}{tail}"
+    if len(name.encode()) > 255:
+        name = f".{hashlib.sha256(path.name.encode()).hexdigest()[:32]}{tail}"
+    return path.with_name(name)
 
 
 def create_file(
