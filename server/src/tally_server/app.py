@@ -48,7 +48,7 @@ from tally_server.store.postgres import (
     display,
     store_url,
 )
-from tally_server.store.registry import SqlRegistry
+from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,15 @@ def build_service(
             raise
     try:
         registry = SqlRegistry(settings.resolved_registry_url())
+    except RegistryUnavailable as exc:  # at start: one line from tally serve, not a traceback
+        completions.close()
+        journal.close()
+        raise OSError(
+            f"cannot use the registry database {_hide_password(settings.resolved_registry_url())}: "
+            f"{exc.details.get('cause', exc.message)}; check the URL (--registry-url / "
+            "TALLY_REGISTRY_URL), that the database is running and reachable from here and that the "
+            "user may connect and create tables, then start again"
+        ) from None
     except BaseException:
         completions.close()
         journal.close()

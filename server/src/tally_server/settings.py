@@ -169,6 +169,15 @@ class Settings(BaseSettings):
         split_listen(value)
         return value
 
+    @field_validator("registry_url")
+    @classmethod
+    def _registry_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from tally_server.store.registry import registry_url
+
+        return registry_url(value).render_as_string(hide_password=False)
+
     @field_validator("store")
     @classmethod
     def _store(cls, value: str | None) -> str | None:
