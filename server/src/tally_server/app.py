@@ -173,14 +173,27 @@ def _peer_tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+def _loopback(listen: str) -> bool:
+    """Whether a listen address is reachable from this machine only (0.0.0.0 and :: are not)."""
+    host, _ = split_listen(listen)
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
 def _warn_exposed(settings: Settings, authorizer: Authorizer) -> None:
-    for listen in (settings.grpc_listen, settings.http_listen):
-        host, _ = split_listen(listen)
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if authorizer.enabled and not settings.tls and not loopback:
+    exposed = [listen for listen in (settings.grpc_listen, settings.http_listen) if not _loopback(listen)]
+    if exposed and not authorizer.enabled:
+        log.warning(
+            "authentication is off (no tokens configured) and tally serve listens beyond this machine "
+            "on %s: anyone who reaches it may read, write and reset every checkpoint; set "
+            "TALLY_TOKENS or TALLY_TOKENS_FILE (docs/deploy.md, 'Access: tokens and TLS'), or listen "
+            "on 127.0.0.1",
+            " and ".join(exposed),
+        )
+    for listen in exposed:
+        if authorizer.enabled and not settings.tls:
             log.warning(
                 "bearer tokens travel in plain text on %s: serve TLS (--tls-cert/--tls-key) or put a "
                 "TLS-terminating proxy in front",
