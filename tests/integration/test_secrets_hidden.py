@@ -122,3 +122,22 @@ def test_a_url_that_fails_is_one_line_without_its_password(
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), done.stderr  # it said what was wrong
     assert SECRET not in done.stderr
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_a_malformed_token_entry_is_one_line_that_never_repeats_it(tmp_path: Path, where: str) -> None:
+    tokens = f"good-token:worker,{SECRET}-no-role"  # the second entry forgot its ':ROLE'
+    listen = ["--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+    if where == "env":
+        env = {**clean, "TALLY_TOKENS": tokens}
+    else:
+        (tmp_path / "tokens").write_text(tokens.replace(",", "\n"))
+        env = {**clean, "TALLY_TOKENS_FILE": str(tmp_path / "tokens")}
+    command = [TALLY, "serve", "--data-dir", str(tmp_path / "data"), *listen]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode in (1, 2) and done.stdout == "", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert "token entry 2 is not TOKEN:ROLE or TOKEN:ROLE@PREFIX" in line, line
+    assert ("TALLY_TOKENS is not valid" if where == "env" else "cannot use the tokens file") in line, line
+    assert SECRET not in line and "good-token" not in line

@@ -340,7 +340,10 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     # Before any store opens: a second coordinator on this directory stops here. Held until the
     # process ends (the kernel releases it even after kill -9).
     credentials, ssl_options = _tls(settings)
-    authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    try:
+        authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    except ValueError as exc:  # a malformed tokens file (TALLY_TOKENS is checked by Settings)
+        raise OSError(f"cannot use the tokens file {settings.tokens_file}: {exc}") from None
     _warn_exposed(settings, authorizer)
     datadir_lock = DataDirLock(settings.data_dir)
     datadir_lock.acquire()

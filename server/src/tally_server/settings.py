@@ -169,6 +169,14 @@ class Settings(BaseSettings):
         split_listen(value)
         return value
 
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, value: str | None) -> str | None:
+        from tally_server.auth import parse_tokens
+
+        parse_tokens(value or "")  # refused at start, naming what is wrong (never a token)
+        return value
+
     @field_validator("registry_url")
     @classmethod
     def _registry_url(cls, value: str | None) -> str | None:
