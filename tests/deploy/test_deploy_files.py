@@ -415,12 +415,20 @@ def dockerignore_excludes(path: str) -> bool:
 
 def test_build_context_sends_the_sources_and_nothing_else() -> None:
     copied = [args.split()[0] for args in dockerfile_stages()[0].all("COPY")]
-    assert copied == ["client", "server"]
-    for source in copied:
+    assert copied == ["client", "server", "deploy/constraints.txt"]
+    for source in copied[:2]:
         assert (REPO / source / "pyproject.toml").exists()
-    for sent in ["client/pyproject.toml", "client/src/tally/__init__.py", "server/src/tally_server/cli.py"]:
+    assert (REPO / copied[2]).is_file()
+    for sent in [
+        "client/pyproject.toml",
+        "client/src/tally/__init__.py",
+        "server/src/tally_server/cli.py",
+        "deploy/constraints.txt",
+    ]:
         assert not dockerignore_excludes(sent), sent
     for left_out in [
+        ".env",
+        "deploy/k8s/secret-tokens.yaml",
         ".venv/bin/python",
         "tally-data/registry.sqlite3",
         "tests/conftest.py",

@@ -233,10 +233,11 @@ def test_ha_compose_and_k8s_images_are_pinned() -> None:
 def test_ha_k8s_manifests_parse_and_kustomization_lists_them_all() -> None:
     docs = manifests_listed_by_kustomization(K8S_HA)
     kinds = sorted(obj["kind"] for objects in docs.values() for obj in objects)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
-    assert not any(obj["kind"] == "Secret" for objects in docs.values() for obj in objects), (
-        "the store's password belongs in a Secret the operator creates, not in the repository"
-    )
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
+    # The only Secret is the tokens' placeholder (test_deploy_secrets.py): the store's password
+    # belongs in a Secret the operator creates, not in the repository.
+    (secret,) = [obj for objects in docs.values() for obj in objects if obj["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "tally-tokens" and list(secret["stringData"]) == ["TALLY_TOKENS"]
 
 
 def test_ha_k8s_kustomize_renders() -> None:
@@ -246,7 +247,7 @@ def test_ha_k8s_kustomize_renders() -> None:
     result = subprocess.run([kubectl, "kustomize", str(K8S_HA)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
 
 
 def test_ha_k8s_deployment_runs_three_replicas_with_the_store_from_a_secret(

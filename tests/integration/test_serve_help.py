@@ -66,7 +66,7 @@ def test_the_help_says_how_to_give_bearer_tokens(help_text: str) -> None:
         ),
         (["--max-name-bytes", "0"], "--max-name-bytes 0 is not valid: input should be greater than 0"),
         (["--tokens", "secret:emperor"], "--tokens is not valid: unknown role 'emperor' in token entry"),
-        (["--tokens", "secret"], "--tokens is not valid: token entry 1 must be TOKEN:ROLE"),
+        (["--tokens", "secret"], "--tokens is not valid: token entry 1 is not TOKEN:ROLE"),
     ],
 )
 def test_a_flag_the_old_cli_lacked_reaches_the_settings(tmp_path: Path, args: list[str], line: str) -> None:

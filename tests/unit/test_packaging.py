@@ -155,3 +155,12 @@ def test_installing_the_server_fails_clearly_without_the_exact_client_version(
     assert result.returncode != 0
     assert f"tally-client=={CLIENT['version']}" in result.stderr
     assert "No matching distribution found" in result.stderr
+
+
+def test_the_client_wheel_ships_py_typed(index: Path) -> None:
+    # Without the marker mypy ignores the SDK's annotations in users' code (and says so).
+    (wheel,) = index.glob("tally_client-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert "tally/py.typed" in names, names
+    assert "tally/__init__.py" in names

@@ -1,6 +1,9 @@
 """Public value types returned by the SDK, plus the internal records the transports exchange.
 
 All public types are frozen dataclasses built by ``_convert``; users never see wire messages.
+Times are floats, seconds since the epoch (``created_at``, ``Event.at``, ``Claim.until``, ...); each
+such field ``<name>`` also has a read-only ``<name>_dt`` property: the same time as a timezone-aware
+UTC ``datetime`` (None where the float is 0, meaning "not yet" or "none").
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -16,6 +20,16 @@ Delta = tuple[str, str, int]
 
 #: What a writer asks for when its fingerprint differs from the checkpoint's recorded one.
 OnMismatch = Literal["refuse", "reset", "ignore"]
+
+
+def _utc(seconds: float) -> datetime:
+    """Seconds since the epoch as a timezone-aware UTC datetime."""
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _utc_or_none(seconds: float) -> datetime | None:
+    """Like :func:`_utc`, but None for 0 (the fields where 0 means "not yet" or "none")."""
+    return _utc(seconds) if seconds else None
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,21 @@ class WriterStatus:
     last_seen_at: float
     closed_at: float = 0.0
 
+    @property
+    def opened_at_dt(self) -> datetime:
+        """``opened_at`` as a timezone-aware UTC datetime."""
+        return _utc(self.opened_at)
+
+    @property
+    def last_seen_at_dt(self) -> datetime:
+        """``last_seen_at`` as a timezone-aware UTC datetime."""
+        return _utc(self.last_seen_at)
+
+    @property
+    def closed_at_dt(self) -> datetime | None:
+        """``closed_at`` as a timezone-aware UTC datetime; None while the writer is open."""
+        return _utc_or_none(self.closed_at)
+
 
 @dataclass(frozen=True)
 class CheckpointStatus:
@@ -122,6 +151,16 @@ class CheckpointStatus:
     total: int = 0
     remaining: int = -1
     claimed_sources: int = 0
+
+    @property
+    def created_at_dt(self) -> datetime:
+        """``created_at`` as a timezone-aware UTC datetime."""
+        return _utc(self.created_at)
+
+    @property
+    def last_activity_at_dt(self) -> datetime:
+        """``last_activity_at`` as a timezone-aware UTC datetime."""
+        return _utc(self.last_activity_at)
 
     @property
     def percent(self) -> float | None:
@@ -236,6 +275,11 @@ class Event:
     data: dict[str, Any]
     severity: Severity = Severity.INFO
 
+    @property
+    def at_dt(self) -> datetime:
+        """``at`` as a timezone-aware UTC datetime."""
+        return _utc(self.at)
+
 
 @dataclass(frozen=True)
 class EventPage:
@@ -261,6 +305,11 @@ class ProgressSample:
 
     at: float
     completed_count: int
+
+    @property
+    def at_dt(self) -> datetime:
+        """``at`` as a timezone-aware UTC datetime."""
+        return _utc(self.at)
 
 
 @dataclass(frozen=True)
@@ -304,6 +353,11 @@ class FailedAttempt:
     reason: str
     at: float
     writer_id: str
+
+    @property
+    def at_dt(self) -> datetime:
+        """``at`` as a timezone-aware UTC datetime."""
+        return _utc(self.at)
 
 
 @dataclass(frozen=True)
@@ -353,6 +407,11 @@ class Claim:
     token: int = 0
     holder: str = ""
     until: float = 0.0
+
+    @property
+    def until_dt(self) -> datetime | None:
+        """``until`` as a timezone-aware UTC datetime; None when no other writer holds the source."""
+        return _utc_or_none(self.until)
 
     @property
     def acquired(self) -> bool:
@@ -445,6 +504,11 @@ class Replica:
     owner: bool
     started_at: float
     silent_s: float
+
+    @property
+    def started_at_dt(self) -> datetime:
+        """``started_at`` as a timezone-aware UTC datetime."""
+        return _utc(self.started_at)
 
 
 @dataclass(frozen=True)

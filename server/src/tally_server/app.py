@@ -48,7 +48,7 @@ from tally_server.store.postgres import (
     display,
     store_url,
 )
-from tally_server.store.registry import SqlRegistry
+from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,15 @@ def build_service(
             raise
     try:
         registry = SqlRegistry(settings.resolved_registry_url())
+    except RegistryUnavailable as exc:  # at start: one line from tally serve, not a traceback
+        completions.close()
+        journal.close()
+        raise OSError(
+            f"cannot use the registry database {_hide_password(settings.resolved_registry_url())}: "
+            f"{exc.details.get('cause', exc.message)}; check the URL (--registry-url / "
+            "TALLY_REGISTRY_URL), that the database is running and reachable from here and that the "
+            "user may connect and create tables, then start again"
+        ) from None
     except BaseException:
         completions.close()
         journal.close()
@@ -164,14 +173,27 @@ def _peer_tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+def _loopback(listen: str) -> bool:
+    """Whether a listen address is reachable from this machine only (0.0.0.0 and :: are not)."""
+    host, _ = split_listen(listen)
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
 def _warn_exposed(settings: Settings, authorizer: Authorizer) -> None:
-    for listen in (settings.grpc_listen, settings.http_listen):
-        host, _ = split_listen(listen)
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if authorizer.enabled and not settings.tls and not loopback:
+    exposed = [listen for listen in (settings.grpc_listen, settings.http_listen) if not _loopback(listen)]
+    if exposed and not authorizer.enabled:
+        log.warning(
+            "authentication is off (no tokens configured) and tally serve listens beyond this machine "
+            "on %s: anyone who reaches it may read, write and reset every checkpoint; set "
+            "TALLY_TOKENS or TALLY_TOKENS_FILE (docs/deploy.md, 'Access: tokens and TLS'), or listen "
+            "on 127.0.0.1",
+            " and ".join(exposed),
+        )
+    for listen in exposed:
+        if authorizer.enabled and not settings.tls:
             log.warning(
                 "bearer tokens travel in plain text on %s: serve TLS (--tls-cert/--tls-key) or put a "
                 "TLS-terminating proxy in front",
@@ -318,7 +340,10 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     # Before any store opens: a second coordinator on this directory stops here. Held until the
     # process ends (the kernel releases it even after kill -9).
     credentials, ssl_options = _tls(settings)
-    authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    try:
+        authorizer = Authorizer(load_tokens(settings.tokens, settings.tokens_file))
+    except ValueError as exc:  # a malformed tokens file (TALLY_TOKENS is checked by Settings)
+        raise OSError(f"cannot use the tokens file {settings.tokens_file}: {exc}") from None
     _warn_exposed(settings, authorizer)
     datadir_lock = DataDirLock(settings.data_dir)
     datadir_lock.acquire()

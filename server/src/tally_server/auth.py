@@ -254,16 +254,14 @@ def parse_tokens(spec: str) -> dict[str, Principal]:
     An entry is ``TOKEN:ROLE`` or ``TOKEN:ROLE@PREFIX``; a token in several entries gets every grant.
     """
     grants: dict[str, list[Grant]] = {}
-    for number, raw in enumerate(spec.replace(",", "\n").splitlines(), 1):
-        entry = raw.split("#", 1)[0].strip()
-        if not entry:
-            continue
+    entries = (raw.split("#", 1)[0].strip() for raw in spec.replace(",", "\n").splitlines())
+    for number, entry in enumerate((e for e in entries if e), start=1):
         token, sep, rest = entry.rpartition(":")
         if not sep or not token.strip():
-            # Not echoed: an entry without its role may be a bare token.
+            # The entry is not repeated: it may well be a token.
             raise ValueError(
-                f"token entry {number} must be TOKEN:ROLE or TOKEN:ROLE@PREFIX with ROLE one of "
-                "reader, worker, admin"
+                f"token entry {number} is not TOKEN:ROLE or TOKEN:ROLE@PREFIX (ROLE one of reader, "
+                "worker, admin); it is not repeated here, as it may be a secret"
             )
         role_name, at, prefix = rest.partition("@")
         try:

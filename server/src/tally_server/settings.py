@@ -178,12 +178,19 @@ class Settings(BaseSettings):
     @field_validator("tokens")
     @classmethod
     def _tokens(cls, value: str | None) -> str | None:
-        # Refused here, as one line naming --tokens or TALLY_TOKENS, rather than when the app starts.
-        if value:
-            from tally_server.auth import parse_tokens
+        from tally_server.auth import parse_tokens
 
-            parse_tokens(value)
+        parse_tokens(value or "")  # refused at start, naming what is wrong (never a token)
         return value
+
+    @field_validator("registry_url")
+    @classmethod
+    def _registry_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from tally_server.store.registry import registry_url
+
+        return registry_url(value).render_as_string(hide_password=False)
 
     @field_validator("store")
     @classmethod

@@ -91,9 +91,11 @@ def store_url(url: str) -> sa.URL:
             text = "postgresql+psycopg://" + text[len(plain) :]
     try:
         parsed = sa.make_url(text)
-    except sa.exc.ArgumentError:
+    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        # Not repeated: what could not be parsed may hold a password.
         raise ValueError(
-            f"store {url!r} is not a database URL; give postgresql+psycopg://USER@HOST:5432/DB"
+            "store is not a database URL (it is not repeated here, as it may hold a password); give "
+            "postgresql+psycopg://USER@HOST:5432/DB"
         ) from None
     if parsed.drivername != "postgresql+psycopg":
         raise ValueError(

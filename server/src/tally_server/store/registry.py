@@ -76,6 +76,29 @@ def _transient_as_unavailable(method: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def registry_url(url: str) -> sa.URL:
+    """The parsed registry URL, checked to be SQLite or PostgreSQL.
+
+    Raises:
+        ValueError: not a URL, or another database; the message never holds the password.
+    """
+    try:
+        parsed = sa.make_url(url.strip())
+    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        # Not repeated: what could not be parsed may hold a password.
+        raise ValueError(
+            "registry URL is not a database URL (it is not repeated here, as it may hold a password); "
+            "use sqlite:///<path> or postgresql+psycopg://<user>@<host>/<db>"
+        ) from None
+    dialect = parsed.get_backend_name()
+    if dialect not in _SUPPORTED_DIALECTS:
+        raise ValueError(
+            f"registry database {parsed.render_as_string(hide_password=True)!r} uses {dialect!r}; "
+            "use sqlite:///<path> or postgresql+psycopg://<user>@<host>/<db>"
+        )
+    return parsed
+
+
 def default_sqlite_url(data_dir: Path) -> str:
     """The registry URL used when none is configured: ``<data_dir>/registry.sqlite3``."""
     path = (Path(data_dir) / REGISTRY_FILENAME).absolute()
@@ -94,13 +117,7 @@ class SqlRegistry:
     """
 
     def __init__(self, url: str) -> None:
-        parsed = sa.make_url(url)
-        dialect = parsed.get_backend_name()
-        if dialect not in _SUPPORTED_DIALECTS:
-            raise ValueError(
-                f"registry database {parsed.render_as_string()!r} uses {dialect!r}; "
-                "use sqlite:///<path> or postgresql+psycopg://<user>@<host>/<db>"
-            )
+        parsed = registry_url(url)
         # Never show a password in messages and logs.
         self.display_url = parsed.render_as_string(hide_password=True)
         self._engine = _create_engine(parsed)
