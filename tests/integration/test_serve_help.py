@@ -65,15 +65,15 @@ def test_the_help_says_how_to_give_bearer_tokens(help_text: str) -> None:
             "--shutdown-grace-s -1.0 is not valid: input should be greater than or equal to 0",
         ),
         (["--max-name-bytes", "0"], "--max-name-bytes 0 is not valid: input should be greater than 0"),
-        (["--tokens", "secret:emperor"], "--tokens is not valid: unknown role 'emperor' in token entry"),
-        (["--tokens", "secret"], "--tokens is not valid: token entry 1 is not TOKEN:ROLE"),
+        (["--tokens", "hunter2:emperor"], "--tokens is not valid: unknown role 'emperor' in token entry"),
+        (["--tokens", "hunter2"], "--tokens is not valid: token entry 1 is not TOKEN:ROLE"),
     ],
 )
 def test_a_flag_the_old_cli_lacked_reaches_the_settings(tmp_path: Path, args: list[str], line: str) -> None:
     result = tally_serve("--data-dir", str(tmp_path / "d"), *args)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"tally serve: {line}"), result.stderr
-    assert "secret" not in result.stderr
+    assert "hunter2" not in result.stderr
 
 
 def test_a_generated_flag_configures_a_running_coordinator() -> None:
