@@ -104,12 +104,9 @@ def _upgrade(conn: Connection, display_url: str) -> None:
         )
     if not current:
         _check_made_before_revisions(conn, scripts, display_url)
-    if current != (head,):
+    if current and current != (head,):  # a new database is no news: only upgrades are logged
         log.info(
-            "upgrading the registry database %s from schema revision %s to %s",
-            display_url,
-            current[0] if current else "none",
-            head,
+            "upgrading the registry database %s from schema revision %s to %s", display_url, current[0], head
         )
     command.upgrade(config, "head")
 
