@@ -82,3 +82,83 @@ def test_expired_lease_closes_the_writer_and_drops_pending(tmp_path: Path) -> No
             # The writer id is free again.
             stub.OpenWriter(pb.OpenWriterRequest(checkpoint="lease/a", writer_id="silent"))
         assert "writer_expired" in (tmp_path / "data" / "tally-serve.log").read_text()
+
+
+def made_before_revisions(url: str) -> None:
+    """A registry as a Tally before schema revisions left it: create_all, no alembic_version."""
+    from tally_server.store import registry_schema
+
+    engine = sa.create_engine(url)
+    oldest = [registry_schema.metadata.tables[n] for n in ("checkpoints", "writers", "events")]
+    registry_schema.metadata.create_all(engine, tables=oldest)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO events (checkpoint, kind, message, at, data) VALUES ('old', 'x', 'm', 1, '{}')"
+            )
+        )
+    engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_serve_adopts_and_upgrades_a_registry_made_before_revisions(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    from tally_server.store.registry_migrations import head_revision
+
+    url = request.getfixturevalue("postgres_url") if backend == "postgresql" else None
+    if url is not None:
+        made_before_revisions(url)
+    else:
+        (tmp_path / "data").mkdir()
+        made_before_revisions(f"sqlite:///{tmp_path / 'data' / 'registry.sqlite3'}")
+    writers, events = run_and_read_registry(tmp_path / "data", url)
+    assert writers == [("array-3", "closed", 1)]
+    assert events == ["x", "checkpoint_created", "writer_opened", "writer_closed"]
+    engine = sa.create_engine(url or f"sqlite:///{tmp_path / 'data' / 'registry.sqlite3'}")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == [
+            head_revision()
+        ]
+    engine.dispose()
+
+
+def test_serve_refuses_a_registry_a_newer_tally_upgraded_in_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tally_server.store.registry import SqlRegistry
+
+    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}"
+    SqlRegistry(url).close()
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999_later'"))
+    engine.dispose()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+    tally = str(Path(sys.executable).parent / "tally")
+    result = subprocess.run(
+        [
+            tally,
+            "serve",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--registry-url",
+            url,
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"tally serve: the registry database {url} is at schema revision 9999_later, which this Tally "
+        "does not know (its newest is 0001): a newer Tally has upgraded it; run that Tally or a newer one, "
+        "or restore the backup taken before the upgrade"
+    ]

@@ -164,3 +164,25 @@ def test_the_client_wheel_ships_py_typed(index: Path) -> None:
         names = zf.namelist()
     assert "tally/py.typed" in names, names
     assert "tally/__init__.py" in names
+
+
+def test_the_server_wheel_ships_the_registrys_migrations(tmp_path: Path) -> None:
+    built = pip_offline(
+        "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO / "server"), cwd=tmp_path
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("tally_server-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = REPO / "server/src"
+    migrations = shipped / "tally_server/store/migrations"
+    expected = {
+        str(path.relative_to(shipped))
+        for path in migrations.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert {
+        "tally_server/store/migrations/env.py",
+        "tally_server/store/migrations/script.py.mako",
+    } <= expected
+    assert any(name.startswith("tally_server/store/migrations/versions/v0001") for name in expected)
+    assert expected <= names

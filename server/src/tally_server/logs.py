@@ -138,6 +138,8 @@ def configure(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Alembic logs its plugins and each step at INFO; the registry's own lines say what it upgraded.
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
 
 
 class FailureLog:

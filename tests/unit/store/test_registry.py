@@ -141,7 +141,7 @@ def test_state_survives_reopening(registry_url: str) -> None:
         first.write_batch(writers=[writer("h-1")])
         first.write_batch(events=[EventRecord("run", "writer_opened", "opened", 3.0, "host-h-1")])
 
-    with SqlRegistry(registry_url) as second:  # create_all on existing tables is a no-op
+    with SqlRegistry(registry_url) as second:  # already at the newest revision: nothing to upgrade
         assert checkpoint(second, "run") == CheckpointRecord("run", 1.0, 2.0, {"input": "x"})
         assert second.list_writers("run") == [writer("h-1")]
         assert [e.message for e in second.list_events("run")] == ["opened"]

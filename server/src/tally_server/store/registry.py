@@ -30,6 +30,7 @@ from tally_server.domain.ports import (
     WriterRecord,
 )
 from tally_server.errors import Unavailable
+from tally_server.store.registry_migrations import upgrade_registry
 from tally_server.store.registry_schema import (
     budgets_table,
     checkpoint_record,
@@ -41,7 +42,6 @@ from tally_server.store.registry_schema import (
     event_record,
     events_table,
     failures_table,
-    metadata,
     progress_table,
     writer_record,
     writers_table,
@@ -106,7 +106,9 @@ def default_sqlite_url(data_dir: Path) -> str:
 
 
 class SqlRegistry:
-    """Checkpoints, writers and events in SQLite or PostgreSQL; creates its tables on start.
+    """Checkpoints, writers and events in SQLite or PostgreSQL; upgrades its schema on start.
+
+    Raises ``RegistrySchemaError`` (an ``OSError``) on a database a newer Tally has upgraded.
 
     Methods block; the service calls them from one worker thread at a time (not always the same
     thread, hence ``check_same_thread=False`` for SQLite).
@@ -122,7 +124,7 @@ class SqlRegistry:
         self.display_url = parsed.render_as_string(hide_password=True)
         self._engine = _create_engine(parsed)
         try:
-            metadata.create_all(self._engine)
+            upgrade_registry(self._engine, self.display_url)
         except _TRANSIENT as exc:
             self._engine.dispose()
             raise self.unavailable(exc) from exc

@@ -1,0 +1,1 @@
+"""The registry's schema revisions, oldest first by ``down_revision``."""
