@@ -153,6 +153,15 @@ class _Book:
         return len(self._open)
 
 
+def _distinct_ids(sources: Iterable[str]) -> list[str]:
+    """The source ids in order without repeats; each must be a non-empty string."""
+    ids = list(dict.fromkeys(sources))
+    for sid in ids:
+        if not isinstance(sid, str) or not sid:
+            raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
+    return ids
+
+
 def _delta(kind: str, n: int) -> int:
     # DESIGN §2: fan-out `continuing + failed - 1`; 1:1 stage 0; sink and filtered -1; FailedTask 0.
     return 0 if kind == "failed" else n - 1
@@ -312,10 +321,7 @@ class Tracker(_Book):
         gives status views a total, a percent and an ETA; a declaration that fails is logged and
         changes nothing else.
         """
-        ids = list(dict.fromkeys(sources))
-        for sid in ids:
-            if not isinstance(sid, str) or not sid:
-                raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
+        ids = _distinct_ids(sources)
         self._declare(ids)
         return [sid for sid, done in zip(ids, self.writer.are_completed(ids), strict=True) if not done]
 
@@ -342,10 +348,7 @@ class Tracker(_Book):
             raise TypeError(f"{type(self.writer).__name__} has no acquire(): claims need a tally.Writer")
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead must be an integer >= 1, got {ahead!r}")
-        ids = list(dict.fromkeys(sources))
-        for sid in ids:
-            if not isinstance(sid, str) or not sid:
-                raise ValueError(f"source ids must be non-empty strings, got {sid!r}")
+        ids = _distinct_ids(sources)
         return self._claimed(acquire, ids, ahead)
 
     @staticmethod
