@@ -17,7 +17,6 @@ the writers the journal brings back are live again, the others are released.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -48,7 +47,6 @@ class Claims:
     def __init__(self, core: Core, checkpoints: CheckpointTable) -> None:
         self._core = core
         self._checkpoints = checkpoints
-        self._behind: set[asyncio.Task[None]] = set()
 
     async def restore(self, records: Sequence[ClaimRecord], restored: Sequence[Session]) -> None:
         """At start: the live claims of writers the journal brought back; the others end."""
@@ -204,19 +202,7 @@ class Claims:
         If that write is lost, the next start releases them: their writer is gone (it is not
         brought back) or their source is completed.
         """
-        core = self._core
-
-        async def release() -> None:
-            try:
-                await core.registry_write(core.registry.release_claims, checkpoint, handle, sources)
-            except Exception as exc:
-                log.warning("could not record the end of claims on %s: %s", checkpoint, exc)
-
-        task = asyncio.get_running_loop().create_task(release(), name="tally-claims-released")
-        self._behind.add(task)
-        task.add_done_callback(self._behind.discard)
-
-    async def settle(self) -> None:
-        """Wait for the registry writes behind answers (on shutdown)."""
-        if self._behind:
-            await asyncio.gather(*self._behind, return_exceptions=True)
+        registry = self._core.registry
+        self._core.write_behind(
+            f"record the end of claims on {checkpoint}", registry.release_claims, checkpoint, handle, sources
+        )

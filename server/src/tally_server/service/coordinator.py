@@ -232,7 +232,7 @@ class CoordinatorService:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._durability.finalizers:
             await asyncio.gather(*self._durability.finalizers, return_exceptions=True)
-        await self._claims.settle()
+        await core.settle_behind()
         await self._durability.settle_journals()
         self._checkpoints.sample_progress()
         try:

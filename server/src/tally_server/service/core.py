@@ -65,10 +65,33 @@ class Core:
     # while it serves), and how to list them all (a blocking database read).
     owner_name: str = ""
     list_replicas: Callable[[], ReplicasView] | None = None
+    _behind: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking registry write on the registry's one writing thread."""
         return await asyncio.get_running_loop().run_in_executor(self.registry_writes, fn, *args)
+
+    def write_behind(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a registry write behind the answer: a failure is logged as ``could not <what>``.
+
+        For writes whose loss the next start or a read repairs (claims released, cursors and
+        failures of completed sources). Shutdown waits for them (:meth:`settle_behind`).
+        """
+
+        async def write() -> None:
+            try:
+                await self.registry_write(fn, *args)
+            except Exception as exc:
+                log.warning("could not %s: %s", what, exc)
+
+        task = asyncio.get_running_loop().create_task(write(), name=f"tally-behind-{fn.__name__}")
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
+
+    async def settle_behind(self) -> None:
+        """Wait for the registry writes behind answers (on shutdown)."""
+        if self._behind:
+            await asyncio.gather(*self._behind, return_exceptions=True)
 
     async def registry_read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking registry read on the reading threads, never behind writes."""

@@ -160,19 +160,13 @@ class Durability:
         if not done:
             return
         cp.cursored.difference_update(done)
-        core = self._core
-
-        async def delete() -> None:
-            try:
-                await core.registry_write(core.registry.delete_cursors, cp.name, sorted(done))
-            except Exception as exc:  # the registry is down: read-time deletion covers it
-                log.warning(
-                    "could not delete the cursors of %d completed sources of %s: %s", len(done), cp.name, exc
-                )
-
-        task = asyncio.get_running_loop().create_task(delete(), name="tally-cursors-done")
-        self.finalizers.add(task)
-        task.add_done_callback(self.finalizers.discard)
+        # If the registry is down, read-time deletion covers it: a completed source's is never shown.
+        self._core.write_behind(
+            f"delete the cursors of {len(done)} completed sources of {cp.name}",
+            self._core.registry.delete_cursors,
+            cp.name,
+            sorted(done),
+        )
 
     async def persist(
         self, cp: Checkpoint, session: Session, sources: list[str], *, counted: bool = False

@@ -12,7 +12,6 @@ reads never query for them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -39,7 +38,6 @@ class Failures:
     def __init__(self, core: Core, checkpoints: CheckpointTable) -> None:
         self._core = core
         self._checkpoints = checkpoints
-        self._cleanups: set[asyncio.Task[None]] = set()
 
     def restore(self, failures: dict[str, dict[str, int]], budgets: dict[str, int]) -> None:
         """At start: the failed attempts and budgets the registry holds, onto the known checkpoints."""
@@ -156,16 +154,10 @@ class Failures:
             return
         for sid in done:
             del cp.failures[sid]
-        core = self._core
-
-        async def clear() -> None:
-            try:
-                await core.registry_write(core.registry.clear_failures, cp.name, done)
-            except Exception as exc:  # the registry is down: a retry clears them later
-                log.warning(
-                    "could not clear the failures of %d completed sources of %s: %s", len(done), cp.name, exc
-                )
-
-        task = asyncio.get_running_loop().create_task(clear(), name="tally-failures-done")
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        # If the registry is down, they are cleared later: retry clears them, completion wins anyway.
+        self._core.write_behind(
+            f"clear the failures of {len(done)} completed sources of {cp.name}",
+            self._core.registry.clear_failures,
+            cp.name,
+            done,
+        )
