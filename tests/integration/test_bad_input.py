@@ -15,12 +15,6 @@ from tally_server.testing import RunningServer
 
 
 @pytest.fixture
-def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        yield pb_grpc.CoordinatorStub(channel)
-
-
-@pytest.fixture
 def http(server: RunningServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.http_url, timeout=30) as client:
         yield client

@@ -9,36 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
-from tally_server.testing import RunningServer, running_server
+from tally_server.testing import running_server
+from tests.integration.raw import deltas, stub
 from tests.integration.workload import tree
 from tests.polling import wait_until
-
-STORES = ["lmdb", pytest.param("postgresql", marks=pytest.mark.postgres)]
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> str | None:
-    """None: the default LMDB files (and SQLite registry); else a fresh PostgreSQL database."""
-    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
-
-
-@contextlib.contextmanager
-def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        yield pb_grpc.CoordinatorStub(channel)
-
-
-def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
-    return [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in batch]
 
 
 def acquire(coordinator: pb_grpc.CoordinatorStub, handle: str, *sources: str) -> dict[str, pb.Claim]:

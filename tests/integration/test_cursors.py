@@ -7,8 +7,6 @@ SQLite, and PostgreSQL), spoken to over raw gRPC and HTTP: the wire contract the
 from __future__ import annotations
 
 import base64
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,25 +16,8 @@ import pytest
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
+from tests.integration.raw import deltas, stub
 from tests.integration.workload import tree
-
-STORES = ["lmdb", pytest.param("postgresql", marks=pytest.mark.postgres)]
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> str | None:
-    """None: the default LMDB files (and SQLite registry); else a fresh PostgreSQL database."""
-    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
-
-
-@contextlib.contextmanager
-def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        yield pb_grpc.CoordinatorStub(channel)
-
-
-def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
-    return [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in batch]
 
 
 def cursors(*items: tuple[str, bytes]) -> list[pb.Cursor]:

@@ -3,7 +3,6 @@ refused the same way when it is wrong, and what the SDK sends when the coordinat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from unittest.mock import ANY
 
 import grpc
@@ -29,12 +28,6 @@ BATCH = [
     ("0_b_0", "b", 2),
     ("0_b_0", "b", 1),  # rewritten
 ]
-
-
-@pytest.fixture
-def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        yield pb_grpc.CoordinatorStub(channel)
 
 
 def columns(batch: list[tuple[str, str, int]]) -> pb.DeltaColumns:

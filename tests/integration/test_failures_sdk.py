@@ -16,14 +16,7 @@ from tally_server.testing import running_server
 from tests.integration.workload import tree
 
 TALLY = str(Path(sys.executable).parent / "tally")
-STORES = ["lmdb", pytest.param("postgresql", marks=pytest.mark.postgres)]
 LONG_ID = "s3://bucket/" + "a-long-prefix/" * 10 + "part-00042.jsonl"
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> str | None:
-    """None: the default LMDB files (and SQLite registry); else a fresh PostgreSQL database."""
-    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
 
 
 def cli(address: str, *args: str) -> subprocess.CompletedProcess[str]:

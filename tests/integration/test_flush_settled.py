@@ -18,6 +18,7 @@ import tally
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
+from tests.integration.raw import deltas
 from tests.integration.test_metrics import scrape, value
 from tests.integration.workload import tree
 
@@ -37,10 +38,6 @@ def short_settle(tmp_path: Path) -> Iterator[RunningServer]:
     """Completions settle for a second and a half: a flush waits that long for them."""
     with running_server(tmp_path / "data", settle_ms=1500) as srv:
         yield srv
-
-
-def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
-    return [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in batch]
 
 
 def flushes(server: RunningServer) -> float:

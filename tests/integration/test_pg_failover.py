@@ -26,6 +26,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
 from tests.conftest import free_ports
+from tests.integration.raw import deltas
 from tests.integration.workload import tree
 from tests.polling import wait_until
 
@@ -42,10 +43,6 @@ def standby(data: Path, url: str, **listen: str) -> Iterator[Future[RunningServe
             stack.enter_context,
             running_server(data, settle_ms=0, store=url, args=["--standby"], startup_timeout=120, **listen),
         )
-
-
-def deltas(batch: list[tuple[str, str, int]]) -> list[pb.Delta]:
-    return [pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in batch]
 
 
 def waiting(data: Path) -> bool:

@@ -6,8 +6,6 @@ survive a kill -9 of the coordinator, and page. Real ``tally serve`` processes, 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -17,20 +15,8 @@ import pytest
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
+from tests.integration.raw import stub
 from tests.integration.workload import tree
-
-STORES = ["lmdb", pytest.param("postgresql", marks=pytest.mark.postgres)]
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> str | None:
-    return request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
-
-
-@contextlib.contextmanager
-def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        yield pb_grpc.CoordinatorStub(channel)
 
 
 def apply(
