@@ -24,9 +24,10 @@ one checkpoint at the same time (two SLURM jobs, a resubmission while the first 
 the partitions instead of both processing them. A claim lasts until its partition completes or
 the run ends (its writer closes or loses its lease); the next run takes what is left.
 
-The proxy keeps no state of its own: NeMo Curator ignores ``checkpoint_path`` when it adopts the
-actor, and closes and kills the actor at the end of every run, so each run is a new Tally writer
-whose completions are durable on the coordinator before the actor dies.
+The proxy keeps no state of its own: NeMo Curator writes no completion file to ``checkpoint_path``
+when it adopts the actor (only its SLURM-array markers, in that mode), and closes and kills the
+actor at the end of every run, so each run is a new Tally writer whose completions are durable on
+the coordinator before the actor dies.
 
 Ray and NeMo Curator are optional: this module imports ray only inside the functions that need it.
 """
@@ -361,7 +362,8 @@ def tally_for_nemo_curator(
     name and namespace) as a proxy to a new Tally writer of ``checkpoint``, and waits until the
     writer is open. ``Pipeline.run(checkpoint_path=...)`` then adopts it: sources the checkpoint
     has completed are skipped, and completions go to the coordinator. Its ``checkpoint_path`` must
-    still be set (it switches resumability on) but is not written to.
+    still be set (it switches resumability on); NeMo Curator writes no completion file there, only
+    its SLURM-array markers in SLURM-array mode (``tally export --markers-from`` carries them).
 
     An actor already registered under that name is closed and killed first, with a warning: it can
     only be left over from a run whose driver was killed (NeMo Curator removes its actor at the end
