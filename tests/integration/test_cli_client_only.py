@@ -64,17 +64,33 @@ def message(result: subprocess.CompletedProcess[str]) -> list[str]:
 def test_every_command_of_the_nemo_curator_guide_runs_with_the_sdk_alone(
     server: RunningServer, tmp_path: Path
 ) -> None:
-    with tally.Client(server.grpc_address) as client, client.writer("laptop/run", writer_id="w") as w:
-        w.apply_deltas(tree("a") + tree("b") + [("0_p", "p", 1)])
+    with tally.Client(server.grpc_address) as client:
+        client.declare("laptop/run", ["a", "b", "p", "q"])
+        client.set_max_attempts("laptop/run", 1)
+        with client.writer("laptop/run", writer_id="w") as w:
+            w.apply_deltas(tree("a") + tree("b") + [("0_p", "p", 1)])
+            w.report_failure("q", "oom")
     address = server.grpc_address
     status = tally_cli("status", "laptop/run", "--address", address)
     assert status.returncode == 0, status.stderr
     assert "completed" in status.stdout and "laptop/run" in status.stdout
     watch = tally_cli("watch", "laptop/run", "--once", address=address)
     assert watch.returncode == 0 and "laptop/run: completed 2" in watch.stdout, watch.stderr
-    exported = tally_cli("export", "laptop/run", str(tmp_path / "out"), "--address", address)
+    remaining = tally_cli("remaining", "laptop/run", "--address", address)
+    assert remaining.returncode == 0 and remaining.stdout.split() == ["p", "q"], remaining.stderr
+    failed = tally_cli("failed", "laptop/run", "--address", address)
+    assert failed.returncode == 0 and "oom" in failed.stdout, failed.stderr
+    retried = tally_cli("retry", "laptop/run", "q", "--address", address)
+    assert retried.returncode == 0, retried.stderr
+    run_folder = tmp_path / "run"  # what NeMo Curator leaves in checkpoint_path in SLURM-array mode
+    (run_folder / ".nemo_curator_metadata" / ".slurm_array_completion").mkdir(parents=True)
+    (run_folder / ".nemo_curator_metadata" / ".slurm_array_completion" / "run.json").write_text("{}\n")
+    exported = tally_cli(
+        "export", "laptop/run", str(tmp_path / "out"), "--markers-from", str(run_folder), "--address", address
+    )
     assert exported.returncode == 0, exported.stderr
     assert nemo_read(tmp_path / "out") == {"a", "b"}
+    assert (tmp_path / "out" / ".nemo_curator_metadata" / ".slurm_array_completion" / "run.json").is_file()
     imported = tally_cli("import", str(tmp_path / "out"), "--as", "laptop/copy", "--address", server.http_url)
     assert imported.returncode == 0 and "imported 2 new of 2" in imported.stdout, imported.stderr
     inspected = tally_cli("inspect", str(tmp_path / "out"))
@@ -82,7 +98,7 @@ def test_every_command_of_the_nemo_curator_guide_runs_with_the_sdk_alone(
     for args in (["writers", "laptop/run", "--all"], ["events", "laptop/run"], ["status"]):
         result = tally_cli(*args, address=address)
         assert result.returncode == 0, (args, result.stderr)
-    for result in (status, watch, exported, imported, inspected):
+    for result in (status, watch, remaining, failed, retried, exported, imported, inspected):
         assert not [m for m in loaded(result) if m.split(".")[0] in SERVER_ONLY]
 
 

@@ -16,6 +16,7 @@ f. a rerun after (e) processes nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -31,8 +32,10 @@ from pathlib import Path
 import pytest
 
 import tally
+from tally.cli.folders import marker_files
 from tally_server.testing import RunningServer, running_server
 from tests.conftest import free_ports
+from tests.integration.test_nemo_markers import slurm_array_markers
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -85,14 +88,16 @@ def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
 _REFUSED = re.compile(r"InvalidAuthToken|AuthenticationError|UNAUTHENTICATED")
 
 
-def _private_env(temp_dir: str) -> dict[str, str]:
+def _private_env(temp_dir: str, *, limit_variable: bool = True) -> dict[str, str]:
     """The environment of every process of the test's cluster, free of the user's Ray settings.
 
     Ray reads them from the environment (``RAY_ADDRESS``, ``RAY_AUTH_*``, any ``RAY_<config>``) and
     from the home directory: Ray 2.60 turns token authentication on for a head when
     ``~/.ray/auth_token`` exists, and then refuses a driver that has no token. So no ``RAY_*``
     variable is inherited, HOME and the temp dir are the cluster's own, and authentication is off
-    (a throwaway cluster on loopback ports).
+    (a throwaway cluster on loopback ports). ``RAY_MAX_LIMIT_FROM_API_SERVER=40000`` is what
+    docs/nemo-curator.md tells users to give the head; without it (``limit_variable=False``) the
+    drop-in refuses the cluster.
     """
     home = Path(temp_dir) / "home"
     home.mkdir()
@@ -103,17 +108,24 @@ def _private_env(temp_dir: str) -> dict[str, str]:
         RAY_TMPDIR=temp_dir,
         RAY_AUTH_MODE="disabled",
         RAY_USAGE_STATS_ENABLED="0",
-        RAY_MAX_LIMIT_FROM_API_SERVER="40000",
         # This checkout's SDK first: .venv-nemo's editable install may point at another checkout.
         PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1] / "client" / "src")]),
         PYTHONUNBUFFERED="1",
     )
+    if limit_variable:
+        env.update(RAY_MAX_LIMIT_FROM_API_SERVER="40000", RAY_MAX_LIMIT_FROM_DATA_SOURCE="40000")
     return env
 
 
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
     """A private Ray head (8 CPUs, dashboard on) on free loopback ports; the env to reach it."""
+    with _ray_head() as env:
+        yield env
+
+
+@contextlib.contextmanager
+def _ray_head(*, limit_variable: bool = True) -> Iterator[dict[str, str]]:
     _require_env()
     # Ray's unix sockets live under the temp dir and must stay under ~107 bytes: keep it short.
     temp_dir = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
@@ -121,7 +133,7 @@ def ray_env() -> Iterator[dict[str, str]]:
     # Every process of this cluster inherits the marker; teardown finds the stragglers by it.
     marker = f"TALLY_NEMO_TEST_RAY={temp_dir}"
     env = {
-        **_private_env(temp_dir),
+        **_private_env(temp_dir, limit_variable=limit_variable),
         "TALLY_NEMO_TEST_RAY": temp_dir,
         "RAY_ADDRESS": f"127.0.0.1:{gcs}",
     }
@@ -273,9 +285,11 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     common = ["--input", str(inputs)]
     client = tally.Client(address)
 
-    # (a) The reference: one uninterrupted run.
+    # (a) The reference: one uninterrupted run, as shard 0 of 1 of NeMo Curator's own SLURM-array
+    # sharding (as a launcher sets it in the driver's environment, not the Ray head's).
+    shard = {"NEMO_CURATOR_SLURM_ARRAY_SHARD_INDEX": "0", "NEMO_CURATOR_SLURM_ARRAY_TOTAL_SHARDS": "1"}
     _run(
-        ray_env, tmp_path, "run a (reference)", *common,
+        {**ray_env, **shard}, tmp_path, "run a (reference)", *common,
         "--output", str(tmp_path / "out-ref"),
         "--checkpoint-path", str(tmp_path / "unused-a"),
         "--seen-dir", str(tmp_path / "seen-a"),
@@ -291,7 +305,13 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     reference = _records(tmp_path / "out-ref")
     # 2 of 3 parts survive the filter, none of in-03's.
     assert sum(reference.values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
-    assert not (tmp_path / "unused-a" / ".nemo_curator_metadata").exists(), "NeMo's own actor ran"
+    # Under Tally, NeMo Curator writes its SLURM-array markers and nothing else to checkpoint_path
+    # (no LMDB file: NeMo's own actor did not run), as docs/nemo-curator.md says.
+    assert marker_files(tmp_path / "unused-a") == slurm_array_markers(total=1, completed=[0])
+    assert not list((tmp_path / "unused-a" / ".nemo_curator_metadata").glob("*.mdb")), "NeMo's own actor ran"
+    # The actor runs with the Ray worker's environment; the drop-in labelled its writer from the driver's.
+    (writer,) = client.writers("nemo/reference", include_closed=True)
+    assert writer.labels == {"nemo_curator_shard_index": "0", "nemo_curator_total_shards": "1"}
 
     # (b) Killed midway: PASS_LIMIT partitions pass FanOut, the others are held there.
     output = tmp_path / "out"
@@ -416,6 +436,67 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     finally:
         if driver.process.poll() is None:
             driver.kill()
+
+
+def test_a_ray_head_started_without_the_limit_variable_is_refused_in_one_line(tmp_path: Path) -> None:
+    """NeMo Curator's XennaExecutor would fail inside the run; the drop-in refuses the cluster at once."""
+    code = (
+        "import nemo_curator\n"  # sets RAY_MAX_LIMIT_FROM_API_SERVER in the driver, not in the head
+        "from tally.integrations.nemo_curator import tally_for_nemo_curator\n"
+        "with tally_for_nemo_curator('nemo/limit', address='grpc://127.0.0.1:9'):\n"
+        "    print('the block ran')\n"
+    )
+    with _ray_head(limit_variable=False) as env:
+        start = time.monotonic()
+        result = subprocess.run(
+            [str(NEMO_PYTHON), "-c", code], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
+        TIMINGS["refused driver"] = time.monotonic() - start
+    assert result.returncode == 1 and "the block ran" not in result.stdout
+    assert result.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: the Ray head's API server answers state queries of at most 10000 entries and "
+        "NeMo Curator's XennaExecutor asks for 40000: restart the Ray head with "
+        "RAY_MAX_LIMIT_FROM_API_SERVER=40000 in its environment (e.g. `RAY_MAX_LIMIT_FROM_API_SERVER=40000 "
+        "ray start --head ...`; NeMo Curator's RayClient sets it), or pass check_ray_limit=False with "
+        "another executor"
+    )
+
+
+def test_the_markers_tally_carries_are_the_ones_nemo_curator_writes(tmp_path: Path) -> None:
+    """NeMo Curator's own code writes a SLURM array's markers (shards 0 and 2 of 3 completed) and
+    reads back which shards to resubmit, from its folder and from a ``tally export --markers-from``."""
+    _require_env()
+    folder = tmp_path / "checkpoint"
+    code = (
+        "import sys\n"
+        "from nemo_curator.backends.slurm_array import build_slurm_array_completion_manifest as build\n"
+        "for shard in (0, 2):\n"
+        "    build(sys.argv[1], shard_index=shard, total_shards=3, minimum_shard_index=0).mark_completed()\n"
+    )
+    subprocess.run([str(NEMO_PYTHON), "-c", code, str(folder)], check=True, capture_output=True, timeout=120)
+    assert marker_files(folder) == slurm_array_markers(total=3, completed=[0, 2])
+    with running_server(tmp_path / "tally-data") as srv:
+        with tally.Client(srv.grpc_address) as client:
+            client.import_completed("nemo/markers", ["a"], import_id="seed")
+        subprocess.run(
+            [str(TALLY_CLI), "export", "--address", srv.grpc_address, "--markers-from", str(folder),
+             "nemo/markers", str(tmp_path / "exported")],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+    retries = (
+        "import sys\n"
+        "from nemo_curator.backends.slurm_array import find_slurm_array_retries\n"
+        "print(find_slurm_array_retries(sys.argv[1]).shard_indices)\n"
+    )
+    for where in (folder, tmp_path / "exported"):
+        answer = subprocess.run(
+            [str(NEMO_PYTHON), "-c", retries, str(where)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert answer.stdout.strip() == "(1,)", where
 
 
 @pytest.mark.postgres

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -208,6 +209,10 @@ class FakeRay:
     def is_initialized(self) -> bool:
         return self.initialized
 
+    def get_runtime_context(self) -> Any:
+        assert self.initialized
+        return types.SimpleNamespace(gcs_address="10.0.0.1:6379")
+
     def init(self, address: str | None = None, **kwargs: Any) -> None:
         assert not self.initialized
         self.initialized = True
@@ -273,8 +278,37 @@ class FakeRay:
         return list(done)
 
 
+class FakeStateApi:
+    """``ray.util.state`` of a head whose API server answers at most ``max_limit`` entries, as
+    Ray 2.60's does (``RAY_MAX_LIMIT_FROM_API_SERVER``, default 10000)."""
+
+    def __init__(self, max_limit: int = 40000) -> None:
+        self.max_limit = max_limit
+        self.calls: list[dict[str, Any]] = []
+        self.error: Exception | None = None
+
+    def list_actors(self, **kwargs: Any) -> list[dict[str, Any]]:
+        self.calls.append(kwargs)
+        if self.error is not None:
+            raise self.error
+        if kwargs["limit"] > self.max_limit:
+            raise RuntimeError(  # Ray raises RayStateApiException, whose text this is
+                "API server internal error. See dashboard.log file for more details. Error: Given limit "
+                f"{kwargs['limit']} exceeds the supported limit {self.max_limit}. Use a lower limit, or set "
+                "the `RAY_MAX_LIMIT_FROM_API_SERVER` environment variable to a larger value."
+            )
+        return []
+
+
 @pytest.fixture
-def fake_ray(monkeypatch: pytest.MonkeyPatch) -> FakeRay:
+def state_api(monkeypatch: pytest.MonkeyPatch) -> FakeStateApi:
+    state = FakeStateApi()
+    monkeypatch.setitem(sys.modules, "ray.util.state", state)
+    return state
+
+
+@pytest.fixture
+def fake_ray(monkeypatch: pytest.MonkeyPatch, state_api: FakeStateApi) -> FakeRay:
     ray = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", ray)
     return ray
@@ -356,7 +390,10 @@ def test_actor_left_by_a_failed_run_is_removed(
 
 
 def test_an_existing_ray_connection_is_used_and_kept(
-    fake: FakeTransport, clients: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
+    fake: FakeTransport,
+    clients: list[tuple[Any, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    state_api: FakeStateApi,
 ) -> None:
     ray = FakeRay(initialized=True)
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -387,3 +424,74 @@ def test_importing_the_integration_does_not_import_ray() -> None:
     code = "import json, sys, tally.integrations.nemo_curator; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert not [m for m in json.loads(out) if m.split(".")[0] in ("ray", "nemo_curator", "grpc")]
+
+
+# ---------------------------------------------------------------------------- the Ray head's state API limit
+
+
+def test_the_ray_heads_state_api_limit_is_checked_before_anything_starts(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], fake_ray: FakeRay, state_api: FakeStateApi
+) -> None:
+    state_api.max_limit = 10000  # a head started without RAY_MAX_LIMIT_FROM_API_SERVER
+    with pytest.raises(RuntimeError) as refused:
+        with tally_for_nemo_curator("cp", ADDRESS):
+            pytest.fail("the block must not run")
+    assert str(refused.value) == (
+        "the Ray head's API server answers state queries of at most 10000 entries and NeMo Curator's "
+        "XennaExecutor asks for 40000: restart the Ray head with RAY_MAX_LIMIT_FROM_API_SERVER=40000 in "
+        "its environment (e.g. `RAY_MAX_LIMIT_FROM_API_SERVER=40000 ray start --head ...`; NeMo "
+        "Curator's RayClient sets it), or pass check_ray_limit=False with another executor"
+    )
+    # Asked the connected cluster, as Xenna asks it; no actor, no writer, Ray disconnected again.
+    (call,) = state_api.calls
+    assert call["limit"] == 40000 and call["address"] == "10.0.0.1:6379"
+    assert fake_ray.actors == {} and not fake_ray.initialized and clients == []
+
+    state_api.max_limit = 40000  # restarted with the variable
+    with tally_for_nemo_curator("cp", ADDRESS):
+        fake_ray.nemo_run()
+    assert len(state_api.calls) == 2 and fake.count("close_writer") == 1
+
+
+def test_the_check_can_be_skipped_and_lets_an_unanswered_query_through(
+    fake: FakeTransport,
+    clients: list[tuple[Any, ...]],
+    fake_ray: FakeRay,
+    state_api: FakeStateApi,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state_api.max_limit = 10000
+    with tally_for_nemo_curator("cp", ADDRESS, check_ray_limit=False):  # e.g. RayDataExecutor
+        fake_ray.nemo_run()
+    assert state_api.calls == []
+    # A head without a dashboard cannot be asked: a warning, and the run goes on.
+    state_api.error = ConnectionError("Failed to connect to API server. Please check the API server log")
+    with caplog.at_level("WARNING", logger=nemo_curator.__name__), tally_for_nemo_curator("cp", ADDRESS):
+        fake_ray.nemo_run()
+    assert [r.getMessage() for r in caplog.records] == [
+        "could not check the Ray cluster's RAY_MAX_LIMIT_FROM_API_SERVER (NeMo Curator's XennaExecutor "
+        "needs 40000): Failed to connect to API server. Please check the API server log"
+    ]
+    assert fake.count("close_writer") == 2
+
+
+# ---------------------------------------------------------------------------- shard labels
+
+
+def test_the_writer_is_labelled_with_the_drivers_slurm_and_nemo_curator_shard(
+    fake: FakeTransport, clients: list[tuple[Any, ...]], fake_ray: FakeRay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver's environment: the actor (here in this process too) is given them as labels.
+    monkeypatch.setenv("NEMO_CURATOR_SLURM_ARRAY_SHARD_INDEX", "3")
+    monkeypatch.setenv("NEMO_CURATOR_SLURM_ARRAY_TOTAL_SHARDS", "8")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with tally_for_nemo_curator("cp", ADDRESS, labels={"team": "x", "slurm_job_id": "mine"}):
+        fake_ray.nemo_run()
+    assert [dict(s.labels) for s in fake.specs] == [
+        {
+            "nemo_curator_shard_index": "3",
+            "nemo_curator_total_shards": "8",
+            "slurm_job_id": "mine",
+            "team": "x",
+        }
+    ]

@@ -12,6 +12,7 @@ from typing import get_args
 
 from tally import _calls as calls
 from tally._config import ClientConfig, tls_files_from_env
+from tally._labels import environment_labels
 from tally._retry import Deadline, RetryPolicy
 from tally._transport.contact import NeverReached
 from tally._types import (
@@ -34,14 +35,6 @@ logger = logging.getLogger(__name__)
 
 # What a writer asks for when its fingerprint differs from the checkpoint's recorded one.
 _ON_MISMATCH: tuple[OnMismatch, ...] = get_args(OnMismatch)
-
-# SLURM job identity, added to writer labels so the dashboard can tell array tasks apart.
-_SLURM_LABELS = {
-    "SLURM_JOB_ID": "slurm_job_id",
-    "SLURM_ARRAY_JOB_ID": "slurm_array_job_id",
-    "SLURM_ARRAY_TASK_ID": "slurm_array_task_id",
-    "SLURM_ARRAY_TASK_COUNT": "slurm_array_task_count",
-}
 
 
 def resolve_config(
@@ -183,7 +176,8 @@ class BaseClient:
             raise InvalidArgument(f"checkpoint must be a non-empty string, got {checkpoint!r}")
         if writer_id is not None and (not isinstance(writer_id, str) or not writer_id):
             raise InvalidArgument(f"writer_id must be a non-empty string or None, got {writer_id!r}")
-        merged = {label: os.environ[var] for var, label in _SLURM_LABELS.items() if os.environ.get(var)}
+        # SLURM and NeMo Curator shard ids, so the dashboard can tell array tasks and shards apart.
+        merged = environment_labels()
         merged.update(_str_map("labels", labels))
         return WriterSpec(
             checkpoint=checkpoint,

@@ -121,7 +121,9 @@ class Client(BaseClient):
                 ``{"pipeline": h1, "input": h2}``. The checkpoint records the first writer's; a later
                 writer whose components differ is refused (:class:`FailedPrecondition` naming each
                 differing component) unless ``on_mismatch`` says otherwise.
-            labels: Free-form labels shown in status views (SLURM job ids are added automatically).
+            labels: Free-form labels shown in status views. Added from the environment, under these:
+                SLURM's job and array ids (``slurm_job_id``, ``slurm_array_task_id``...) and NeMo
+                Curator's shard (``nemo_curator_shard_index``, ``nemo_curator_total_shards``).
             on_mismatch: ``"refuse"`` (default), ``"reset"`` (start the checkpoint over: its files go
                 to the trash; refused while other writers are live) or ``"ignore"``.
             max_attempts: Set the checkpoint's failure budget when the writer opens (see

@@ -24,9 +24,10 @@ one checkpoint at the same time (two SLURM jobs, a resubmission while the first 
 the partitions instead of both processing them. A claim lasts until its partition completes or
 the run ends (its writer closes or loses its lease); the next run takes what is left.
 
-The proxy keeps no state of its own: NeMo Curator ignores ``checkpoint_path`` when it adopts the
-actor, and closes and kills the actor at the end of every run, so each run is a new Tally writer
-whose completions are durable on the coordinator before the actor dies.
+The proxy keeps no state of its own: NeMo Curator writes no completion file to ``checkpoint_path``
+when it adopts the actor (only its SLURM-array markers, in that mode), and closes and kills the
+actor at the end of every run, so each run is a new Tally writer whose completions are durable on
+the coordinator before the actor dies.
 
 Ray and NeMo Curator are optional: this module imports ray only inside the functions that need it.
 """
@@ -34,12 +35,15 @@ Ray and NeMo Curator are optional: this module imports ray only inside the funct
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tally._client import Client
 from tally._config import ClientConfig
+from tally._labels import environment_labels
 from tally._types import FailureReport
 from tally.errors import TallyError
 
@@ -48,6 +52,14 @@ logger = logging.getLogger(__name__)
 # NeMo Curator 1.4.0: nemo_curator.utils.resumability_client.ACTOR_NAME, used as name and namespace.
 ACTOR_NAME = "nemo_curator_resumability"
 ACTOR_NAMESPACE = ACTOR_NAME
+
+# What NeMo Curator's XennaExecutor (cosmos_xenna 0.2) passes as `limit` to Ray's state API
+# (ray.util.state.list_actors); the Ray head's API server refuses more than its
+# RAY_MAX_LIMIT_FROM_API_SERVER (default 10000), read from the head's environment when it starts.
+XENNA_STATE_API_LIMIT = 40000
+LIMIT_VARIABLE = "RAY_MAX_LIMIT_FROM_API_SERVER"
+# Ray 2.x's answer (ray.dashboard.state_api_utils.options_from_req) to a limit above it.
+_REFUSED_LIMIT = re.compile(r"exceeds the supported limit (\d+)")
 
 # NeMo Curator gives close() 30 s (ray.get timeout) before it kills the actor; finish before that.
 _CLOSE_TIMEOUT_S = 25.0
@@ -274,6 +286,47 @@ def _close_and_kill(ray: Any, actor: Any, why: str) -> None:
         ray.kill(actor)
 
 
+def check_state_api_limit(ray: Any) -> None:
+    """Refuse a Ray cluster whose API server would refuse NeMo Curator's XennaExecutor.
+
+    Asks the connected cluster's state API for the one actor named :data:`ACTOR_NAME` with
+    ``limit=40000``, as Xenna's monitoring does for every alive actor: the head answers that
+    ``Given limit 40000 exceeds the supported limit 10000`` unless its API server (the dashboard
+    process) was started with ``RAY_MAX_LIMIT_FROM_API_SERVER=40000`` in its environment. The
+    driver's own environment says nothing about that: importing ``nemo_curator`` sets the variable
+    in the driver, but the head read its value when it started. A cluster the check cannot ask
+    (no dashboard, no answer in 10 s) is let through with a warning.
+
+    Raises:
+        RuntimeError: The head refuses the limit; the message says which variable to set where.
+    """
+    state = importlib.import_module("ray.util.state")
+    try:
+        state.list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("name", "=", ACTOR_NAME)],
+            limit=XENNA_STATE_API_LIMIT,
+            timeout=10,
+            raise_on_missing_output=False,
+        )
+    except Exception as exc:
+        refused = _REFUSED_LIMIT.search(str(exc))
+        if refused:
+            raise RuntimeError(
+                f"the Ray head's API server answers state queries of at most {refused.group(1)} entries "
+                f"and NeMo Curator's XennaExecutor asks for {XENNA_STATE_API_LIMIT}: restart the Ray head "
+                f"with {LIMIT_VARIABLE}={XENNA_STATE_API_LIMIT} in its environment (e.g. "
+                f"`{LIMIT_VARIABLE}={XENNA_STATE_API_LIMIT} ray start --head ...`; NeMo Curator's RayClient "
+                f"sets it), or pass check_ray_limit=False with another executor"
+            ) from None
+        logger.warning(
+            "could not check the Ray cluster's %s (NeMo Curator's XennaExecutor needs %d): %s",
+            LIMIT_VARIABLE,
+            XENNA_STATE_API_LIMIT,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
 @contextlib.contextmanager
 def _ray_connection(ray: Any, ray_address: str | None) -> Iterator[None]:
     # NeMo Curator's Pipeline.run makes its own ray.init()/shutdown, so the context manager holds
@@ -301,6 +354,7 @@ def tally_for_nemo_curator(
     ray_address: str | None = None,
     max_attempts: int | None = None,
     claims: bool = False,
+    check_ray_limit: bool = True,
 ) -> Iterator[None]:
     """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
 
@@ -308,7 +362,8 @@ def tally_for_nemo_curator(
     name and namespace) as a proxy to a new Tally writer of ``checkpoint``, and waits until the
     writer is open. ``Pipeline.run(checkpoint_path=...)`` then adopts it: sources the checkpoint
     has completed are skipped, and completions go to the coordinator. Its ``checkpoint_path`` must
-    still be set (it switches resumability on) but is not written to.
+    still be set (it switches resumability on); NeMo Curator writes no completion file there, only
+    its SLURM-array markers in SLURM-array mode (``tally export --markers-from`` carries them).
 
     An actor already registered under that name is closed and killed first, with a warning: it can
     only be left over from a run whose driver was killed (NeMo Curator removes its actor at the end
@@ -318,6 +373,10 @@ def tally_for_nemo_curator(
     After the block, an actor still registered (the run failed before NeMo Curator removed it) is
     closed and killed too. Run one ``pipeline.run`` per block: NeMo Curator removes the actor at
     the end of each run, so a second run in the same block would use NeMo Curator's own files.
+
+    The writer's labels are, under ``labels``, the SLURM job and array ids and NeMo Curator shard
+    ids (``NEMO_CURATOR_SLURM_ARRAY_SHARD_INDEX``...) of this process's environment: the actor runs
+    with the Ray worker's environment, which need not have them.
 
     Args:
         checkpoint: Tally checkpoint name, e.g. ``curation/run-42``.
@@ -336,9 +395,14 @@ def tally_for_nemo_curator(
         claims: Claim the partitions the source stage runs (:meth:`tally.Writer.acquire`) and skip
             those another live writer holds, so pipelines started together on one checkpoint
             split the work. Off by default: NeMo Curator alone has no such mode.
+        check_ray_limit: First check that the Ray head accepts the state queries NeMo Curator's
+            XennaExecutor makes (:func:`check_state_api_limit`), so a head started without
+            ``RAY_MAX_LIMIT_FROM_API_SERVER=40000`` fails here, in one line, and not inside Xenna
+            once the run has started. Pass False with an executor that does not need it.
 
     Raises:
         ImportError: Ray is not installed.
+        RuntimeError: The Ray head refuses XennaExecutor's state queries (see ``check_ray_limit``).
         tally.TallyError: The actor could not open its writer (e.g. ``Unavailable``).
     """
     ray = _import_ray()
@@ -347,8 +411,11 @@ def tally_for_nemo_curator(
     address = address or env.address
     token = token if token is not None else env.token
     timeout = timeout if timeout is not None else env.timeout
+    labels = {**environment_labels(), **(labels or {})}
     cls = ray.remote(num_cpus=0, max_concurrency=1)(TallyResumabilityProxy)
     with _ray_connection(ray, ray_address):
+        if check_ray_limit:
+            check_state_api_limit(ray)
         stale = _existing_actor(ray)
         if stale is not None:
             logger.warning(
