@@ -116,33 +116,14 @@ def driver(ray_address: str, tally_address: str, rounds: int) -> Iterator[dict[s
 
 
 def _private_env(temp_dir: Path) -> dict[str, str]:
-    home = temp_dir / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "VIRTUAL_ENV"}
-    env.update(
-        HOME=str(home),
-        TMPDIR=str(temp_dir),
-        RAY_TMPDIR=str(temp_dir),
-        RAY_AUTH_MODE="disabled",
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_MAX_LIMIT_FROM_API_SERVER="40000",
-        PYTHONPATH=os.pathsep.join([str(BENCH), str(ROOT / "client" / "src")]),
-        PYTHONUNBUFFERED="1",
-        TALLY_BENCH_RAY=str(temp_dir),
-    )
+    """compare.py's anchor environment (no user Ray settings), with this checkout's SDK importable."""
+    from compare import _private_env as anchor_env
+
+    env = anchor_env(temp_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(ROOT / "client" / "src")])
+    # NeMo Curator's Xenna executor lists up to 40,000 entries; the drop-in checks the head allows it.
+    env["RAY_MAX_LIMIT_FROM_API_SERVER"] = env["RAY_MAX_LIMIT_FROM_DATA_SOURCE"] = "40000"
     return env
-
-
-def _pids_with_env(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def _free_port() -> int:
@@ -223,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             head.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        from compare import _pids_with_env
+
         for pid in _pids_with_env(f"TALLY_BENCH_RAY={temp_dir}"):  # workers in sessions of their own
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
