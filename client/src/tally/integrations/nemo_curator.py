@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tally._client import Client
 from tally._config import ClientConfig
+from tally._trace import TRACE_ENV
 from tally._types import FailureReport
 from tally.errors import TallyError
 
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 # NeMo Curator 1.4.0: nemo_curator.utils.resumability_client.ACTOR_NAME, used as name and namespace.
 ACTOR_NAME = "nemo_curator_resumability"
 ACTOR_NAMESPACE = ACTOR_NAME
+
+# An empty trace path means "no trace, whatever TALLY_TRACE says" to Client.writer.
+_NO_TRACE = ""
 
 # NeMo Curator gives close() 30 s (ray.get timeout) before it kills the actor; finish before that.
 _CLOSE_TIMEOUT_S = 25.0
@@ -72,6 +77,7 @@ class TallyResumabilityProxy:
         timeout: float | None = None,
         max_attempts: int | None = None,
         claims: bool = False,
+        trace: str | None = None,
     ) -> None:
         """Connect to the coordinator and open a writer of ``checkpoint``.
 
@@ -84,9 +90,13 @@ class TallyResumabilityProxy:
             timeout: Seconds a coordinator call may take; the client's default when None.
             max_attempts: Set the checkpoint's failure budget as the writer opens; None leaves it.
             claims: Claim the partitions the source stage runs; skip those another live writer holds.
+            trace: Record NeMo Curator's calls and the coordinator's answers to this JSONL file on
+                the actor's machine (see :meth:`tally.Client.writer`); None: no trace (the actor
+                does not read ``TALLY_TRACE``: :func:`tally_for_nemo_curator` passes it on).
 
         Raises:
-            tally.TallyError: The writer could not be opened (e.g. ``Unavailable``).
+            tally.TallyError: The writer could not be opened (e.g. ``Unavailable``), or the trace
+                file could not be opened (``InvalidArgument``).
         """
         self._client = Client(address, token=token, timeout=timeout)
         self._checkpoint = checkpoint
@@ -94,8 +104,13 @@ class TallyResumabilityProxy:
         # False after a refused declaration (e.g. a coordinator older than declared totals).
         self._declaring = True
         try:
+            # trace="" rather than None: the actor's TALLY_TRACE is not this run's choice.
             self._writer = self._client.writer(
-                checkpoint, writer_id=writer_id, labels=labels, max_attempts=max_attempts
+                checkpoint,
+                writer_id=writer_id,
+                labels=labels,
+                max_attempts=max_attempts,
+                trace=trace if trace else _NO_TRACE,
             )
             self._writer.open()
         except BaseException:
@@ -114,7 +129,9 @@ class TallyResumabilityProxy:
         Returns:
             How many sources the checkpoint had completed when this writer opened.
         """
-        return self._writer.completed_at_open or 0
+        completed = self._writer.completed_at_open or 0
+        self._writer._trace_row("wait", result=completed)
+        return completed
 
     def are_completed(self, source_ids: list[str]) -> list[bool]:
         """Which of ``source_ids`` the source stage skips: those the checkpoint has completed (live,
@@ -301,6 +318,7 @@ def tally_for_nemo_curator(
     ray_address: str | None = None,
     max_attempts: int | None = None,
     claims: bool = False,
+    trace: str | None = None,
 ) -> Iterator[None]:
     """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
 
@@ -336,6 +354,10 @@ def tally_for_nemo_curator(
         claims: Claim the partitions the source stage runs (:meth:`tally.Writer.acquire`) and skip
             those another live writer holds, so pipelines started together on one checkpoint
             split the work. Off by default: NeMo Curator alone has no such mode.
+        trace: Record every call the pipeline makes to the actor (``wait``, ``are_completed``,
+            ``apply_deltas``, ``close``), with timestamps and the coordinator's answers, to this JSONL
+            file, written by the actor on its machine; ``tally replay TRACE`` checks it against the
+            counting rules. ``TALLY_TRACE`` of this process when None; no trace when that is unset.
 
     Raises:
         ImportError: Ray is not installed.
@@ -347,6 +369,7 @@ def tally_for_nemo_curator(
     address = address or env.address
     token = token if token is not None else env.token
     timeout = timeout if timeout is not None else env.timeout
+    trace = trace if trace is not None else os.environ.get(TRACE_ENV, "").strip() or None
     cls = ray.remote(num_cpus=0, max_concurrency=1)(TallyResumabilityProxy)
     with _ray_connection(ray, ray_address):
         stale = _existing_actor(ray)
@@ -367,6 +390,7 @@ def tally_for_nemo_curator(
             timeout=timeout,
             max_attempts=max_attempts,
             claims=claims,
+            trace=trace,
         )
         try:
             completed = ray.get(actor.wait.remote())
