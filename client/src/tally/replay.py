@@ -314,13 +314,17 @@ class Run:
 
 
 def split_runs(rows: Sequence[Row]) -> list[list[Row]]:
-    """Rows grouped by writer (in order of first appearance); an ``open`` row starts a new run."""
+    """Rows grouped by writer (in order of first appearance). A writer id used again (a rerun
+    appending to the same file) starts a new run after a ``close`` row, or at a second ``open``."""
     runs: list[list[Row]] = []
     current: dict[str | None, list[Row]] = {}
     for row in rows:
         key = row.data.get("writer")
         run = current.get(key)
-        if run is None or (row.method == "open" and any(r.method != "wait" for r in run)):
+        ended = run is not None and (
+            run[-1].method == "close" or (row.method == "open" and any(r.method == "open" for r in run))
+        )
+        if run is None or ended:
             run = []
             runs.append(run)
             current[key] = run

@@ -210,3 +210,18 @@ def test_sources_answered_completed_before_the_first_delta_make_anomalies() -> N
     assert outcome.completed == ["new"]
     assert rules.completed() == {"new"}
     assert rules.apply([("t", "done", 1)]).counts["applied"] == 1  # un-completed: counted again
+
+
+def test_deltas_buffered_before_open_and_a_rerun_under_the_same_id_split_into_runs(tmp_path: Path) -> None:
+    early = {"writer": "w1", "method": "apply_deltas", "per_task": [["a", "a", 1]]}
+    first = tally_rows("w1", 0, batch(1, 0), {"method": "close", "counts": {"completed": 0}})
+    rerun = [
+        {"writer": "w1", "method": "apply_deltas", "per_task": [["a1", "a", -1]]},
+        *tally_rows("w1", 0, batch(1, 0)),
+    ]
+    runs = replay(read_trace(write(tmp_path / "t.jsonl", [early, *first, *rerun])))
+    assert [(r.mode, r.pending, len(r.steps)) for r in runs] == [
+        ("batch", {"a": 1}, 4),
+        ("batch", {"a": -1}, 3),
+    ]
+    assert all(not r.mismatches for r in runs)

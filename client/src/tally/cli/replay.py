@@ -26,13 +26,16 @@ def replay(
     ],
     output: OutputFormat = Output.TABLE,
 ) -> None:
-    """Replay a trace through the counting rules: what they complete, call by call, and what differs.
+    """Offline: a recorded trace through the counting rules: what they complete, what differs.
 
-    A trace recorded by Tally is replayed batch by batch as the coordinator received it, and each
-    batch is checked against the number of sources the coordinator said it completed (at settle
-    window 0; otherwise the totals at close). A NeMo Curator recording is replayed call by call and
-    checked against its newly_completed. Exit status: 0 all agree, 1 some rows differ (each is
-    flagged), 2 the trace cannot be read (the error names the line).
+    A trace Tally recorded is replayed batch by batch, as the coordinator
+    received it; each batch is checked against how many sources the coordinator
+    said it completed (at settle window 0; else the totals at close). A NeMo
+    Curator recording is replayed call by call, checked against newly_completed.
+
+    Exit status: 0 all agree; 1 some rows differ (flagged DIFFERS); 2 the trace
+    cannot be read (the error names the line). -o json: one object: trace, runs
+    (steps, summary), mismatches; -o wide also lists the calls between batches.
     """
     try:
         runs = replay_rows(read_trace(trace))
