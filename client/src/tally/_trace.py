@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 logger = logging.getLogger("tally._writer")
@@ -51,6 +52,8 @@ class TraceRecorder:
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()  # seq order is file order
         self._seq = 0
+        # A writer dropped without close() must not leak the descriptor; runs at most once.
+        self._release = weakref.finalize(self, _close_fd, self._fd)
 
     def record(self, method: str, **fields: Any) -> None:
         """Append one row: ``seq``, ``at``, ``writer``, ``method`` and ``fields``. Never raises."""
@@ -84,12 +87,15 @@ class TraceRecorder:
             self._close_locked()
 
     def _close_locked(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._fd = None
+        self._release()
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def open_recorder(path: str | os.PathLike[str] | None, writer_id: str) -> TraceRecorder | None:

@@ -4,6 +4,7 @@ drop-in passing the driver's choice to its actor (a fake transport and a fake Ra
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -131,3 +132,14 @@ def test_the_actor_ignores_its_own_environment(
     proxy.wait()
     proxy.close()
     assert not (tmp_path / "worker.jsonl").exists()
+
+
+def test_a_recorder_dropped_without_close_releases_its_file(tmp_path: Path) -> None:
+    recorder = TraceRecorder(str(tmp_path / "t.jsonl"), "w")
+    fd = recorder._fd
+    assert fd is not None
+    os.fstat(fd)
+    del recorder
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
