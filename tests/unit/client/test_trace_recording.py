@@ -118,9 +118,19 @@ def test_the_drop_in_passes_the_drivers_trace_to_its_actor(
     assert run.mismatches == [] and run.pending == {"b": 1}
 
     monkeypatch.delenv("TALLY_TRACE")
-    with tally_for_nemo_curator("cp", ADDRESS, writer_id="w2", trace=str(tmp_path / "given.jsonl")):
+
+    class Elsewhere(TallyResumabilityProxy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            os.chdir(tmp_path / "actor")  # the actor's working directory is not the driver's
+            super().__init__(*args, **kwargs)
+
+    (tmp_path / "actor").mkdir()
+    monkeypatch.setattr(nemo.nemo_curator, "TallyResumabilityProxy", Elsewhere)
+    monkeypatch.chdir(tmp_path)
+    with tally_for_nemo_curator("cp", ADDRESS, writer_id="w2", trace="given.jsonl"):
         fake_ray.nemo_run()
     assert rows(tmp_path / "given.jsonl")[0]["writer"] == "w2"
+    assert not (tmp_path / "actor" / "given.jsonl").exists()
 
 
 def test_the_actor_ignores_its_own_environment(

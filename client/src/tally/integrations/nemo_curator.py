@@ -356,8 +356,9 @@ def tally_for_nemo_curator(
             split the work. Off by default: NeMo Curator alone has no such mode.
         trace: Record every call the pipeline makes to the actor (``wait``, ``are_completed``,
             ``apply_deltas``, ``close``), with timestamps and the coordinator's answers, to this JSONL
-            file, written by the actor on its machine; ``tally replay TRACE`` checks it against the
-            counting rules. ``TALLY_TRACE`` of this process when None; no trace when that is unset.
+            file, written by the actor on its machine (a relative path is taken from this process's
+            working directory); ``tally replay TRACE`` checks it against the counting rules.
+            ``TALLY_TRACE`` of this process when None; no trace when that is unset.
 
     Raises:
         ImportError: Ray is not installed.
@@ -370,6 +371,8 @@ def tally_for_nemo_curator(
     token = token if token is not None else env.token
     timeout = timeout if timeout is not None else env.timeout
     trace = trace if trace is not None else os.environ.get(TRACE_ENV, "").strip() or None
+    # The actor's working directory is Ray's: a relative path means the driver's.
+    trace = os.path.abspath(trace) if trace else trace
     cls = ray.remote(num_cpus=0, max_concurrency=1)(TallyResumabilityProxy)
     with _ray_connection(ray, ray_address):
         stale = _existing_actor(ray)
