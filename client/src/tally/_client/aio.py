@@ -13,6 +13,7 @@ from tally import _calls as calls
 from tally._client.base import BaseClient, resolve_config
 from tally._config import ClientConfig
 from tally._retry import Deadline, async_send
+from tally._trace import open_recorder
 from tally._transport.base import AsyncTransport, make_async_transport
 from tally._types import (
     CheckpointStatus,
@@ -88,12 +89,13 @@ class AsyncClient(BaseClient):
         on_mismatch: OnMismatch = "refuse",
         max_attempts: int | None = None,
         expected_sources: Iterable[str] | int | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> AsyncWriter:
         """Create a writer of ``checkpoint``; it opens on ``async with``. See :meth:`Client.writer`."""
         spec = self._writer_spec(
             checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts, expected_sources
         )
-        writer = AsyncWriter(self._transport, spec, self._config)
+        writer = AsyncWriter(self._transport, spec, self._config, open_recorder(trace, spec.writer_id))
         self._writers.add(writer)
         return writer
 

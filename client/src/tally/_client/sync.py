@@ -13,6 +13,7 @@ from tally import _calls as calls
 from tally._client.base import BaseClient, resolve_config
 from tally._config import ClientConfig
 from tally._retry import Deadline, send
+from tally._trace import open_recorder
 from tally._transport.base import Transport, make_transport
 from tally._types import (
     CheckpointStatus,
@@ -111,6 +112,7 @@ class Client(BaseClient):
         on_mismatch: OnMismatch = "refuse",
         max_attempts: int | None = None,
         expected_sources: Iterable[str] | int | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> Writer:
         """Create a writer of ``checkpoint``; it opens on ``with`` (or :meth:`Writer.open`).
 
@@ -130,17 +132,22 @@ class Client(BaseClient):
                 :meth:`set_max_attempts`); None leaves it as it is.
             expected_sources: Declare the checkpoint's sources when the writer opens (see
                 :meth:`declare`): their ids, or how many there are; None declares nothing.
+            trace: Record every call of the writer, and what the coordinator answered, to this
+                JSONL file (appended to; ``{writer_id}`` in the path is replaced by the writer id),
+                for ``tally replay``. None: the ``TALLY_TRACE`` environment variable's path, if set;
+                ``""``: no trace.
 
         Returns:
             An unopened :class:`Writer`.
 
         Raises:
-            InvalidArgument: A bad argument (e.g. ``max_attempts`` negative).
+            InvalidArgument: A bad argument (e.g. ``max_attempts`` negative), or a trace file that
+                cannot be opened for appending.
         """
         spec = self._writer_spec(
             checkpoint, writer_id, fingerprint, labels, on_mismatch, max_attempts, expected_sources
         )
-        writer = Writer(self._transport, spec, self._config)
+        writer = Writer(self._transport, spec, self._config, open_recorder(trace, spec.writer_id))
         self._writers.add(writer)
         return writer
 

@@ -13,6 +13,7 @@ from typing import Self, TypeVar
 from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, async_send
+from tally._trace import TraceRecorder
 from tally._transport.base import AsyncTransport
 from tally._types import Claim, CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
@@ -34,9 +35,15 @@ class AsyncWriter(WriterBase):
     another thread it waits for room like the sync writer.
     """
 
-    def __init__(self, transport: AsyncTransport, spec: WriterSpec, config: ClientConfig) -> None:
+    def __init__(
+        self,
+        transport: AsyncTransport,
+        spec: WriterSpec,
+        config: ClientConfig,
+        trace: TraceRecorder | None = None,
+    ) -> None:
         """Create an unopened writer (prefer :meth:`tally.AsyncClient.writer`)."""
-        super().__init__(spec, config)
+        super().__init__(spec, config, trace=trace)
         self._transport = transport
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -134,7 +141,7 @@ class AsyncWriter(WriterBase):
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
             with self._lock:
-                self._core.open_done(opened)
+                self._opened_locked(opened)
                 self._notify_locked()
             self._tasks = [
                 asyncio.create_task(self._send_loop(), name=f"tally-sender-{self.writer_id}"),
@@ -145,8 +152,13 @@ class AsyncWriter(WriterBase):
 
     async def are_completed(self, ids: Iterable[str]) -> list[bool]:
         """Which of ``ids`` the checkpoint has completed. See :meth:`Writer.are_completed`."""
+        if self._trace is not None:
+            ids = list(ids)
         plan = calls.are_completed(self.checkpoint, ids)
-        return await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+        done = await calls.async_drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+        if self._trace is not None:
+            self._trace_are_completed(list(ids), done)
+        return done
 
     async def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
         """Declare the checkpoint's sources (or how many). See :meth:`Writer.declare`."""
@@ -170,6 +182,8 @@ class AsyncWriter(WriterBase):
         for call in self._acquire_calls(source_ids):
             for claim in await self._call_as_writer(call, deadline, "acquiring sources"):
                 claims[claim.source_id] = claim
+        if self._trace is not None:
+            self._trace_acquire(claims)
         return claims
 
     async def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
@@ -207,10 +221,12 @@ class AsyncWriter(WriterBase):
                 result = await self._close(Deadline(self._timeout(timeout)))
             except TallyError as err:
                 self._core.close_outcome = err
+                self._trace_close(err)
                 raise
             finally:
                 await self._stop_tasks()
             self._core.close_outcome = result
+            self._trace_close(result)
             return result
 
     async def _close(self, deadline: Deadline) -> CloseResult:
@@ -323,7 +339,7 @@ class AsyncWriter(WriterBase):
                 self._notify_locked()
         else:
             with self._lock:
-                self._core.batch_ok(batch, answer)
+                self._batch_ok_locked(batch, answer)
                 self._notify_locked()
 
     async def _heartbeat_loop(self) -> None:

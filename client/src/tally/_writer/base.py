@@ -17,8 +17,9 @@ from typing import Any
 from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline
-from tally._types import CloseResult, Delta, WriterHealth, WriterSpec
-from tally._writer.core import WriterCore
+from tally._trace import TraceRecorder
+from tally._types import Claim, CloseResult, Delta, OpenedWriter, WriterHealth, WriterSpec
+from tally._writer.core import Batch, WriterCore
 from tally._writer.support import CLOSE_GRACE_S, fresh, validated
 from tally.errors import InvalidArgument, TallyError
 
@@ -29,9 +30,16 @@ class WriterBase:
     """The no-I/O half of :class:`tally.Writer` and :class:`tally.AsyncWriter`."""
 
     def __init__(
-        self, spec: WriterSpec, config: ClientConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        spec: WriterSpec,
+        config: ClientConfig,
+        clock: Callable[[], float] = time.monotonic,
+        trace: TraceRecorder | None = None,
     ) -> None:
         self._spec = spec
+        # Records every call to a JSONL file (client.writer(..., trace=PATH)); None: no trace, and
+        # no cost beyond this one check per call.
+        self._trace = trace
         self._config = config
         self._core = WriterCore(spec.writer_id, spec.checkpoint, config, clock)
         self._policy = self._core.policy
@@ -102,6 +110,8 @@ class WriterBase:
             return
         if items:
             self._enqueue(items)
+        elif self._trace is not None:
+            self._trace.record("apply_deltas", per_task=[])
 
     def save_cursor(self, source_id: str, data: bytes) -> None:
         """Remember where this run got to inside a long source (a row or byte offset...). No I/O.
@@ -168,6 +178,8 @@ class WriterBase:
     # ------------------------------------------------------------------ shared by both flavours
 
     def _refuse(self, err: InvalidArgument) -> None:
+        if self._trace is not None:
+            self._trace.record("apply_deltas", per_task=[], error=err.message)
         with self._lock:
             self._core.refuse_call(err)
             self._notify_locked()
@@ -177,7 +189,12 @@ class WriterBase:
         with self._lock:
             i = 0
             while True:
+                start = i
                 i, wake = self._core.accept(items, i, may_block)
+                if self._trace is not None:
+                    # Under the lock, as accepted: the trace holds the deltas in the order they are
+                    # sent (a call that waited for room is one row per part taken).
+                    self._trace_accepted(items, start, i)
                 if wake:
                     self._notify_locked()
                 if i >= len(items):
@@ -187,6 +204,86 @@ class WriterBase:
                     self._changed.wait()
                 finally:
                     self._blocked -= 1
+
+    # ------------------------------------------------------------------ the trace
+
+    def _trace_accepted(self, items: list[Delta], start: int, end: int) -> None:
+        assert self._trace is not None
+        part = items if start == 0 and end == len(items) else items[start:end]
+        if start:
+            self._trace.record("apply_deltas", per_task=part, continued=True)
+        else:
+            self._trace.record("apply_deltas", per_task=part)
+
+    def _trace_row(self, method: str, **fields: Any) -> None:
+        """Record one row in the trace, if there is one (never raises)."""
+        if self._trace is not None:
+            self._trace.record(method, **fields)
+
+    def _opened_locked(self, opened: OpenedWriter) -> None:
+        self._core.open_done(opened)
+        self._trace_row(
+            "open",
+            checkpoint=self.checkpoint,
+            writer_id=opened.writer_id,
+            completed_at_open=opened.completed_count,
+            settle_ms=opened.settle_ms,
+        )
+
+    def _batch_ok_locked(self, batch: Batch, answer: calls.BatchAnswer) -> None:
+        current = self._core.inflight is batch
+        self._core.batch_ok(batch, answer)
+        if current and self._trace is not None:
+            # What the coordinator reported for the batch: it applies batches, not calls, and
+            # names no sources, so this (not a per-call newly_completed) is its side of the trace.
+            c = answer.counts
+            self._trace.record(
+                "batch",
+                batch_seq=batch.seq,
+                deltas=len(batch.deltas),
+                counts={
+                    "applied": c.applied,
+                    "skipped": c.skipped,
+                    "rewritten": c.rewritten,
+                    "anomalies": c.anomalies,
+                    "completed": c.completed,
+                },
+                refused=answer.refused,
+                settled=answer.settled,
+            )
+
+    def _trace_are_completed(self, ids: list[str], result: list[bool]) -> None:
+        self._trace_row("are_completed", source_ids=ids, result=result)
+
+    def _trace_acquire(self, claims: dict[str, Claim]) -> None:
+        self._trace_row(
+            "acquire",
+            source_ids=list(claims),
+            states=[claim.state for claim in claims.values()],
+        )
+
+    def _trace_close(self, outcome: CloseResult | TallyError) -> None:
+        """The close row (the writer's totals as the coordinator reported them); ends the trace."""
+        trace = self._trace
+        if trace is None:
+            return
+        if isinstance(outcome, CloseResult):
+            c = outcome.counts
+            trace.record(
+                "close",
+                counts={
+                    "applied": c.applied,
+                    "skipped": c.skipped,
+                    "rewritten": c.rewritten,
+                    "anomalies": c.anomalies,
+                    "completed": c.completed,
+                },
+                incomplete_count=outcome.incomplete_count,
+                incomplete_sources=list(outcome.incomplete_sources),
+            )
+        else:
+            trace.record("close", error=outcome.message)
+        trace.close()
 
     def _took_batch_locked(self) -> None:
         # Taking a batch made room in the buffer: producers waiting for it may go on.

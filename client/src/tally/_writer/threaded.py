@@ -11,6 +11,7 @@ from typing import Self, TypeVar
 from tally import _calls as calls
 from tally._config import ClientConfig
 from tally._retry import Deadline, send
+from tally._trace import TraceRecorder
 from tally._transport.base import Transport
 from tally._types import Claim, CloseResult, FailureReport, WriterSpec
 from tally._writer.base import WriterBase
@@ -33,9 +34,11 @@ class Writer(WriterBase):
             w.flush()
     """
 
-    def __init__(self, transport: Transport, spec: WriterSpec, config: ClientConfig) -> None:
+    def __init__(
+        self, transport: Transport, spec: WriterSpec, config: ClientConfig, trace: TraceRecorder | None = None
+    ) -> None:
         """Create an unopened writer (prefer :meth:`tally.Client.writer`)."""
-        super().__init__(spec, config)
+        super().__init__(spec, config, trace=trace)
         self._transport = transport
         self._threads: list[threading.Thread] = []
         self._lifecycle = threading.Lock()  # serializes open() and close()
@@ -77,7 +80,7 @@ class Writer(WriterBase):
                 self._call(setup, Deadline(self._config.timeout))
             opened = self._call(calls.OpenWriter(self._spec), Deadline(self._config.timeout))
             with self._lock:
-                self._core.open_done(opened)
+                self._opened_locked(opened)
                 self._notify_locked()
             for name, loop in (("sender", self._send_loop), ("heartbeat", self._heartbeat_loop)):
                 thread = threading.Thread(
@@ -101,8 +104,13 @@ class Writer(WriterBase):
         Raises:
             Unavailable: No answer within the client's timeout.
         """
+        if self._trace is not None:
+            ids = list(ids)
         plan = calls.are_completed(self.checkpoint, ids)
-        return calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+        done = calls.drive(plan, lambda call: self._call(call, Deadline(self._config.timeout)))
+        if self._trace is not None:
+            self._trace_are_completed(list(ids), done)
+        return done
 
     def declare(self, ids: Iterable[str] | None = None, *, count: int | None = None) -> int:
         """Declare the checkpoint's sources (or how many there are): see :meth:`tally.Client.declare`.
@@ -170,6 +178,8 @@ class Writer(WriterBase):
         for call in self._acquire_calls(source_ids):
             for claim in self._call_as_writer(call, deadline, "acquiring sources"):
                 claims[claim.source_id] = claim
+        if self._trace is not None:
+            self._trace_acquire(claims)
         return claims
 
     def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
@@ -254,10 +264,12 @@ class Writer(WriterBase):
                 result = self._close(Deadline(self._timeout(timeout)))
             except TallyError as err:
                 self._core.close_outcome = err
+                self._trace_close(err)
                 raise
             finally:
                 self._stop_threads()
             self._core.close_outcome = result
+            self._trace_close(result)
             return result
 
     def _close(self, deadline: Deadline) -> CloseResult:
@@ -369,7 +381,7 @@ class Writer(WriterBase):
                 self._notify_locked()
         else:
             with self._lock:
-                self._core.batch_ok(batch, answer)
+                self._batch_ok_locked(batch, answer)
                 self._notify_locked()
 
     def _heartbeat_loop(self) -> None:

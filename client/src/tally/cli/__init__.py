@@ -1,10 +1,11 @@
 """The ``tally`` command: the operator commands, shipped with the SDK as ``tally-client[cli]``.
 
 ``status``, ``watch``, ``remaining``, ``writers``, ``events``, ``reset``, ``export``, ``import`` and
-``inspect`` are clients of the SDK; they need typer, rich and lmdb (the ``[cli]`` extra) but nothing of
-the server, so an operator's laptop runs them without FastAPI, SQLAlchemy or psycopg. ``tally serve`` belongs
-to the server: the ``tally-server`` distribution adds it through the ``tally.commands`` entry-point
-group. ``import tally`` never imports this package.
+``inspect`` are clients of the SDK (``replay``, a trace through the counting rules, needs no
+coordinator); they need typer, rich and lmdb (the ``[cli]`` extra) but nothing of the server, so an
+operator's laptop runs them without FastAPI, SQLAlchemy or psycopg. ``tally serve`` belongs to the
+server: the ``tally-server`` distribution adds it through the ``tally.commands`` entry-point group.
+``import tally`` never imports this package.
 """
 
 from __future__ import annotations

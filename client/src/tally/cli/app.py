@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from tally.cli import commands, folders
+from tally.cli import commands, folders, replay
 from tally.cli.common import fail
 
 ENTRY_POINT_GROUP = "tally.commands"
@@ -38,6 +38,7 @@ def build_app() -> typer.Typer:
     app.command()(commands.retry)
     app.command()(commands.reset)
     app.command()(folders.inspect)
+    app.command()(replay.replay)
     added = _add_plugins(app)
     if "serve" not in added:
         _add_serve_hint(app, added.get("serve-error"))

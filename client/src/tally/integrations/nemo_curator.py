@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 from tally._client import Client
 from tally._config import ClientConfig
 from tally._labels import environment_labels
+from tally._trace import TRACE_ENV
 from tally._types import FailureReport
 from tally.errors import TallyError
 
@@ -60,6 +62,8 @@ XENNA_STATE_API_LIMIT = 40000
 LIMIT_VARIABLE = "RAY_MAX_LIMIT_FROM_API_SERVER"
 # Ray 2.x's answer (ray.dashboard.state_api_utils.options_from_req) to a limit above it.
 _REFUSED_LIMIT = re.compile(r"exceeds the supported limit (\d+)")
+# An empty trace path means "no trace, whatever TALLY_TRACE says" to Client.writer.
+_NO_TRACE = ""
 
 # NeMo Curator gives close() 30 s (ray.get timeout) before it kills the actor; finish before that.
 _CLOSE_TIMEOUT_S = 25.0
@@ -84,6 +88,7 @@ class TallyResumabilityProxy:
         timeout: float | None = None,
         max_attempts: int | None = None,
         claims: bool = False,
+        trace: str | None = None,
     ) -> None:
         """Connect to the coordinator and open a writer of ``checkpoint``.
 
@@ -96,9 +101,13 @@ class TallyResumabilityProxy:
             timeout: Seconds a coordinator call may take; the client's default when None.
             max_attempts: Set the checkpoint's failure budget as the writer opens; None leaves it.
             claims: Claim the partitions the source stage runs; skip those another live writer holds.
+            trace: Record NeMo Curator's calls and the coordinator's answers to this JSONL file on
+                the actor's machine (see :meth:`tally.Client.writer`); None: no trace (the actor
+                does not read ``TALLY_TRACE``: :func:`tally_for_nemo_curator` passes it on).
 
         Raises:
-            tally.TallyError: The writer could not be opened (e.g. ``Unavailable``).
+            tally.TallyError: The writer could not be opened (e.g. ``Unavailable``), or the trace
+                file could not be opened (``InvalidArgument``).
         """
         self._client = Client(address, token=token, timeout=timeout)
         self._checkpoint = checkpoint
@@ -106,8 +115,13 @@ class TallyResumabilityProxy:
         # False after a refused declaration (e.g. a coordinator older than declared totals).
         self._declaring = True
         try:
+            # trace="" rather than None: the actor's TALLY_TRACE is not this run's choice.
             self._writer = self._client.writer(
-                checkpoint, writer_id=writer_id, labels=labels, max_attempts=max_attempts
+                checkpoint,
+                writer_id=writer_id,
+                labels=labels,
+                max_attempts=max_attempts,
+                trace=trace if trace else _NO_TRACE,
             )
             self._writer.open()
         except BaseException:
@@ -126,7 +140,9 @@ class TallyResumabilityProxy:
         Returns:
             How many sources the checkpoint had completed when this writer opened.
         """
-        return self._writer.completed_at_open or 0
+        completed = self._writer.completed_at_open or 0
+        self._writer._trace_row("wait", result=completed)
+        return completed
 
     def are_completed(self, source_ids: list[str]) -> list[bool]:
         """Which of ``source_ids`` the source stage skips: those the checkpoint has completed (live,
@@ -355,6 +371,7 @@ def tally_for_nemo_curator(
     max_attempts: int | None = None,
     claims: bool = False,
     check_ray_limit: bool = True,
+    trace: str | None = None,
 ) -> Iterator[None]:
     """Make the NeMo Curator run inside the block record its progress in a Tally checkpoint.
 
@@ -399,6 +416,11 @@ def tally_for_nemo_curator(
             XennaExecutor makes (:func:`check_state_api_limit`), so a head started without
             ``RAY_MAX_LIMIT_FROM_API_SERVER=40000`` fails here, in one line, and not inside Xenna
             once the run has started. Pass False with an executor that does not need it.
+        trace: Record every call the pipeline makes to the actor (``wait``, ``are_completed``,
+            ``apply_deltas``, ``close``), with timestamps and the coordinator's answers, to this JSONL
+            file, written by the actor on its machine (a relative path is taken from this process's
+            working directory); ``tally replay TRACE`` checks it against the counting rules.
+            ``TALLY_TRACE`` of this process when None; no trace when that is unset.
 
     Raises:
         ImportError: Ray is not installed.
@@ -412,6 +434,9 @@ def tally_for_nemo_curator(
     token = token if token is not None else env.token
     timeout = timeout if timeout is not None else env.timeout
     labels = {**environment_labels(), **(labels or {})}
+    trace = trace if trace is not None else os.environ.get(TRACE_ENV, "").strip() or None
+    # The actor's working directory is Ray's: a relative path means the driver's.
+    trace = os.path.abspath(trace) if trace else trace
     cls = ray.remote(num_cpus=0, max_concurrency=1)(TallyResumabilityProxy)
     with _ray_connection(ray, ray_address):
         if check_ray_limit:
@@ -434,6 +459,7 @@ def tally_for_nemo_curator(
             timeout=timeout,
             max_attempts=max_attempts,
             claims=claims,
+            trace=trace,
         )
         try:
             completed = ray.get(actor.wait.remote())
