@@ -26,6 +26,7 @@ from tests.unit.client.test_nemo_integration import ADDRESS, FakeRay
 fake = nemo.fake
 clients = nemo.clients
 fake_ray = nemo.fake_ray
+state_api = nemo.state_api
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
