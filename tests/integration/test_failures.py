@@ -88,6 +88,55 @@ def test_a_source_failed_up_to_the_budget_stays_failed_across_a_kill_until_retri
         assert failures(coordinator, "fail/run") == {}  # the clearing was durable too
 
 
+def test_a_repeated_attempt_is_answered_as_the_first_and_counted_once_also_after_a_kill(
+    tmp_path: Path, store: str | None
+) -> None:
+    """A retry after a lost answer (same attempt_id) must not use up the budget a second time."""
+    data = tmp_path / "data"
+
+    def report(coordinator: pb_grpc.CoordinatorStub, handle: str, attempt_id: str) -> tuple[int, bool]:
+        request = pb.ReportFailureRequest(
+            handle=handle, source_id="poison", reason="OOM", attempt_id=attempt_id
+        )
+        answer = coordinator.ReportFailure(request)
+        return answer.attempts, answer.failed
+
+    with running_server(data, settle_ms=0, store=store) as server, stub(server) as coordinator:
+        coordinator.SetFailureBudget(pb.SetFailureBudgetRequest(checkpoint="fail/once", max_attempts=2))
+        handle = coordinator.OpenWriter(pb.OpenWriterRequest(checkpoint="fail/once", writer_id="w1")).handle
+        assert report(coordinator, handle, "a1") == (1, False)
+        assert report(coordinator, handle, "a1") == (1, False)  # the retry of a1
+        assert report(coordinator, handle, "a2") == (2, True)
+        assert report(coordinator, handle, "a2") == (2, True)
+        events = coordinator.ListEvents(pb.ListEventsRequest(checkpoint="fail/once")).events
+        assert [e.kind for e in events].count("source_failed") == 1
+        # A bad attempt id is refused, naming it, and counts nothing.
+        with pytest.raises(grpc.RpcError) as bad:
+            report(coordinator, handle, "é" * 3)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "attempt_id" in bad.value.details()
+        assert failures(coordinator, "fail/once") == {"poison": (2, True)}
+        server.kill()
+    with (
+        running_server(data, settle_ms=0, store=store) as again,
+        stub(again) as coordinator,
+        httpx.Client(base_url=again.http_url) as http,
+    ):
+        handle = coordinator.OpenWriter(pb.OpenWriterRequest(checkpoint="fail/once", writer_id="w2")).handle
+        # The kill lost no attempt id: the answer to a2, lost before the kill, is retried here.
+        assert report(coordinator, handle, "a2") == (2, True)
+        body = {"source_id": "poison", "reason": "OOM", "attempt_id": "a1"}
+        repeat = http.post(f"/v1/writers/{handle}/failures", json=body)
+        assert repeat.status_code == 200 and repeat.json()["attempts"] == 2
+        # Without an id, every report counts (older clients).
+        assert report(coordinator, handle, "") == (3, True)
+        assert report(coordinator, handle, "") == (4, True)
+        (poison,) = coordinator.ListFailures(
+            pb.ListFailuresRequest(checkpoint="fail/once", source_ids=["poison"])
+        ).sources
+        assert [a.writer_id for a in poison.recent] == ["w1", "w1", "w2", "w2"]
+
+
 def test_failure_refusals_and_paging(server: RunningServer) -> None:
     with stub(server) as coordinator:
         with pytest.raises(grpc.RpcError) as unknown:

@@ -213,14 +213,15 @@ class ReportFailure(Call[FailureReport]):
     """A failed attempt at a source, counted (durably) before the answer; ``writer_id`` only names
     the writer in errors.
 
-    Retried like other calls: an attempt whose answer was lost on the way back (the coordinator
-    counted it, then became unreachable) is counted once more by the retry.
+    Safe to retry: ``attempt_id`` (random, one per report) names the attempt, so a retry after a
+    lost answer (the coordinator counted it, then became unreachable) is not counted again.
     """
 
     handle: str
     source_id: str
     reason: str
     writer_id: str = ""
+    attempt_id: str = ""
 
     @property
     def what(self) -> str:

@@ -96,6 +96,7 @@ class FakeTransport:
         # Failure budgets: source id -> reasons of its failed attempts (oldest first); the budget
         # (0: unlimited); every ListFailures / RetryFailed call (see ``args``).
         self.failed_attempts: dict[str, list[str]] = {}
+        self.attempt_ids: list[str] = []  # of each ReportFailure received, retries included
         self.max_attempts = 0
         self.failures_page = 1000  # most sources per page when a listing names none
         # Declared totals: declared ids, and the most any count said (the total is the larger).
@@ -160,7 +161,9 @@ class FakeTransport:
             calls.ResetCheckpoint: lambda c: self.reset_checkpoint(c.name, c.force, timeout),
             calls.SaveCursors: lambda c: self.save_cursors(c.handle, c.cursors, timeout),
             calls.GetCursor: lambda c: self.get_cursor(c.checkpoint, c.source_id, timeout),
-            calls.ReportFailure: lambda c: self.report_failure(c.handle, c.source_id, c.reason, timeout),
+            calls.ReportFailure: lambda c: self.report_failure(
+                c.handle, c.source_id, c.reason, timeout, c.attempt_id
+            ),
             calls.ListFailures: lambda c: self.list_failures(c, timeout),
             calls.RetryFailed: lambda c: self.retry_failed(c.checkpoint, c.source_ids, timeout),
             calls.SetFailureBudget: lambda c: self.set_failure_budget(c.checkpoint, c.max_attempts, timeout),
@@ -297,8 +300,11 @@ class FakeTransport:
         recent = tuple(FailedAttempt(r, 1.0, "w") for r in reasons[-10:])
         return SourceFailures(source_id, len(reasons), failed, recent)
 
-    def report_failure(self, handle: str, source_id: str, reason: str, timeout: float) -> FailureReport:
+    def report_failure(
+        self, handle: str, source_id: str, reason: str, timeout: float, attempt_id: str = ""
+    ) -> FailureReport:
         self.args["report_failure"].append((handle, source_id, reason))
+        self.attempt_ids.append(attempt_id)
         self._enter("report_failure")
         with self._cond:
             if source_id in self.completed:

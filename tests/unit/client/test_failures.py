@@ -67,7 +67,11 @@ def test_report_failure_retries_an_unavailable_coordinator(client: Client, fake:
     fake.fail("report_failure", tally.Unavailable("restarting"))
     with client.writer("cp") as w:
         assert w.report_failure("a", "x").attempts == 1
-    assert fake.count("report_failure") == 2
+        w.report_failure("a", "y")
+    assert fake.count("report_failure") == 3
+    # The retry names the same attempt (the coordinator counts it once); the next report a new one.
+    first, retry, second = fake.attempt_ids
+    assert first == retry and len(first) == 32 and second not in ("", first)
 
 
 def test_report_failure_of_a_writer_the_coordinator_forgot_is_lease_lost(
@@ -304,11 +308,11 @@ def test_grpc_status_carries_the_failure_fields() -> None:
 def test_http_routes_follow_the_json_contract() -> None:
     routes = http_convert.ROUTES
     report = routes[calls.ReportFailure]
-    call = calls.ReportFailure("h/1", "a", "boom", "w1")
+    call = calls.ReportFailure("h/1", "a", "boom", "w1", "att-1")
     assert (report.method, report.path(call), report.body(call)) == (
         "POST",
         "/v1/writers/h%2F1/failures",
-        {"source_id": "a", "reason": "boom"},
+        {"source_id": "a", "reason": "boom", "attempt_id": "att-1"},
     )
     assert report.read({"attempts": 2, "failed": True, "max_attempts": 2}) == tally.FailureReport(2, True, 2)
 

@@ -392,7 +392,9 @@ _add(
 _add(
     calls.ReportFailure,
     lambda stub: stub.ReportFailure,
-    lambda c: pb.ReportFailureRequest(handle=c.handle, source_id=c.source_id, reason=c.reason),
+    lambda c: pb.ReportFailureRequest(
+        handle=c.handle, source_id=c.source_id, reason=c.reason, attempt_id=c.attempt_id
+    ),
     lambda r: FailureReport(attempts=r.attempts, failed=r.failed, max_attempts=r.max_attempts),
 )
 _add(

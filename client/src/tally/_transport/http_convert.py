@@ -534,7 +534,7 @@ _add(
     "POST",
     lambda c: writer_path(c.handle, "failures"),
     failure_report_from_json,
-    lambda c: {"source_id": c.source_id, "reason": c.reason},
+    lambda c: {"source_id": c.source_id, "reason": c.reason, "attempt_id": c.attempt_id},
 )
 _add(
     calls.Acquire,

@@ -9,6 +9,7 @@ thread, and off the event loop it waits for room like the threaded one.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -145,7 +146,7 @@ class WriterBase:
         calls.failure_reason(reason)
         with self._lock:
             handle = self._core.require_handle("report_failure")
-        return calls.ReportFailure(handle, source_id, reason, self.writer_id)
+        return calls.ReportFailure(handle, source_id, reason, self.writer_id, secrets.token_hex(16))
 
     def _setup_calls(self) -> list[calls.Call[Any]]:
         """Calls made before opening: the budget (``client.writer(..., max_attempts=n)``) and the

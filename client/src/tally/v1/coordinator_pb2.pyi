@@ -482,14 +482,16 @@ class GetCursorResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., data: _Optional[bytes] = ..., saved_at: _Optional[float] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("handle", "source_id", "reason")
+    __slots__ = ("handle", "source_id", "reason", "attempt_id")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     handle: str
     source_id: str
     reason: str
-    def __init__(self, handle: _Optional[str] = ..., source_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, handle: _Optional[str] = ..., source_id: _Optional[str] = ..., reason: _Optional[str] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("attempts", "failed", "max_attempts")

@@ -245,6 +245,8 @@ class FailedAttemptRecord:
     reason: str
     at: float
     writer_id: str
+    # The client's name for this attempt ("" when it gave none): a repeat is not counted again.
+    attempt_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -325,8 +327,14 @@ class Registry(Protocol):
     def delete_cursors(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
         """Drop these sources' cursors (every cursor of the checkpoint with None)."""
 
-    def record_failure(self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int) -> int:
-        """Count a failed attempt (keeping the latest ``keep`` reasons): the attempts so far."""
+    def record_failure(
+        self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int
+    ) -> tuple[int, bool]:
+        """Count a failed attempt, keeping the latest ``keep`` reasons.
+
+        Answers the attempts so far, and whether this one was a repeat (its ``attempt_id`` among
+        the kept ones), which is not counted again.
+        """
 
     def list_failures(
         self, checkpoint: str | None = None, source_ids: Sequence[str] | None = None

@@ -315,6 +315,17 @@ def session_token(value: str) -> str:
     return value
 
 
+def attempt_id(value: str) -> str:
+    """Return ``value`` if it can name a failed attempt (empty: unnamed), else raise."""
+    if len(value) > MAX_SESSION_TOKEN or not value.isascii() or not value.isprintable():
+        raise InvalidArgument(
+            f"attempt_id {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
+            "ASCII characters (e.g. a random hex string, new for each attempt), or none",
+            field="attempt_id",
+        )
+    return value
+
+
 def before_id(value: int) -> int:
     """Return ``value`` if it can be an event id to page before (0: from the newest), else raise."""
     if not 0 <= value <= MAX_EVENT_ID:

@@ -191,7 +191,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ReportFailureRequest, context: Context
     ) -> pb.ReportFailureResponse:
         """Count a failed attempt at a source (durable on return)."""
-        done = await self._service.report_failure(request.handle, request.source_id, request.reason)
+        done = await self._service.report_failure(
+            request.handle, request.source_id, request.reason, request.attempt_id
+        )
         return pb.ReportFailureResponse(
             attempts=done.attempts, failed=done.failed, max_attempts=done.max_attempts
         )

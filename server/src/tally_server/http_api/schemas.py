@@ -176,6 +176,14 @@ class ReportFailureBody(RequestBody):
     reason: str = Field(
         default="", description="What went wrong, for people (the first 1,000 characters are kept)."
     )
+    attempt_id: str = Field(
+        default="",
+        description=(
+            "Names this attempt (at most 128 printable ASCII characters; the SDK sends a random one per "
+            "report): a request repeated with the same id, a retry after a lost answer, is answered as "
+            "the first was and not counted again. Empty: counted every time."
+        ),
+    )
 
 
 class RetryFailedBody(RequestBody):

@@ -373,10 +373,15 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ failure budgets
 
-    async def report_failure(self, handle: str, source_id: str, reason: str) -> ReportedFailure:
-        """Count a failed attempt at a source (durable on return); failed at the checkpoint's budget."""
+    async def report_failure(
+        self, handle: str, source_id: str, reason: str, attempt_id: str = ""
+    ) -> ReportedFailure:
+        """Count a failed attempt at a source (durable on return); failed at the checkpoint's budget.
+
+        A repeat with the same non-empty ``attempt_id`` is answered without counting again.
+        """
         cp, writer_id = self._writers.checkpoint_for(handle)
-        return await self._failures.report(cp, writer_id, source_id, reason)
+        return await self._failures.report(cp, writer_id, source_id, reason, attempt_id)
 
     async def list_failures(
         self,

@@ -45,8 +45,14 @@ class Failures:
             cp.failures = dict(failures.get(name, {}))
             cp.max_attempts = budgets.get(name, 0)
 
-    async def report(self, cp: Checkpoint, writer_id: str, source_id: str, reason: str) -> ReportedFailure:
-        """Count a failed attempt at ``source_id`` (durable on return); says whether it is failed now."""
+    async def report(
+        self, cp: Checkpoint, writer_id: str, source_id: str, reason: str, attempt_id: str = ""
+    ) -> ReportedFailure:
+        """Count a failed attempt at ``source_id`` (durable on return); says whether it is failed now.
+
+        A repeat of an attempt (same non-empty ``attempt_id``, e.g. a retry after a lost answer) is
+        answered as the first was and not counted again.
+        """
         core = self._core
         validation.source_id(source_id, core.limits)
         if source_id in cp.ids():
@@ -54,13 +60,14 @@ class Failures:
                 f"source {validation.describe(source_id)} of checkpoint {cp.name!r} is completed; a failed "
                 "attempt at it is not counted (a completed source has no failures)"
             )
-        attempt = FailedAttemptRecord(reason[:MAX_REASON_CHARS], core.wall(), writer_id)
-        attempts = await core.registry_write(
+        validation.attempt_id(attempt_id)
+        attempt = FailedAttemptRecord(reason[:MAX_REASON_CHARS], core.wall(), writer_id, attempt_id)
+        attempts, repeated = await core.registry_write(
             core.registry.record_failure, cp.name, source_id, attempt, KEEP_REASONS
         )
         cp.failures[source_id] = attempts
         failed = bool(cp.max_attempts) and attempts >= cp.max_attempts
-        if failed and attempts == cp.max_attempts:
+        if failed and attempts == cp.max_attempts and not repeated:
             core.event(
                 cp.name,
                 EventKind.SOURCE_FAILED,

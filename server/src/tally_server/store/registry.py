@@ -303,14 +303,30 @@ class SqlRegistry:
     # ---------------------------------------------------------------- failures
 
     @_transient_as_unavailable
-    def record_failure(self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int) -> int:
-        """Count a failed attempt (keeping the latest ``keep`` reasons): the attempts so far."""
+    def record_failure(
+        self, checkpoint: str, source_id: str, attempt: FailedAttemptRecord, keep: int
+    ) -> tuple[int, bool]:
+        """Count a failed attempt, keeping the latest ``keep`` reasons.
+
+        Answers the attempts so far, and whether it was a repeat of a kept one (same
+        ``attempt_id``), which is not counted again.
+        """
         c = failures_table.c
         entry = dataclasses.asdict(attempt)
+        if not attempt.attempt_id:
+            del entry["attempt_id"]
         with self._engine.begin() as conn:
             row = conn.execute(
-                sa.select(c.attempts, c.recent).where(c.checkpoint == checkpoint, c.source_id == source_id)
+                sa.select(c.attempts, c.recent)
+                .where(c.checkpoint == checkpoint, c.source_id == source_id)
+                .with_for_update()
             ).first()
+            if (
+                row is not None
+                and attempt.attempt_id
+                and any(kept.get("attempt_id") == attempt.attempt_id for kept in row.recent)
+            ):
+                return int(row.attempts), True
             attempts = (int(row.attempts) if row is not None else 0) + 1
             recent = ([*list(row.recent), entry] if row is not None else [entry])[-keep:]
             self._upsert(
@@ -324,7 +340,7 @@ class SqlRegistry:
                     "last_at": attempt.at,
                 },
             )
-        return attempts
+        return attempts, False
 
     @_transient_as_unavailable
     def list_failures(
@@ -345,7 +361,9 @@ class SqlRegistry:
                 row.source_id,
                 int(row.attempts),
                 [
-                    FailedAttemptRecord(str(a["reason"]), float(a["at"]), str(a["writer_id"]))
+                    FailedAttemptRecord(
+                        str(a["reason"]), float(a["at"]), str(a["writer_id"]), str(a.get("attempt_id", ""))
+                    )
                     for a in row.recent
                 ],
             )

@@ -32,7 +32,7 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     async def report_failure(handle: s.HandleParam, request: Request) -> ReportedFailure:
         """Count a failed attempt at a source (durable on return); failed at the checkpoint's budget."""
         body = await bodies.parse(request, lambda raw: bodies.model(s.ReportFailureBody, raw))
-        return await service.report_failure(handle, body.source_id, body.reason)
+        return await service.report_failure(handle, body.source_id, body.reason, body.attempt_id)
 
     @app.get(
         "/v1/failures",
