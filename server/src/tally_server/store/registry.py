@@ -414,17 +414,20 @@ class SqlRegistry:
                     c.checkpoint == checkpoint, c.source_id.in_(chunk)
                 )
                 old = {row.source_id: int(row.token) for row in conn.execute(query)}
+                rows = []
                 for sid in chunk:
                     tokens[sid] = old.get(sid, 0) + 1
-                    row = {
-                        "checkpoint": checkpoint,
-                        "source_id": sid,
-                        "token": tokens[sid],
-                        "holder": holder,
-                        "writer_id": writer_id,
-                        "acquired_at": at,
-                    }
-                    self._upsert(conn, claims_table, row)
+                    rows.append(
+                        {
+                            "checkpoint": checkpoint,
+                            "source_id": sid,
+                            "token": tokens[sid],
+                            "holder": holder,
+                            "writer_id": writer_id,
+                            "acquired_at": at,
+                        }
+                    )
+                self._upsert_many(conn, claims_table, rows)
         return tokens
 
     @_transient_as_unavailable
@@ -498,6 +501,16 @@ class SqlRegistry:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _upsert_many(self, conn: Connection, table: sa.Table, rows: list[dict[str, Any]]) -> None:
+        """Insert or update ``rows`` (all with the same columns) in one executemany."""
+        if not rows:
+            return
+        keys = [column.name for column in table.primary_key.columns]
+        dialect = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        insert = dialect.insert(table)
+        updates = {name: insert.excluded[name] for name in rows[0] if name not in keys}
+        conn.execute(insert.on_conflict_do_update(index_elements=keys, set_=updates), rows)
 
     def _upsert(self, conn: Connection, table: sa.Table, values: dict[str, Any]) -> None:
         keys = [column.name for column in table.primary_key.columns]
