@@ -357,10 +357,7 @@ class CoordinatorService:
         A batch resent with the ``batch_seq`` of the last one applied is recognised and answered
         again. The answer says whether the writer is settled (a flush would return at once).
         """
-        counts = await self._writers.apply(handle, batch, batch_seq)
-        # No await since the answer: the session's refused count is this batch's.
-        session = self._core.sessions.get(handle)
-        refused = session.last_refused if session is not None else 0
+        counts, refused = await self._writers.apply(handle, batch, batch_seq)
         return AppliedBatch(counts, self._writers.settled(handle), refused)
 
     async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:

@@ -87,8 +87,8 @@ class Writers:
         self.renew(self.session(handle))
         return self._core.lease_ttl_s
 
-    async def apply(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> ApplyCounts:
-        """Apply a batch under the rules.
+    async def apply(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> tuple[ApplyCounts, int]:
+        """Apply a batch under the rules: its counts, and how many of its deltas were refused.
 
         Answered once it is in the journal (and, at settle 0, once what it completed is in the
         completion files).
@@ -98,7 +98,7 @@ class Writers:
         below that is refused (FAILED_PRECONDITION): it was resent out of turn or overtaken.
 
         Deltas for a source another live writer holds a claim on are left out (neither applied nor
-        journaled); how many is in ``session.last_refused`` when this returns.
+        journaled) and counted as refused.
         """
         core = self._core
         core.check_accepting()
@@ -121,7 +121,7 @@ class Writers:
             if batch_seq and batch_seq == session.applied_seq:
                 core.stats.batches_resent += 1
                 await self.durability.commit(session)  # applied already; make sure it is durable
-                return replace(session.last_counts)
+                return replace(session.last_counts), session.last_refused
             cp = self._checkpoints[session.checkpoint]
             if cp.claims:
                 kept = self._claims.refuse_held(cp, session, batch)
@@ -167,7 +167,7 @@ class Writers:
                 core.stats.completions[cp.name] += len(effects.complete)
                 effects.counts.completed = len(effects.complete)
             await session.notify()
-            return replace(effects.counts)
+            return replace(effects.counts), session.last_refused
 
     def _record_anomalies(self, cp: Checkpoint, session: Session, effects: BatchEffects) -> None:
         """Count and report the batch's anomalies (their sources already left the live set)."""
