@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv-nemo/ at the repo root: NeMo Curator 1.4.0 on a CPU torch, plus the Tally SDK, for
-# tests/nemo/. Idempotent: a stamp file records a finished install (about 95 s and 1.9 GB the first
-# time); the SDK is re-installed when client/pyproject.toml is newer than the stamp.
+# Create .venv-nemo/ at the repo root: NeMo Curator 1.4.0 on a CPU torch, plus the Tally client with
+# its tally command (./client[cli]), for tests/nemo/: what docs/nemo-curator.md's section 2 installs,
+# in its order (tests/nemo/test_guide_walk.py checks). Idempotent: a stamp file records a finished
+# install (about 95 s and 1.9 GB the first time); it is redone when client/pyproject.toml or this
+# script is newer than the stamp.
 #   tests/nemo/setup_env.sh            ./dev test runs it when CI or TALLY_NEMO_TESTS=1 is set
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,7 +13,7 @@ VENV=.venv-nemo
 STAMP="$VENV/.installed-nemo-curator-1.4.0"
 PIP=("$VENV/bin/python" -m pip install --quiet)
 
-if [ -f "$STAMP" ] && [ -z "$(find client/pyproject.toml -newer "$STAMP")" ]; then
+if [ -f "$STAMP" ] && [ -z "$(find client/pyproject.toml tests/nemo/setup_env.sh -newer "$STAMP")" ]; then
     exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -26,7 +28,7 @@ if ! "$VENV/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.
     exit 1
 fi
 "${PIP[@]}" "nemo-curator==1.4.0"
-"${PIP[@]}" -e ./client
+"${PIP[@]}" -e './client[cli]'
 # The stamp holds the install time, which the test quotes in its duration breakdown.
 echo "$((SECONDS - start))" >"$STAMP"
 echo "$VENV ready in $((SECONDS - start)) s" >&2

@@ -16,15 +16,9 @@ f. a rerun after (e) processes nothing.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
-import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,179 +28,32 @@ import pytest
 import tally
 from tally.cli.folders import marker_files
 from tally_server.testing import RunningServer, running_server
-from tests.conftest import free_ports
 from tests.integration.test_nemo_markers import slurm_array_markers
+from tests.nemo.nemo_cluster import (
+    NEMO_PYTHON,
+    RUN_TIMEOUT_S,
+    STAMP,
+    TIMINGS,
+    Driver,
+    ray_head,
+    records,
+    require_env,
+)
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-VENV = REPO / ".venv-nemo"
-STAMP = VENV / ".installed-nemo-curator-1.4.0"
-NEMO_PYTHON = VENV / "bin" / "python"
 TALLY_CLI = Path(sys.executable).parent / "tally"
 
 FILES = [f"in-{i:02d}.jsonl" for i in range(6)]
 RECORDS_PER_FILE = 4
 PASS_LIMIT = 3  # partitions run (b) lets through before it is killed
-RUN_TIMEOUT_S = 300.0
 
 pytestmark = [pytest.mark.nemo, pytest.mark.timeout(1500)]
-
-TIMINGS: dict[str, float] = {}
-
-
-def _require_env() -> None:
-    if NEMO_PYTHON.exists() and STAMP.exists():
-        return
-    reason = f"{VENV.name}/ is not set up: run tests/nemo/setup_env.sh (or TALLY_NEMO_TESTS=1 ./dev test)"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the NeMo Curator test, but {reason}")
-    pytest.skip(reason)
-
-
-def _pids_with_env(marker: str) -> list[int]:
-    """Processes whose environment holds ``marker``: everything our Ray head started."""
-    pids = []
-    needle = marker.encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:  # gone, or not ours to read
-                continue
-    return pids
-
-
-def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-# What a driver prints when the head wants a token it does not have: no retry will help.
-_REFUSED = re.compile(r"InvalidAuthToken|AuthenticationError|UNAUTHENTICATED")
-
-
-def _private_env(temp_dir: str, *, limit_variable: bool = True) -> dict[str, str]:
-    """The environment of every process of the test's cluster, free of the user's Ray settings.
-
-    Ray reads them from the environment (``RAY_ADDRESS``, ``RAY_AUTH_*``, any ``RAY_<config>``) and
-    from the home directory: Ray 2.60 turns token authentication on for a head when
-    ``~/.ray/auth_token`` exists, and then refuses a driver that has no token. So no ``RAY_*``
-    variable is inherited, HOME and the temp dir are the cluster's own, and authentication is off
-    (a throwaway cluster on loopback ports). ``RAY_MAX_LIMIT_FROM_API_SERVER=40000`` is what
-    docs/nemo-curator.md tells users to give the head; without it (``limit_variable=False``) the
-    drop-in refuses the cluster.
-    """
-    home = Path(temp_dir) / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "VIRTUAL_ENV"}
-    env.update(
-        HOME=str(home),
-        TMPDIR=temp_dir,
-        RAY_TMPDIR=temp_dir,
-        RAY_AUTH_MODE="disabled",
-        RAY_USAGE_STATS_ENABLED="0",
-        # This checkout's SDK first: .venv-nemo's editable install may point at another checkout.
-        PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parents[1] / "client" / "src")]),
-        PYTHONUNBUFFERED="1",
-    )
-    if limit_variable:
-        env.update(RAY_MAX_LIMIT_FROM_API_SERVER="40000", RAY_MAX_LIMIT_FROM_DATA_SOURCE="40000")
-    return env
 
 
 @pytest.fixture
 def ray_env() -> Iterator[dict[str, str]]:
     """A private Ray head (8 CPUs, dashboard on) on free loopback ports; the env to reach it."""
-    with _ray_head() as env:
+    with ray_head() as env:
         yield env
-
-
-@contextlib.contextmanager
-def _ray_head(*, limit_variable: bool = True) -> Iterator[dict[str, str]]:
-    _require_env()
-    # Ray's unix sockets live under the temp dir and must stay under ~107 bytes: keep it short.
-    temp_dir = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
-    gcs, dashboard, client, node, objects, agent, agent_grpc, metrics, runtime_env = free_ports(9)
-    # Every process of this cluster inherits the marker; teardown finds the stragglers by it.
-    marker = f"TALLY_NEMO_TEST_RAY={temp_dir}"
-    env = {
-        **_private_env(temp_dir, limit_variable=limit_variable),
-        "TALLY_NEMO_TEST_RAY": temp_dir,
-        "RAY_ADDRESS": f"127.0.0.1:{gcs}",
-    }
-    log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - closed in finally
-    start = time.monotonic()
-    # --block keeps `ray start` in the foreground, in a session of its own: teardown ends exactly
-    # this cluster (`ray stop` would stop every Ray cluster of this user on the machine).
-    head = subprocess.Popen(
-        [
-            str(VENV / "bin" / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus=8",
-            "--include-dashboard=true",
-            "--node-ip-address=127.0.0.1",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-            f"--port={gcs}",
-            f"--dashboard-port={dashboard}",
-            f"--ray-client-server-port={client}",
-            f"--node-manager-port={node}",
-            f"--object-manager-port={objects}",
-            f"--dashboard-agent-listen-port={agent}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--metrics-export-port={metrics}",
-            f"--runtime-env-agent-port={runtime_env}",
-        ],
-        env={k: v for k, v in env.items() if k != "RAY_ADDRESS"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            probe = subprocess.run(
-                [str(NEMO_PYTHON), "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if probe.returncode == 0:
-                break
-            refused = _REFUSED.search(probe.stderr)
-            assert refused is None, (
-                f"the test's private Ray head refuses its own driver ({refused and refused.group()}): "
-                "some Ray setting of this machine still reaches the cluster (see _private_env)\n"
-                + probe.stderr[-3000:]
-            )
-            assert head.poll() is None, "ray start exited:\n" + (Path(temp_dir) / "ray-start.log").read_text()
-            assert time.monotonic() < deadline, f"Ray head not reachable:\n{probe.stderr[-3000:]}"
-            time.sleep(1)
-        TIMINGS["ray start"] = time.monotonic() - start
-        yield env
-    finally:
-        stop = time.monotonic()
-        _kill_group(head, signal.SIGTERM)
-        try:
-            head.wait(timeout=3)  # a throwaway cluster: a short grace, then SIGKILL
-        except subprocess.TimeoutExpired:
-            _kill_group(head, signal.SIGKILL)
-            head.wait(timeout=30)
-        # Workers of a killed driver outlive the head in sessions of their own (held FanOut tasks).
-        for pid in _pids_with_env(marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.close()
-        TIMINGS["ray stop"] = time.monotonic() - stop
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -222,39 +69,6 @@ def _write_inputs(folder: Path) -> None:
         (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-class Driver:
-    """One ``nemo_driver.py`` process."""
-
-    def __init__(self, env: dict[str, str], log: Path, args: list[str]) -> None:
-        self.log = log
-        self._log_file = open(log, "wb")  # noqa: SIM115 - closed by wait()/kill()
-        self.process = subprocess.Popen(
-            [str(NEMO_PYTHON), str(HERE / "nemo_driver.py"), *args],
-            env=env,
-            cwd=HERE,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def wait(self) -> None:
-        try:
-            code = self.process.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the pipeline did not finish in {RUN_TIMEOUT_S} s:\n{self.tail()}")
-        self._log_file.close()
-        assert code == 0, f"the pipeline failed ({code}):\n{self.tail()}"
-
-    def kill(self) -> None:
-        _kill_group(self.process, signal.SIGKILL)
-        self.process.wait(timeout=60)
-        self._log_file.close()
-
-
 def _run(env: dict[str, str], tmp: Path, label: str, *args: str) -> None:
     start = time.monotonic()
     Driver(env, tmp / f"{label}.log", list(args)).wait()
@@ -266,13 +80,6 @@ def _seen(folder: Path) -> dict[str, str]:
     if not folder.exists():
         return {}
     return {p.name: json.loads(p.read_text())["source_id"] for p in folder.iterdir()}
-
-
-def _records(folder: Path) -> collections.Counter[str]:
-    rows: collections.Counter[str] = collections.Counter()
-    for path in folder.glob("*.jsonl") if folder.exists() else []:
-        rows.update(json.dumps(json.loads(line), sort_keys=True) for line in path.read_text().splitlines())
-    return rows
 
 
 def test_kill_rerun_and_export_with_the_real_nemo_curator(
@@ -302,7 +109,7 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     # The drop-in declared the source stage's partitions: a total, nothing remaining.
     declared = client.checkpoint("nemo/reference")
     assert (declared.total, declared.remaining, declared.percent) == (len(FILES), 0, 100.0)
-    reference = _records(tmp_path / "out-ref")
+    reference = records(tmp_path / "out-ref")
     # 2 of 3 parts survive the filter, none of in-03's.
     assert sum(reference.values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
     # Under Tally, NeMo Curator writes its SLURM-array markers and nothing else to checkpoint_path
@@ -359,7 +166,7 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
     )  # fmt: skip
     assert set(_seen(tmp_path / "seen-c")) == set(FILES) - passed
     assert client.are_completed("nemo/run", ids) == [True] * len(FILES)
-    assert _records(output) == reference
+    assert records(output) == reference
 
     # (d) Export, then plain NeMo Curator (no Tally) resumes from the folder and does nothing.
     exported = tmp_path / "exported"
@@ -377,7 +184,7 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
         "--seen-dir", str(tmp_path / "seen-d"),
     )  # fmt: skip
     assert _seen(tmp_path / "seen-d") == {}
-    assert _records(tmp_path / "out-d") == collections.Counter()
+    assert records(tmp_path / "out-d") == collections.Counter()
     client.close()
 
     # (e) The coordinator dies mid-run (kill -9) and comes back on the same ports: the pipeline
@@ -422,7 +229,7 @@ def test_kill_rerun_and_export_with_the_real_nemo_curator(
                 assert after.are_completed("nemo/restart", ids) == [True] * len(FILES)
                 kinds = {e.kind for e in after.events("nemo/restart", limit=200).events}
                 assert "writer_restored" in kinds and "writer_lost" not in kinds
-            assert _records(output_e) == reference
+            assert records(output_e) == reference
 
             # (f) Nothing is left to do.
             _run(
@@ -446,7 +253,7 @@ def test_a_ray_head_started_without_the_limit_variable_is_refused_in_one_line(tm
         "with tally_for_nemo_curator('nemo/limit', address='grpc://127.0.0.1:9'):\n"
         "    print('the block ran')\n"
     )
-    with _ray_head(limit_variable=False) as env:
+    with ray_head(limit_variable=False) as env:
         start = time.monotonic()
         result = subprocess.run(
             [str(NEMO_PYTHON), "-c", code], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
@@ -465,7 +272,7 @@ def test_a_ray_head_started_without_the_limit_variable_is_refused_in_one_line(tm
 def test_the_markers_tally_carries_are_the_ones_nemo_curator_writes(tmp_path: Path) -> None:
     """NeMo Curator's own code writes a SLURM array's markers (shards 0 and 2 of 3 completed) and
     reads back which shards to resubmit, from its folder and from a ``tally export --markers-from``."""
-    _require_env()
+    require_env()
     folder = tmp_path / "checkpoint"
     code = (
         "import sys\n"
@@ -559,7 +366,7 @@ def test_nemo_curator_through_replicas_of_a_postgresql_store(
         assert sorted(source_ids) == FILES
         ids = [source_ids[name] for name in FILES]
         # 2 of 3 parts survive the filter, none of in-03's: what one uninterrupted run writes.
-        assert sum(_records(output).values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
+        assert sum(records(output).values()) == (len(FILES) - 1) * 2 * RECORDS_PER_FILE
         with tally.Client(f"grpc://{replica.grpc_address}") as client:
             assert client.are_completed("nemo/pg", ids) == [True] * len(FILES)
         exported = tmp_path / "exported"
@@ -576,16 +383,4 @@ def test_nemo_curator_through_replicas_of_a_postgresql_store(
         "--seen-dir", str(tmp_path / "seen-d"),
     )  # fmt: skip
     assert _seen(tmp_path / "seen-d") == {}
-    assert _records(tmp_path / "out-d") == collections.Counter()
-
-
-@pytest.fixture(autouse=True)
-def _print_timings(capsys: pytest.CaptureFixture[str]) -> Iterator[None]:
-    TIMINGS.clear()
-    start = time.monotonic()
-    yield
-    TIMINGS["whole test"] = time.monotonic() - start
-    with capsys.disabled():
-        print("\nNeMo Curator real-client test, seconds:")
-        for what, seconds in TIMINGS.items():
-            print(f"  {what:<45} {seconds:7.1f}")
+    assert records(tmp_path / "out-d") == collections.Counter()

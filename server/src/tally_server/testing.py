@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,11 +83,14 @@ def running_server(
     tls_cert: Path | str | None = None,
     tls_key: Path | str | None = None,
     tls_client_ca: Path | str | None = None,
+    command: Sequence[str] | None = None,
 ) -> Iterator[RunningServer]:
     """Start ``tally serve`` on free loopback ports; yield its addresses; SIGTERM it on exit.
 
     ``tls_cert``/``tls_key`` (and ``tls_client_ca`` for mutual TLS) are PEM files to serve TLS with;
     ``store`` a PostgreSQL URL to keep completions and journals in (default: LMDB in the data dir).
+    ``command``: what starts the server instead of this environment's ``tally serve`` (e.g. a
+    checkout's ``["./dev", "serve"]``); the flags are appended to it all the same.
     """
     tls_files = {"--tls-cert": tls_cert, "--tls-key": tls_key, "--tls-client-ca": tls_client_ca}
     with contextlib.ExitStack() as stack:
@@ -96,8 +99,8 @@ def running_server(
         data = Path(data_dir)
         data.mkdir(parents=True, exist_ok=True)
         log_path = data / "tally-serve.log"
-        command = [
-            *_command(),
+        argv = [
+            *(command if command is not None else _command()),
             "--data-dir",
             str(data),
             "--grpc-listen",
@@ -116,7 +119,7 @@ def running_server(
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log_file = stack.enter_context(open(log_path, "a"))  # noqa: SIM115
         process = subprocess.Popen(
-            command,
+            argv,
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
