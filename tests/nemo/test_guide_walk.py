@@ -24,6 +24,9 @@ The walk changes the guide's text in these ways only:
 7. Section 4's Python block is the pipeline script, written to a file and run with
    ``.venv-nemo/bin/python`` and the ``RAY_ADDRESS`` of the ``export`` line. Section 5 says to run
    the same script again: the walk does. Section 6's Python line replaces the script's ``with`` block.
+8. "Recording a trace": its ``with`` block replaces the script's, with ``curation/run-42`` made
+   ``curation/traced`` (a checkpoint of its own, so the traced run has work to do); the replay's
+   completions must be the ones the coordinator holds.
 
 ``tally watch`` never ends by itself (not on a finished checkpoint either): the walk reads its first
 line, checks it is still running, and stops it with Ctrl-C (SIGINT), which it must take as a normal end.
@@ -65,6 +68,7 @@ from tests.nemo.nemo_cluster import (
 GUIDE = REPO / "docs" / "nemo-curator.md"
 SETUP_ENV = REPO / "tests" / "nemo" / "setup_env.sh"
 CHECKPOINT = "curation/run-42"
+TRACED = "curation/traced"  # the trace section's run, on a checkpoint of its own (substitution 8)
 FILES = [f"part-{i}.jsonl" for i in range(4)]
 RECORDS_PER_FILE = 3
 
@@ -105,6 +109,8 @@ WALK = [
     ("6. Moving between Tally", "sh", "run: tally export --markers-from"),
     ("6. Moving between Tally", "python", "run: the script, this line instead of its with block"),
     ("6. Moving between Tally", "sh", "run: tally import"),
+    ("Recording a trace", "python", "run: the script, this with block instead of its own, on TRACED"),
+    ("Recording a trace", "sh", "run: tally replay, text and JSON"),
     ("How it is tested", "sh", "not walked: the command that runs this test"),
 ]
 
@@ -348,7 +354,7 @@ def _walk(
     # No SLURM array here: /data/checkpoint holds no markers, which the command says, and goes on.
     assert f"--markers-from {checkpoint_path}: no NeMo Curator markers" in exported.stderr, exported.stderr
     plain_line = sub(blocks[7].code).strip()
-    with_block = re.compile(r"^with tally_for_nemo_curator\(.*\):\n    pipeline\.run\(.*\)\n", re.M)
+    with_block = re.compile(r"^with tally_for_nemo_curator\((?:.|\n)*?\):\n    pipeline\.run\(.*\)\n", re.M)
     plain_text, replaced = with_block.subn(plain_line + "\n", script_text)
     assert replaced == 1, "the script's with block is not the two lines section 6 replaces"
     plain = script.with_name("plain.py")
@@ -371,4 +377,29 @@ def _walk(
         imported.stdout,
     ), imported.stdout
     assert set(client.completed(name.group(1))) == completed
+
+    # Recording a trace: the section's with block in the script, then tally replay of the file.
+    trace = data / "run-42-trace.jsonl"
+    traced_block = sub(blocks[9].code).replace(f'"{CHECKPOINT}"', f'"{TRACED}"')
+    assert f'trace="{trace}"' in traced_block, traced_block
+    traced_text, replaced = with_block.subn(traced_block, script_text)
+    assert replaced == 1, "the script's with block is not one the trace section's replaces"
+    traced = script.with_name("traced.py")
+    traced.write_text(traced_text)
+    assert run("run 4 (recording a trace)", traced) == 2 * len(FILES)
+    traced_completed = set(client.completed(TRACED))
+    assert len(traced_completed) == len(FILES)
+    text_line, json_line = (sub(c) for c in blocks[10].commands())
+    replayed = _bash(text_line, env, tmp_path)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "DIFFERS" not in replayed.stdout and " 0 rows differ" in replayed.stdout, replayed.stdout
+    as_json = _bash(json_line, env, tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    document = json.loads(as_json.stdout)
+    assert document["mismatches"] == [] or document["mismatches"] == 0, document["mismatches"]
+    (traced_run,) = document["runs"]
+    assert traced_run["checkpoint"] == TRACED
+    # What the rules complete from the recorded deltas is what the coordinator completed.
+    assert set(traced_run["summary"]["completed"]) == traced_completed
+    assert traced_run["summary"]["pending"] == {}
     client.close()
