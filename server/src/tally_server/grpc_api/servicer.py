@@ -131,17 +131,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Context
     ) -> pb.ListCheckpointsResponse:
-        """Every known checkpoint's status."""
-        # A scoped token sees only the checkpoints it may read.
-        views = [v for v in await self._service.list_checkpoints() if auth.current().may_read(v.name)]
-        return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint_status(v) for v in views])
+        """A page of checkpoints' statuses, by name."""
+        # A scoped token sees only the checkpoints it may read (pages are made of those).
+        page = await self._service.list_checkpoints(
+            after=request.after, limit=request.limit, visible=auth.current().may_read
+        )
+        return pb.ListCheckpointsResponse(
+            checkpoints=[convert.checkpoint_status(v) for v in page.checkpoints], next_after=page.next_after
+        )
 
     async def ListWriters(self, request: pb.ListWritersRequest, context: Context) -> pb.ListWritersResponse:
-        """Writers of a checkpoint: live ones first, then past ones if asked."""
-        writers = await self._service.list_writers(
-            request.checkpoint, include_closed=request.include_closed, limit=request.limit or 100
+        """A page of a checkpoint's writers: live ones first, then past ones if asked."""
+        page = await self._service.list_writers(
+            request.checkpoint,
+            include_closed=request.include_closed,
+            after=request.after,
+            limit=request.limit,
         )
-        return pb.ListWritersResponse(writers=[convert.writer_status(w) for w in writers])
+        return pb.ListWritersResponse(
+            writers=[convert.writer_status(w) for w in page.writers], next_after=page.next_after
+        )
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
         """A checkpoint's events, newest first, paged."""

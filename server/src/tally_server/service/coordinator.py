@@ -39,6 +39,7 @@ from tally_server.service.status import CheckpointGauges, Status
 from tally_server.service.totals import Totals
 from tally_server.service.views import (
     AppliedBatch,
+    CheckpointPage,
     CheckpointView,
     ClaimView,
     ClosedWriter,
@@ -54,7 +55,7 @@ from tally_server.service.views import (
     ResetResult,
     SavedCursors,
     TokenCheck,
-    WriterView,
+    WriterPage,
 )
 from tally_server.service.writers import Writers
 
@@ -445,15 +446,19 @@ class CoordinatorService:
         """One checkpoint's status, from memory."""
         return await self._status.get_checkpoint(name)
 
-    async def list_checkpoints(self) -> list[CheckpointView]:
-        """Every known checkpoint's status, from memory."""
-        return await self._status.list_checkpoints()
+    async def list_checkpoints(
+        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+    ) -> CheckpointPage:
+        """A page of the checkpoints ``visible`` lets through (a scoped token's), by name, from memory."""
+        return await self._status.list_checkpoints(after=after, limit=limit, visible=visible)
 
     async def list_writers(
-        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
-    ) -> list[WriterView]:
-        """Live writers, then (``include_closed``) past ones, newest first."""
-        return await self._status.list_writers(checkpoint, include_closed=include_closed, limit=limit)
+        self, checkpoint: str, *, include_closed: bool = False, after: str = "", limit: int = 0
+    ) -> WriterPage:
+        """A page of writers: live ones by writer id, then (``include_closed``) past ones, newest first."""
+        return await self._status.list_writers(
+            checkpoint, include_closed=include_closed, after=after, limit=limit
+        )
 
     async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
         """Events newest first, paged with ``before_id``."""
