@@ -41,6 +41,7 @@ from tally._types import (
     WriterSpec,
     WriterStatus,
 )
+from tally._words import count
 from tally.errors import Internal, InvalidArgument, TallyError, Unavailable
 
 T = TypeVar("T")
@@ -127,7 +128,7 @@ class ApplyDeltas(Call[BatchAnswer]):
 
     @property
     def what(self) -> str:
-        return f"batch {self.batch_seq} ({len(self.deltas)} deltas)"
+        return f"batch {self.batch_seq} ({count(len(self.deltas), 'delta')})"
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class AreCompleted(Call[list[bool]]):
 
     @property
     def what(self) -> str:
-        return f"are_completed({self.checkpoint!r}, {len(self.source_ids)} ids)"
+        return f"are_completed({self.checkpoint!r}, {count(len(self.source_ids), 'id')})"
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class SaveCursors(Call[CursorsSaved]):
 
     @property
     def what(self) -> str:
-        return f"save {len(self.cursors)} cursors of writer {self.writer_id!r}"
+        return f"save {count(len(self.cursors), 'cursor')} of writer {self.writer_id!r}"
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ class Acquire(Call[list[Claim]]):
 
     @property
     def what(self) -> str:
-        return f"acquire {len(self.source_ids)} sources for writer {self.writer_id!r}"
+        return f"acquire {count(len(self.source_ids), 'source')} for writer {self.writer_id!r}"
 
 
 @dataclass(frozen=True)
@@ -328,8 +329,8 @@ class DeclareSources(Call[Declared]):
     @property
     def what(self) -> str:
         if self.source_ids:
-            return f"declare {len(self.source_ids)} sources of {self.checkpoint!r}"
-        return f"declare {self.count} sources of {self.checkpoint!r}"
+            return f"declare {count(len(self.source_ids), 'source')} of {self.checkpoint!r}"
+        return f"declare {count(self.count, 'source')} of {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -430,7 +431,7 @@ class ImportCompleted(Call[ImportResult]):
 
     @property
     def what(self) -> str:
-        return f"import {len(self.source_ids)} ids into {self.checkpoint!r}"
+        return f"import {count(len(self.source_ids), 'id')} into {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)

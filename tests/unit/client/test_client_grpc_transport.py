@@ -143,7 +143,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     def ResetCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._record("ResetCheckpoint", request, context)
         if not request.force:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writers")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writer")
         return pb.ResetCheckpointResponse(moved_to=".trash/x/1", files_moved=3, writers_closed=1)
 
     def SaveCursors(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -399,7 +399,7 @@ def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> Non
             2, 10
         )
         assert transport.send(calls.ResetCheckpoint("cp", True), 5) == tally.ResetResult(".trash/x/1", 3, 1)
-        with pytest.raises(tally.FailedPrecondition, match="live writers"):
+        with pytest.raises(tally.FailedPrecondition, match="1 live writer"):
             transport.send(calls.ResetCheckpoint("cp", False), 5)
         with pytest.raises(tally.InvalidArgument, match="may not contain"):
             transport.send(calls.ImportCompleted("cp", ["x"], "bad/id"), 5)

@@ -122,8 +122,8 @@ def test_reset_is_not_retried(client: Client, fake: FakeTransport) -> None:
     with pytest.raises(tally.Unavailable, match="may or may not have happened"):
         client.reset("cp")
     assert fake.count("reset_checkpoint") == 2
-    fake.fail("reset_checkpoint", tally.FailedPrecondition("checkpoint 'cp' has 1 live writers"))
-    with pytest.raises(tally.FailedPrecondition, match="live writers"):
+    fake.fail("reset_checkpoint", tally.FailedPrecondition("checkpoint 'cp' has 1 live writer"))
+    with pytest.raises(tally.FailedPrecondition, match="1 live writer"):
         client.reset("cp")
     assert fake.args["reset_checkpoint"] == [("cp", True), ("cp", False), ("cp", False)]
 

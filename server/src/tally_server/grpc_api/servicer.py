@@ -11,6 +11,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server import auth
 from tally_server.domain import validation
+from tally_server.domain.words import count
 from tally_server.errors import InvalidArgument
 from tally_server.grpc_api import convert
 from tally_server.service import CoordinatorService
@@ -82,7 +83,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.HasField("columns"):
             if request.deltas:
                 raise InvalidArgument(
-                    f"the batch came both as {len(request.deltas)} deltas and as columns; "
+                    f"the batch came both as {count(len(request.deltas), 'delta')} and as columns; "
                     "send one of the two",
                     field="columns",
                 )

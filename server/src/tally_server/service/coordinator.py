@@ -24,6 +24,7 @@ from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import Delta
 from tally_server.domain.ports import CompletionStore, JointCommit, Journal, Registry
 from tally_server.domain.validation import Limits
+from tally_server.domain.words import count
 from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.claims import Claims
@@ -173,7 +174,8 @@ class CoordinatorService:
         await self._claims.restore(await core.registry_read(core.registry.live_claims), restored)
         if restored:
             log.info(
-                "restored %d writers from the journal; each has a whole lease to come back", len(restored)
+                "restored %s from the journal; each has a whole lease to come back",
+                count(len(restored), "writer"),
             )
         keep = [session.handle for session in restored]
         lost = await core.registry_write(core.registry.mark_open_writers, WriterState.LOST, core.wall(), keep)
@@ -239,7 +241,7 @@ class CoordinatorService:
         try:
             await core.bookkeeping.flush()
         except Exception:
-            log.exception("writing %d registry rows during shutdown failed", core.bookkeeping.queued)
+            log.exception("writing %s during shutdown failed", count(core.bookkeeping.queued, "registry row"))
         await core.committer.close()
         core.completions.close()
         self._journal.close()

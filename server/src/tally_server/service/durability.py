@@ -35,6 +35,7 @@ from tally_server.domain.ports import (
     JournalEntry,
     PutCompleted,
 )
+from tally_server.domain.words import count
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.sessions import Session
@@ -167,7 +168,10 @@ class Durability:
                 await core.registry_write(core.registry.delete_cursors, cp.name, sorted(done))
             except Exception as exc:  # the registry is down: read-time deletion covers it
                 log.warning(
-                    "could not delete the cursors of %d completed sources of %s: %s", len(done), cp.name, exc
+                    "could not delete the cursors of %s of %s: %s",
+                    count(len(done), "completed source"),
+                    cp.name,
+                    exc,
                 )
 
         task = asyncio.get_running_loop().create_task(delete(), name="tally-cursors-done")
