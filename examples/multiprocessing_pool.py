@@ -21,7 +21,7 @@ import tally
 from tally.integrations.tracker import Report, Task, Tracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_python import generate, make_parser, process  # noqa: E402
+from plain_python import generate, make_parser, plural, process  # noqa: E402
 
 
 def work(task: Task, input_dir: Path, output_dir: Path) -> Report:
@@ -43,7 +43,7 @@ def main() -> None:
     with tally.Client(args.address) as client, client.writer(args.checkpoint) as writer:
         tracker = Tracker(writer)
         todo = tracker.todo(sources)
-        print(f"skipping {len(sources) - len(todo)} completed sources", flush=True)
+        print(f"skipping {plural(len(sources) - len(todo), 'completed source')}", flush=True)
         tasks = [tracker.start(source) for source in todo]
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             reports = pool.map(work, tasks, repeat(args.input), repeat(args.output))
@@ -51,7 +51,7 @@ def main() -> None:
                 if count == args.fail_after:
                     pool.shutdown(cancel_futures=True)  # let running workers finish, start no more
                     writer.flush()
-                    print(f"crashing after {count} sources", flush=True)
+                    print(f"crashing after {plural(count, 'source')}", flush=True)
                     os._exit(3)  # like a kill: no cleanup, the writer is not closed
                 tracker.apply(report)
                 print(f"processed {task.source_id}", flush=True)

@@ -51,6 +51,11 @@ def process(task: Task, input_dir: Path, output_dir: Path) -> None:
         upper.done()  # written: this branch is finished
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 source", "3 sources"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def make_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--address", help="coordinator address (default: $TALLY_ADDRESS)")
@@ -72,11 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     with tally.Client(args.address) as client, client.writer(args.checkpoint) as writer:
         tracker = Tracker(writer)
         todo = tracker.todo(sources)
-        print(f"skipping {len(sources) - len(todo)} completed sources", flush=True)
+        print(f"skipping {plural(len(sources) - len(todo), 'completed source')}", flush=True)
         for count, source in enumerate(todo):
             if count == args.fail_after:
                 writer.flush()  # what was reported so far is durable
-                print(f"crashing after {count} sources", flush=True)
+                print(f"crashing after {plural(count, 'source')}", flush=True)
                 os._exit(3)  # like a kill: no cleanup, the writer is not closed
             process(tracker.start(source), args.input, args.output)
             print(f"processed {source}", flush=True)

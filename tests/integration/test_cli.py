@@ -306,13 +306,16 @@ def test_import_skips_unreadable_files_with_a_warning(server: RunningServer, nem
 def test_reset_refuses_live_writers_then_forces(server: RunningServer, busy: tally.Writer) -> None:
     refused = run("reset", "cli/run", "--yes", address=server.grpc_address)
     assert refused.returncode == 1
-    assert "live writers (array-7)" in refused.stderr and "--force" in refused.stderr
+    # One live writer: the server's refusal and the CLI's hint speak of it in the singular.
+    assert "has 1 live writer (array-7); stop it first, or force the reset" in refused.stderr, refused.stderr
+    assert "its client gets NOT_FOUND) (tally reset --force does that)" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
     cancelled = run("reset", "cli/run", "--force", address=server.grpc_address, input="n\n")
     assert (
         cancelled.returncode == 1 and "Reset cli/run" in cancelled.stdout and "cancelled" in cancelled.stderr
     )
+    assert "and close its 1 live writer?" in cancelled.stdout, cancelled.stdout
     with tally.Client(server.grpc_address) as client:
         assert client.are_completed("cli/run", ["b", "c", "d"]) == [True, True, True]
 

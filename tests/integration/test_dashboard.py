@@ -207,7 +207,7 @@ def test_dashboard_shows_a_workload_and_updates_by_itself(
             expect(page.get_by_test_id("completed-value")).to_have_text(str(completed))
             expect(page.get_by_test_id("pending-value")).to_have_text("1")
             expect(page.get_by_test_id("live-writers-value")).to_have_text("1")
-            expect(page.get_by_test_id("live-writers")).to_contain_text("1 closed · 1 sources claimed")
+            expect(page.get_by_test_id("live-writers")).to_contain_text("1 closed · 1 source claimed")
 
             rows = page.get_by_test_id("writer-row")
             expect(rows).to_have_count(2)
@@ -329,7 +329,7 @@ def test_failed_sources_show_on_their_checkpoint_and_its_card(tmp_path: Path, br
         page.goto(server.http_url + "/#/checkpoint/poison/run")
         expect(page.get_by_test_id("failed-value")).to_have_text("1")
         expect(page.get_by_test_id("failed")).to_have_class(re.compile(r"\bbad\b"))
-        expect(page.get_by_test_id("failed")).to_contain_text("1 failed attempts each")
+        expect(page.get_by_test_id("failed")).to_contain_text("1 failed attempt each")
         page.goto(server.http_url + "/#/checkpoint/fine/run")
         expect(page.get_by_test_id("completed-value")).to_have_text("0")
         expect(page.get_by_test_id("failed")).to_have_count(0)

@@ -79,7 +79,7 @@ def test_columns_count_and_complete_exactly_as_rows(stub: pb_grpc.CoordinatorStu
                 handle=h, deltas=[pb.Delta(task_id="0_x", source_id="x", delta=1)], columns=columns(BATCH)
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "both as 1 deltas and as columns; send one of the two",
+            "both as 1 delta and as columns; send one of the two",
         ),
         (
             lambda h: pb.ApplyDeltasRequest(

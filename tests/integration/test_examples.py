@@ -68,3 +68,16 @@ def test_a_crashed_run_resumes_with_exactly_the_rest(
 
     rc, again, log = run_example(script, server, *crash)
     assert rc == 0 and again == [] and "skipping 8 completed sources" in log, log
+
+
+def test_one_source_is_counted_in_the_singular(server: RunningServer, tmp_path: Path) -> None:
+    """A crash after the first file and the rerun that skips it say "1 source", not "1 sources"."""
+    run = ["--checkpoint", "ex/one", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]
+    rc, first, log = run_example("plain_python.py", server, *run, "--generate", "3", "--fail-after", "1")
+    assert rc == 3 and first == SOURCES[:1], log
+    assert "crashing after 1 source" in log.splitlines(), log
+    rc, rest, log = run_example("plain_python.py", server, *run)
+    assert rc == 0 and rest == SOURCES[1:3], log
+    assert "skipping 1 completed source" in log.splitlines(), log
+    rc, _, log = run_example("plain_python.py", server, *run)
+    assert rc == 0 and "skipping 3 completed sources" in log.splitlines(), log

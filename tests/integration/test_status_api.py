@@ -61,7 +61,13 @@ def test_reset_moves_files_to_trash_and_refuses_live_writers(tmp_path: Path) -> 
                 refused = http.post("/v1/reset", json={"name": "status/reset"})
                 assert refused.status_code == 409
                 assert refused.json()["error"]["code"] == "FAILED_PRECONDITION"
-                assert "live writers" in refused.json()["error"]["message"]
+                message = refused.json()["error"]["message"]
+                assert "'status/reset' has 1 live writer (live); stop it first, or force" in message, message
+                assert "its client gets NOT_FOUND" in message, message
+                with client.writer("status/reset", writer_id="other"):
+                    message = http.post("/v1/reset", json={"name": "status/reset"}).json()["error"]["message"]
+                    assert "has 2 live writers (live, other); stop them first" in message, message
+                    assert "their clients get NOT_FOUND" in message, message
                 assert client.are_completed("status/reset", ["a"]) == [True]
             moved = http.post("/v1/reset", json={"name": "status/reset"}).json()
             assert moved["files_moved"] == 1 and moved["writers_closed"] == 0

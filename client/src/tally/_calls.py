@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from tally._types import (
     ApplyCounts,
+    CheckpointPage,
     CheckpointStatus,
     Claim,
     CloseResult,
@@ -36,10 +37,12 @@ from tally._types import (
     Replicas,
     ResetResult,
     SourceFailures,
+    WriterPage,
     WriterSpec,
     WriterStatus,
 )
-from tally.errors import InvalidArgument, TallyError, Unavailable
+from tally._words import count
+from tally.errors import Internal, InvalidArgument, TallyError, Unavailable
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -125,7 +128,7 @@ class ApplyDeltas(Call[BatchAnswer]):
 
     @property
     def what(self) -> str:
-        return f"batch {self.batch_seq} ({len(self.deltas)} deltas)"
+        return f"batch {self.batch_seq} ({count(len(self.deltas), 'delta')})"
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class AreCompleted(Call[list[bool]]):
 
     @property
     def what(self) -> str:
-        return f"are_completed({self.checkpoint!r}, {len(self.source_ids)} ids)"
+        return f"are_completed({self.checkpoint!r}, {count(len(self.source_ids), 'id')})"
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ class SaveCursors(Call[CursorsSaved]):
 
     @property
     def what(self) -> str:
-        return f"save {len(self.cursors)} cursors of writer {self.writer_id!r}"
+        return f"save {count(len(self.cursors), 'cursor')} of writer {self.writer_id!r}"
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class Acquire(Call[list[Claim]]):
 
     @property
     def what(self) -> str:
-        return f"acquire {len(self.source_ids)} sources for writer {self.writer_id!r}"
+        return f"acquire {count(len(self.source_ids), 'source')} for writer {self.writer_id!r}"
 
 
 @dataclass(frozen=True)
@@ -327,8 +330,8 @@ class DeclareSources(Call[Declared]):
     @property
     def what(self) -> str:
         if self.source_ids:
-            return f"declare {len(self.source_ids)} sources of {self.checkpoint!r}"
-        return f"declare {self.count} sources of {self.checkpoint!r}"
+            return f"declare {count(len(self.source_ids), 'source')} of {self.checkpoint!r}"
+        return f"declare {count(self.count, 'source')} of {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,12 @@ class GetCheckpoint(Call[CheckpointStatus]):
 
 
 @dataclass(frozen=True)
-class ListCheckpoints(Call[list[CheckpointStatus]]):
+class ListCheckpoints(Call[CheckpointPage]):
+    """Checkpoints after ``after`` by name (byte order), at most ``limit`` (0: the server's 1,000)."""
+
+    after: str = ""
+    limit: int = 0
+
     @property
     def what(self) -> str:
         return "list checkpoints"
@@ -368,10 +376,14 @@ class ListReplicas(Call[Replicas]):
 
 
 @dataclass(frozen=True)
-class ListWriters(Call[list[WriterStatus]]):
+class ListWriters(Call[WriterPage]):
+    """Writers after the position ``after`` (a ``next_after``; "" first), at most ``limit``: live ones
+    by writer id, then (``include_closed``) ended ones newest first."""
+
     checkpoint: str
     include_closed: bool
     limit: int
+    after: str = ""
 
     @property
     def what(self) -> str:
@@ -420,7 +432,7 @@ class ImportCompleted(Call[ImportResult]):
 
     @property
     def what(self) -> str:
-        return f"import {len(self.source_ids)} ids into {self.checkpoint!r}"
+        return f"import {count(len(self.source_ids), 'id')} into {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -501,6 +513,49 @@ def _import_completed(checkpoint: str, batches: list[list[str]], import_id: str)
         result = yield ImportCompleted(checkpoint, batch, import_id)
         imported += result.imported
     return ImportResult(imported=imported, completed_count=result.completed_count)
+
+
+def list_checkpoints(page_size: int) -> Plan[list[CheckpointStatus]]:
+    """Every checkpoint, by name, in pages of ``page_size``."""
+    found: list[CheckpointStatus] = []
+    after = ""
+    while True:
+        page: CheckpointPage = yield ListCheckpoints(after, page_size)
+        found.extend(page.checkpoints)
+        if not page.next_after:
+            return found
+        # A cursor that does not move forward would page forever.
+        if page.next_after.encode() <= after.encode():
+            raise Internal(
+                f"the coordinator's checkpoints cursor went backwards: {after!r} -> {page.next_after!r}"
+            )
+        after = page.next_after
+
+
+def list_writers(
+    checkpoint: str, include_closed: bool, limit: int | None, page_size: int
+) -> Plan[list[WriterStatus]]:
+    """A checkpoint's writers in the server's order, at most ``limit`` (None: all), in pages of ``page_size``.
+
+    A writer that ended between two pages is listed by the server twice (live, then ended): only its
+    first listing is kept.
+    """
+    found: list[WriterStatus] = []
+    seen: set[tuple[str, float]] = set()
+    after = ""
+    while limit is None or len(found) < limit:
+        size = page_size if limit is None else min(page_size, limit - len(found))
+        page: WriterPage = yield ListWriters(checkpoint, include_closed, size, after)
+        for w in page.writers:
+            if (w.writer_id, w.opened_at) not in seen:
+                seen.add((w.writer_id, w.opened_at))
+                found.append(w)
+        if not page.next_after:
+            break
+        if page.next_after == after:
+            raise Internal(f"the coordinator's writers cursor did not move: {after!r}")
+        after = page.next_after
+    return found if limit is None else found[:limit]
 
 
 def reset(name: str, force: bool) -> Plan[ResetResult]:

@@ -453,6 +453,22 @@ class CompletedPage:
 
 
 @dataclass(frozen=True)
+class CheckpointPage:
+    """One page of checkpoints by name (internal); ``next_after`` is ``""`` on the last page."""
+
+    checkpoints: tuple[CheckpointStatus, ...]
+    next_after: str
+
+
+@dataclass(frozen=True)
+class WriterPage:
+    """One page of a checkpoint's writers (internal); ``next_after`` is ``""`` on the last page."""
+
+    writers: tuple[WriterStatus, ...]
+    next_after: str
+
+
+@dataclass(frozen=True)
 class WriterSpec:
     """What a writer presents when it opens (internal: transports turn it into a request)."""
 

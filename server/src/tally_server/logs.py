@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from tally_server.domain.words import count
+
 NO_REQUEST = "-"
 REMIND_EVERY_S = 60.0
 
@@ -185,9 +187,9 @@ class FailureLog:
             self._reminded_at, self._since_reminder = now, 0
         elif now - self._reminded_at >= self._remind_every_s:
             self._logger.error(
-                "%s still failing: %d more times in %.0f s, last: %s",
+                "%s still failing: %s more in %.0f s, last: %s",
                 self._what,
-                self._since_reminder,
+                count(self._since_reminder, "time"),
                 now - self._reminded_at,
                 cause,
             )
@@ -196,7 +198,7 @@ class FailureLog:
     def succeeded(self) -> None:
         """A step worked: say so once if it was failing, and forget the causes."""
         if self.failing is not None:
-            self._logger.warning("%s works again after %d failures", self._what, self.failures)
+            self._logger.warning("%s works again after %s", self._what, count(self.failures, "failure"))
         self._causes.clear()
         self.failures = 0
         self.failing = None

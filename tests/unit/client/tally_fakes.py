@@ -20,6 +20,7 @@ from tally._config import ClientConfig
 from tally._transport.http import AsyncHttpTransport
 from tally._types import (
     ApplyCounts,
+    CheckpointPage,
     CheckpointStatus,
     CloseResult,
     CompletedPage,
@@ -34,6 +35,7 @@ from tally._types import (
     ProgressSample,
     ResetResult,
     SourceFailures,
+    WriterPage,
     WriterSpec,
     WriterStatus,
 )
@@ -81,6 +83,7 @@ class FakeTransport:
         self.specs: list[WriterSpec] = []
         self.completed: set[str] = set()
         self.checkpoint_names: list[str] = []
+        self.writer_ids: list[str] = ["w0", "w1"]  # live writers ListWriters pages through
         self._failures: dict[str, deque[TallyError]] = defaultdict(deque)
         self._gates: dict[str, threading.Event] = {}
         self.closed = False
@@ -150,8 +153,10 @@ class FakeTransport:
             calls.Flush: lambda c: self.flush(c.handle, timeout),
             calls.CloseWriter: lambda c: self.close_writer(c.handle, timeout),
             calls.GetCheckpoint: lambda c: self.get_checkpoint(c.name, timeout),
-            calls.ListCheckpoints: lambda c: self.list_checkpoints(timeout),
-            calls.ListWriters: lambda c: self.list_writers(c.checkpoint, c.include_closed, c.limit, timeout),
+            calls.ListCheckpoints: lambda c: self.list_checkpoints(c.after, c.limit, timeout),
+            calls.ListWriters: lambda c: self.list_writers(
+                c.checkpoint, c.include_closed, c.limit, c.after, timeout
+            ),
             calls.ListEvents: lambda c: self.list_events(c.checkpoint, c.limit, c.before_id, timeout),
             calls.GetProgress: lambda c: self.get_progress(c.checkpoint, c.since, timeout),
             calls.ListCompleted: lambda c: self.list_completed(c.checkpoint, c.after, c.limit, timeout),
@@ -224,16 +229,23 @@ class FakeTransport:
             raise NotFound(f"checkpoint {name!r} does not exist")
         return make_status(name)
 
-    def list_checkpoints(self, timeout: float) -> list[CheckpointStatus]:
+    def list_checkpoints(self, after: str, limit: int, timeout: float) -> CheckpointPage:
+        self.args["list_checkpoints"].append((after, limit))
         self._enter("list_checkpoints")
-        return [make_status(n) for n in self.checkpoint_names]
+        names = sorted(n for n in self.checkpoint_names if n > after)
+        page = names[: limit or 1000]
+        return CheckpointPage(tuple(make_status(n) for n in page), page[-1] if len(names) > len(page) else "")
 
     def list_writers(
-        self, checkpoint: str, include_closed: bool, limit: int, timeout: float
-    ) -> list[WriterStatus]:
-        self.args["list_writers"].append((checkpoint, include_closed, limit))
+        self, checkpoint: str, include_closed: bool, limit: int, after: str, timeout: float
+    ) -> WriterPage:
+        self.args["list_writers"].append((checkpoint, include_closed, limit, after))
         self._enter("list_writers")
-        return [make_writer(f"w{i}") for i in range(min(limit, 2))]
+        ids = [w for w in self.writer_ids if f"live/{w}" > after]
+        page = ids[: limit or 1000]
+        return WriterPage(
+            tuple(make_writer(w) for w in page), f"live/{page[-1]}" if len(ids) > len(page) else ""
+        )
 
     def list_events(self, checkpoint: str, limit: int, before_id: int | None, timeout: float) -> EventPage:
         self.args["list_events"].append((checkpoint, limit, before_id))

@@ -52,7 +52,7 @@ def test_failed_lists_failed_sources_whole_with_their_latest_reasons(fake: FakeT
     # Each reason on one line, newest first.
     assert "oom | Traceback: line 3 ValueError: bad row | first" in output
     assert "under" not in output
-    assert "1 failed sources in cp (max attempts 2)" in output
+    assert "1 failed source in cp (max attempts 2); tally retry cp [IDS...] runs it again" in output
 
     code, output = run("failed", "cp", "--all")
     assert code == 0 and "under" in output and "2 sources with failed attempts" in output

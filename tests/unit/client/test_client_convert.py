@@ -9,7 +9,7 @@ import tally
 from tally import _calls as calls
 from tally._calls import Call
 from tally._transport import grpc_convert, http_convert
-from tally._types import WriterSpec
+from tally._types import CheckpointPage, WriterSpec
 from tally.v1 import coordinator_pb2 as pb
 
 
@@ -40,7 +40,8 @@ def test_sparse_json_reads_as_defaults() -> None:
     assert status.completed_count == 0 and status.fingerprint == {}
     assert status.writers[0].counts == tally.ApplyCounts() and status.writers[0].labels == {}
     assert http_convert.close_result_from_json({}) == tally.CloseResult()
-    assert http_convert.checkpoints_from_json({}) == []
+    assert http_convert.checkpoints_from_json({}) == CheckpointPage((), "")
+    assert http_convert.writers_from_json({"writers": [{"writer_id": "w"}]}).next_after == ""
 
 
 @pytest.mark.parametrize(
@@ -104,6 +105,14 @@ def test_requests_of_the_status_calls() -> None:
     assert grpc_convert.ROUTES[calls.GetProgress].request(calls.GetProgress("cp", None)).since == 0.0
     assert http_convert.list_events_query("cp", 5, None) == {"checkpoint": "cp", "limit": "5"}
     assert http_convert.list_writers_query("cp", False, 3)["include_closed"] == "false"
+    assert http_convert.list_writers_query("cp", True, 3, "live/w1")["after"] == "live/w1"
+    assert http_convert.list_checkpoints_query("", 7) == {"limit": "7"}
+    assert http_convert.list_checkpoints_query("", 0) == {}
+    assert http_convert.list_checkpoints_query("a/b", 7) == {"after": "a/b", "limit": "7"}
+    request = grpc_convert.ROUTES[calls.ListWriters].request(calls.ListWriters("cp", True, 4, "ended/1.5/w"))
+    assert (request.after, request.limit) == ("ended/1.5/w", 4)
+    request = grpc_convert.ROUTES[calls.ListCheckpoints].request(calls.ListCheckpoints("a", 2))
+    assert (request.after, request.limit) == ("a", 2)
     assert http_convert.list_completed_query("cp", "", 9) == {"checkpoint": "cp", "limit": "9"}
     assert http_convert.import_completed_body("cp", ("a",), "i") == {
         "checkpoint": "cp",

@@ -143,7 +143,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     def ResetCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._record("ResetCheckpoint", request, context)
         if not request.force:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writers")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint has 1 live writer")
         return pb.ResetCheckpointResponse(moved_to=".trash/x/1", files_moved=3, writers_closed=1)
 
     def SaveCursors(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -220,7 +220,7 @@ def test_requests_and_responses_convert_both_ways(grpc_server: tuple[str, Servic
         closed = transport.send(calls.CloseWriter("h1"), 5)
         assert closed == tally.CloseResult(tally.ApplyCounts(applied=3, skipped=1), ("s1", "s2"), 5)
         status = transport.send(calls.GetCheckpoint("cp/a"), 5)
-        assert [c.name for c in transport.send(calls.ListCheckpoints(), 5)] == ["a", "b/c"]
+        assert [c.name for c in transport.send(calls.ListCheckpoints(), 5).checkpoints] == ["a", "b/c"]
     finally:
         transport.close()
 
@@ -324,7 +324,7 @@ def test_async_transport_converts_and_maps_errors(grpc_server: tuple[str, Servic
             assert await transport.send(calls.Flush("h1"), 5) == 7
             assert (await transport.send(calls.CloseWriter("h1"), 5)).incomplete_count == 5
             assert (await transport.send(calls.GetCheckpoint("x"), 5)).name == "x"
-            assert len(await transport.send(calls.ListCheckpoints(), 5)) == 2
+            assert len((await transport.send(calls.ListCheckpoints(), 5)).checkpoints) == 2
             with pytest.raises(tally.NotFound, match="does not exist"):
                 await transport.send(calls.GetCheckpoint("missing"), 5)
         finally:
@@ -366,9 +366,9 @@ def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> Non
     target, servicer = grpc_server
     transport = GrpcTransport(target)
     try:
-        (live,) = transport.send(calls.ListWriters("cp", False, 10), 5)
+        (live,) = transport.send(calls.ListWriters("cp", False, 10), 5).writers
         assert live.writer_id == "w1" and live.closed_at == 0.0
-        live_and_closed = transport.send(calls.ListWriters("cp", True, 10), 5)
+        live_and_closed = transport.send(calls.ListWriters("cp", True, 10), 5).writers
         assert live_and_closed[1] == tally.WriterStatus(
             "old", "", 0, {"slurm_job_id": "9"}, "closed", 0, tally.ApplyCounts(), 0.0, 0.0, 12.5
         )
@@ -399,7 +399,7 @@ def test_status_rpcs_convert_both_ways(grpc_server: tuple[str, Servicer]) -> Non
             2, 10
         )
         assert transport.send(calls.ResetCheckpoint("cp", True), 5) == tally.ResetResult(".trash/x/1", 3, 1)
-        with pytest.raises(tally.FailedPrecondition, match="live writers"):
+        with pytest.raises(tally.FailedPrecondition, match="1 live writer"):
             transport.send(calls.ResetCheckpoint("cp", False), 5)
         with pytest.raises(tally.InvalidArgument, match="may not contain"):
             transport.send(calls.ImportCompleted("cp", ["x"], "bad/id"), 5)
@@ -440,7 +440,7 @@ def test_async_status_rpcs_and_watch(grpc_server: tuple[str, Servicer]) -> None:
     async def main() -> None:
         transport = AsyncGrpcTransport(grpc_server[0])
         try:
-            assert len(await transport.send(calls.ListWriters("cp", True, 10), 5)) == 2
+            assert len((await transport.send(calls.ListWriters("cp", True, 10), 5)).writers) == 2
             assert (await transport.send(calls.ListEvents("cp", 2, None), 5)).events[0].data["old"] == 1
             assert len(await transport.send(calls.GetProgress("cp", None), 5)) == 2
             assert (await transport.send(calls.ListCompleted("cp", "", 5), 5)).source_ids == ("a", "b", "c")

@@ -16,7 +16,7 @@ import tally
 from tally import _calls as calls
 from tally._transport.contact import NeverReached
 from tally._transport.http import AsyncHttpTransport, HttpTransport
-from tally._types import WriterSpec
+from tally._types import CheckpointPage, WriterSpec
 
 CHECKPOINT_JSON = {
     "name": "curation/run 42",
@@ -84,6 +84,7 @@ class Recorder:
             ),
             ("POST", "/v1/are-completed"): (200, {"completed": [True, False]}),
             ("GET", "/v1/checkpoints"): (200, {"checkpoints": [CHECKPOINT_JSON]}),
+            ("GET", "/v1/checkpoints?limit=1000"): (200, {"checkpoints": [CHECKPOINT_JSON]}),
             ("GET", "/v1/checkpoints/curation/run%2042"): (200, CHECKPOINT_JSON),
             ("GET", "/v1/writers?checkpoint=a%2Fb+c&include_closed=true&limit=5"): (
                 200,
@@ -223,7 +224,7 @@ def test_requests_follow_the_json_contract(http_server: tuple[str, Recorder]) ->
         tally.ApplyCounts(applied=2), ("s1",), 1
     )
     status = transport.send(calls.GetCheckpoint("curation/run 42"), 5)
-    assert transport.send(calls.ListCheckpoints(), 5) == [status]
+    assert transport.send(calls.ListCheckpoints(), 5) == CheckpointPage((status,), "")
     transport.close()
 
     assert status.name == "curation/run 42" and status.unreadable_files == 1
@@ -325,7 +326,7 @@ def test_async_http_transport_runs_the_sync_one_in_threads(http_server: tuple[st
         assert await transport.send(calls.Flush("h/1"), 5) == 7
         assert (await transport.send(calls.CloseWriter("h/1"), 5)).incomplete_count == 1
         assert (await transport.send(calls.GetCheckpoint("curation/run 42"), 5)).completed_count == 3
-        assert len(await transport.send(calls.ListCheckpoints(), 5)) == 1
+        assert len((await transport.send(calls.ListCheckpoints(), 5)).checkpoints) == 1
         await transport.close()
 
     asyncio.run(main())
@@ -360,7 +361,7 @@ def test_async_client_end_to_end_over_http(http_server: tuple[str, Recorder]) ->
 def test_status_routes_follow_the_json_contract(http_server: tuple[str, Recorder]) -> None:
     base, recorder = http_server
     transport = HttpTransport(base, token="tok")
-    (writer,) = transport.send(calls.ListWriters("a/b c", True, 5), 5)
+    (writer,) = transport.send(calls.ListWriters("a/b c", True, 5), 5).writers
     assert writer.state == "closed" and writer.closed_at == 3.5 and writer.labels == {"team": "x"}
     page = transport.send(calls.ListEvents("cp", 2, None), 5)
     assert page.events[0] == tally.Event(
@@ -469,7 +470,7 @@ def test_async_watch_over_http(http_server: tuple[str, Recorder]) -> None:
             1,
             2,
         ]
-        assert len(await transport.send(calls.ListWriters("a/b c", True, 5), 5)) == 1
+        assert len((await transport.send(calls.ListWriters("a/b c", True, 5), 5)).writers) == 1
         assert (await transport.send(calls.ListEvents("cp", 2, None), 5)).next_before_id == 8
         assert len(await transport.send(calls.GetProgress("cp", 1.5), 5)) == 2
         assert (await transport.send(calls.ListCompleted("cp", "b", 2), 5)).source_ids == ("c",)

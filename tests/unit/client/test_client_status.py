@@ -10,7 +10,13 @@ import pytest
 import tally
 from tally import Client
 from tally._client import IMPORT_CHUNK
-from tests.unit.client.tally_fakes import FakeTransport, make_async_client, make_client, make_status
+from tests.unit.client.tally_fakes import (
+    FakeTransport,
+    make_async_client,
+    make_client,
+    make_status,
+    make_writer,
+)
 
 
 def test_writers_events_progress_pass_their_arguments(client: Client, fake: FakeTransport) -> None:
@@ -24,7 +30,7 @@ def test_writers_events_progress_pass_their_arguments(client: Client, fake: Fake
     assert [e.id for e in last.events] == [2, 1] and last.next_before_id is None
     assert client.progress("cp", since=1.5) == [tally.ProgressSample(1.0, 1), tally.ProgressSample(2.0, 3)]
     assert client.progress("cp")[1].completed_count == 3
-    assert fake.args["list_writers"] == [("cp", False, 100), ("cp", True, 1)]
+    assert fake.args["list_writers"] == [("cp", False, 100, ""), ("cp", True, 1, "")]
     assert fake.args["list_events"] == [("cp", 4, None), ("cp", 4, 7), ("cp", 10, 3)]
     assert fake.args["get_progress"] == [("cp", 1.5), ("cp", None)]
 
@@ -46,6 +52,35 @@ def test_completed_pages_through_every_id(client: Client, fake: FakeTransport) -
     assert list(ids) == sorted(fake.completed)
     assert [after for _, after, _ in fake.args["list_completed"]] == ["", "s009", "s019"]
     assert {limit for _, _, limit in fake.args["list_completed"]} == {10}
+
+
+def test_checkpoints_and_writers_follow_every_page(client: Client, fake: FakeTransport) -> None:
+    fake.checkpoint_names = [f"cp{i:02d}" for i in range(7)]
+    assert [c.name for c in client.checkpoints(page_size=3)] == fake.checkpoint_names
+    assert fake.args["list_checkpoints"] == [("", 3), ("cp02", 3), ("cp05", 3)]
+    fake.writer_ids = [f"w{i}" for i in range(5)]
+    assert [w.writer_id for w in client.writers("cp", limit=None, page_size=2)] == fake.writer_ids
+    assert [after for *_, after in fake.args["list_writers"]] == ["", "live/w1", "live/w3"]
+    # limit caps the total; the last page asks only for what is still wanted.
+    fake.args["list_writers"].clear()
+    assert [w.writer_id for w in client.writers("cp", limit=3, page_size=2)] == ["w0", "w1", "w2"]
+    assert [(limit, after) for _, _, limit, after in fake.args["list_writers"]] == [(2, ""), (1, "live/w1")]
+    with pytest.raises(tally.InvalidArgument, match="page_size must be a positive integer"):
+        client.writers("cp", page_size=0)
+    with pytest.raises(tally.InvalidArgument, match="page_size must be a positive integer"):
+        client.checkpoints(page_size=0)
+
+
+def test_writers_keep_the_first_listing_of_a_writer_seen_twice(client: Client, fake: FakeTransport) -> None:
+    """A writer that ended between two pages comes again among the ended ones: listed once."""
+    pages = iter(
+        [
+            tally._types.WriterPage((make_writer("w0"), make_writer("w1")), "live/w1"),
+            tally._types.WriterPage((make_writer("w1"), make_writer("w2")), ""),
+        ]
+    )
+    fake.list_writers = lambda *args: next(pages)  # type: ignore[method-assign]
+    assert [w.writer_id for w in client.writers("cp", include_closed=True, limit=None)] == ["w0", "w1", "w2"]
 
 
 def test_completed_of_an_empty_checkpoint_is_empty(client: Client, fake: FakeTransport) -> None:
@@ -87,8 +122,8 @@ def test_reset_is_not_retried(client: Client, fake: FakeTransport) -> None:
     with pytest.raises(tally.Unavailable, match="may or may not have happened"):
         client.reset("cp")
     assert fake.count("reset_checkpoint") == 2
-    fake.fail("reset_checkpoint", tally.FailedPrecondition("checkpoint 'cp' has 1 live writers"))
-    with pytest.raises(tally.FailedPrecondition, match="live writers"):
+    fake.fail("reset_checkpoint", tally.FailedPrecondition("checkpoint 'cp' has 1 live writer"))
+    with pytest.raises(tally.FailedPrecondition, match="1 live writer"):
         client.reset("cp")
     assert fake.args["reset_checkpoint"] == [("cp", True), ("cp", False), ("cp", False)]
 

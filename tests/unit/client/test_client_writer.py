@@ -84,7 +84,7 @@ def test_flush_waits_for_acknowledgement_and_times_out_as_unavailable(
     with client.writer("cp") as w:
         w.apply_deltas([("t", "s", 1)])
         fake.wait_calls("apply_deltas", 1)
-        with pytest.raises(tally.Unavailable, match="1 deltas not yet acknowledged"):
+        with pytest.raises(tally.Unavailable, match="1 delta not yet acknowledged"):
             w.flush(timeout=0.05)
         assert "flush" not in fake.calls
         assert w.health().buffered == 1

@@ -80,7 +80,7 @@ def test_the_source_stage_skips_failed_sources_too(
         assert proxy.are_completed(["a", "b", "c", "d"]) == [True, True, False, False]
     # One call, for the ids not completed, failed ones only.
     assert fake.args["list_failures"] == [("cp", ("b", "c", "d"), True, "")]
-    assert "skipping 1 failed sources" in caplog.text and "tally retry cp" in caplog.text
+    assert "skipping 1 failed source (it used up" in caplog.text and "tally retry cp" in caplog.text
     proxy.close()
     assert fake.applied == []  # nothing about failures reaches the completions
 

@@ -161,7 +161,7 @@ def test_todo_declares_the_sources_through_a_real_writer(caplog: pytest.LogCaptu
         fake.fail("declare_sources", tally.Internal("an older coordinator"))
         with caplog.at_level("WARNING"):
             assert Tracker(writer).todo(["d"]) == ["d"]
-        assert "could not declare 1 sources" in caplog.text
+        assert "could not declare 1 source (" in caplog.text
     # A stand-in writer without declare (the Ledger here) declares nothing: see the test above.
 
 

@@ -66,5 +66,5 @@ def test_admission_refuses_a_live_id_and_a_full_checkpoint() -> None:
 def test_a_reset_needs_no_live_writers_or_force() -> None:
     check_reset("cp", {}, force=False)
     check_reset("cp", {"w1": session("w1")}, force=True)
-    with pytest.raises(FailedPrecondition, match="1 live writers \\(w1\\)"):
+    with pytest.raises(FailedPrecondition, match="1 live writer \\(w1\\); stop it first"):
         check_reset("cp", {"w1": session("w1")}, force=False)

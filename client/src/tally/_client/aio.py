@@ -115,19 +115,24 @@ class AsyncClient(BaseClient):
         """Status of one checkpoint. See :meth:`Client.checkpoint`."""
         return await self._run(self._checkpoint_plan(name))
 
-    async def checkpoints(self) -> list[CheckpointStatus]:
-        """Status of every checkpoint. See :meth:`Client.checkpoints`."""
-        return await self._run(self._checkpoints_plan())
+    async def checkpoints(self, *, page_size: int = 1000) -> list[CheckpointStatus]:
+        """Status of every checkpoint, page by page. See :meth:`Client.checkpoints`."""
+        return await self._run(self._checkpoints_plan(page_size))
 
     async def replicas(self) -> Replicas:
         """The coordinators serving the store. See :meth:`Client.replicas`."""
         return await self._run(self._replicas_plan())
 
     async def writers(
-        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+        self,
+        checkpoint: str,
+        *,
+        include_closed: bool = False,
+        limit: int | None = 100,
+        page_size: int = 1000,
     ) -> list[WriterStatus]:
-        """Writers of a checkpoint. See :meth:`Client.writers`."""
-        return await self._run(self._writers_plan(checkpoint, include_closed, limit))
+        """Writers of a checkpoint, page by page. See :meth:`Client.writers`."""
+        return await self._run(self._writers_plan(checkpoint, include_closed, limit, page_size))
 
     async def events(self, checkpoint: str, *, limit: int = 50, before_id: int | None = None) -> EventPage:
         """One page of a checkpoint's events, newest first. See :meth:`Client.events`."""

@@ -255,19 +255,20 @@ class BaseClient:
         self._check_open()
         return calls.single(calls.GetCheckpoint(name))
 
-    def _checkpoints_plan(self) -> calls.Plan[list[CheckpointStatus]]:
+    def _checkpoints_plan(self, page_size: int) -> calls.Plan[list[CheckpointStatus]]:
         self._check_open()
-        return calls.single(calls.ListCheckpoints())
+        return calls.list_checkpoints(_positive_int("page_size", page_size))
 
     def _replicas_plan(self) -> calls.Plan[Replicas]:
         self._check_open()
         return calls.single(calls.ListReplicas())
 
     def _writers_plan(
-        self, checkpoint: str, include_closed: bool, limit: int
+        self, checkpoint: str, include_closed: bool, limit: int | None, page_size: int
     ) -> calls.Plan[list[WriterStatus]]:
-        name, limit = self._name(checkpoint), _positive_int("limit", limit)
-        return calls.single(calls.ListWriters(name, bool(include_closed), limit))
+        name = self._name(checkpoint)
+        most = None if limit is None else _positive_int("limit", limit)
+        return calls.list_writers(name, bool(include_closed), most, _positive_int("page_size", page_size))
 
     def _events_plan(self, checkpoint: str, limit: int, before_id: int | None) -> calls.Plan[EventPage]:
         name = self._name(checkpoint)

@@ -204,13 +204,16 @@ class Client(BaseClient):
         """
         return self._run(self._checkpoint_plan(name))
 
-    def checkpoints(self) -> list[CheckpointStatus]:
-        """Status of every checkpoint.
+    def checkpoints(self, *, page_size: int = 1000) -> list[CheckpointStatus]:
+        """Status of every checkpoint (a scoped token: those it may read), by name, fetched page by page.
+
+        Args:
+            page_size: Checkpoints fetched per call (the server takes 1 to 10,000).
 
         Raises:
-            Unavailable: No answer within the timeout.
+            Unavailable: A page did not arrive within the timeout.
         """
-        return self._run(self._checkpoints_plan())
+        return self._run(self._checkpoints_plan(page_size))
 
     def replicas(self) -> Replicas:
         """The coordinators serving a PostgreSQL store: which owns it, which are replicas.
@@ -225,20 +228,27 @@ class Client(BaseClient):
         return self._run(self._replicas_plan())
 
     def writers(
-        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
+        self,
+        checkpoint: str,
+        *,
+        include_closed: bool = False,
+        limit: int | None = 100,
+        page_size: int = 1000,
     ) -> list[WriterStatus]:
-        """Writers of a checkpoint: live ones first, then (with ``include_closed``) ended ones.
+        """Writers of a checkpoint: live ones by writer id, then (with ``include_closed``) ended ones,
+        newest first; fetched page by page.
 
         Args:
             checkpoint: Checkpoint name.
             include_closed: Also list writers that closed, expired or were lost, newest first.
-            limit: Most writers returned.
+            limit: Most writers returned; None for every one.
+            page_size: Writers fetched per call (the server takes 1 to 10,000).
 
         Raises:
             NotFound: No such checkpoint.
-            Unavailable: No answer within the timeout.
+            Unavailable: A page did not arrive within the timeout.
         """
-        return self._run(self._writers_plan(checkpoint, include_closed, limit))
+        return self._run(self._writers_plan(checkpoint, include_closed, limit, page_size))
 
     def events(self, checkpoint: str, *, limit: int = 50, before_id: int | None = None) -> EventPage:
         """One page of a checkpoint's events, newest first.

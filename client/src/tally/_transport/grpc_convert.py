@@ -18,6 +18,7 @@ from tally import _calls as calls
 from tally._calls import Call
 from tally._types import (
     ApplyCounts,
+    CheckpointPage,
     CheckpointStatus,
     Claim,
     CloseResult,
@@ -35,6 +36,7 @@ from tally._types import (
     ResetResult,
     Severity,
     SourceFailures,
+    WriterPage,
     WriterSpec,
     WriterStatus,
 )
@@ -330,8 +332,8 @@ _add(
 _add(
     calls.ListCheckpoints,
     lambda stub: stub.ListCheckpoints,
-    lambda c: pb.ListCheckpointsRequest(),
-    lambda r: [checkpoint_from_pb(c) for c in r.checkpoints],
+    lambda c: pb.ListCheckpointsRequest(after=c.after, limit=c.limit),
+    lambda r: CheckpointPage(tuple(checkpoint_from_pb(c) for c in r.checkpoints), r.next_after),
 )
 _add(
     calls.ListReplicas,
@@ -342,8 +344,10 @@ _add(
 _add(
     calls.ListWriters,
     lambda stub: stub.ListWriters,
-    lambda c: pb.ListWritersRequest(checkpoint=c.checkpoint, include_closed=c.include_closed, limit=c.limit),
-    lambda r: [writer_status_from_pb(w) for w in r.writers],
+    lambda c: pb.ListWritersRequest(
+        checkpoint=c.checkpoint, include_closed=c.include_closed, limit=c.limit, after=c.after
+    ),
+    lambda r: WriterPage(tuple(writer_status_from_pb(w) for w in r.writers), r.next_after),
 )
 _add(
     calls.ListEvents,

@@ -20,6 +20,7 @@ from tally import _calls as calls
 from tally._calls import Call
 from tally._types import (
     ApplyCounts,
+    CheckpointPage,
     CheckpointStatus,
     Claim,
     CloseResult,
@@ -38,6 +39,7 @@ from tally._types import (
     ResetResult,
     Severity,
     SourceFailures,
+    WriterPage,
     WriterSpec,
     WriterStatus,
 )
@@ -62,7 +64,7 @@ def route(call: Call[T]) -> Route[Call[T], T]:
 
 
 def _query(path: str, query: Mapping[str, str]) -> str:
-    return f"{path}?{urllib.parse.urlencode(query)}"
+    return f"{path}?{urllib.parse.urlencode(query)}" if query else path
 
 
 def writer_path(handle: str, action: str) -> str:
@@ -129,12 +131,22 @@ def reset_body(name: str, force: bool) -> dict[str, Any]:
 # Query strings of the GET routes (values are strings; _query URL-encodes them).
 
 
-def list_writers_query(checkpoint: str, include_closed: bool, limit: int) -> dict[str, str]:
-    return {
+def list_writers_query(checkpoint: str, include_closed: bool, limit: int, after: str = "") -> dict[str, str]:
+    query = {
         "checkpoint": checkpoint,
         "include_closed": "true" if include_closed else "false",
         "limit": str(limit),
     }
+    if after:
+        query["after"] = after
+    return query
+
+
+def list_checkpoints_query(after: str, limit: int) -> dict[str, str]:
+    query = {"limit": str(limit)} if limit else {}
+    if after:
+        query["after"] = after
+    return query
 
 
 def list_events_query(checkpoint: str, limit: int, before_id: int | None) -> dict[str, str]:
@@ -307,12 +319,18 @@ def replicas_from_json(body: Any) -> Replicas:
     )
 
 
-def checkpoints_from_json(body: Any) -> list[CheckpointStatus]:
-    return [checkpoint_from_json(c) for c in _obj(body).get("checkpoints") or ()]
+def checkpoints_from_json(body: Any) -> CheckpointPage:
+    obj = _obj(body)
+    return CheckpointPage(
+        tuple(checkpoint_from_json(c) for c in obj.get("checkpoints") or ()), str(obj.get("next_after") or "")
+    )
 
 
-def writers_from_json(body: Any) -> list[WriterStatus]:
-    return [writer_status_from_json(w) for w in _obj(body).get("writers") or ()]
+def writers_from_json(body: Any) -> WriterPage:
+    obj = _obj(body)
+    return WriterPage(
+        tuple(writer_status_from_json(w) for w in obj.get("writers") or ()), str(obj.get("next_after") or "")
+    )
 
 
 def event_from_json(body: Any) -> Event:
@@ -476,12 +494,17 @@ _add(
 _add(calls.Flush, "POST", lambda c: writer_path(c.handle, "flush"), flushed_from_json)
 _add(calls.CloseWriter, "POST", lambda c: writer_path(c.handle, "close"), close_result_from_json)
 _add(calls.GetCheckpoint, "GET", lambda c: checkpoint_path(c.name), checkpoint_from_json)
-_add(calls.ListCheckpoints, "GET", lambda c: "/v1/checkpoints", checkpoints_from_json)
+_add(
+    calls.ListCheckpoints,
+    "GET",
+    lambda c: _query("/v1/checkpoints", list_checkpoints_query(c.after, c.limit)),
+    checkpoints_from_json,
+)
 _add(calls.ListReplicas, "GET", lambda c: "/v1/replicas", replicas_from_json)
 _add(
     calls.ListWriters,
     "GET",
-    lambda c: _query("/v1/writers", list_writers_query(c.checkpoint, c.include_closed, c.limit)),
+    lambda c: _query("/v1/writers", list_writers_query(c.checkpoint, c.include_closed, c.limit, c.after)),
     writers_from_json,
 )
 _add(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tally import _calls as calls
+from tally import _words
 from tally._config import ClientConfig
 from tally._retry import RetryPolicy
 from tally._types import Delta, OpenedWriter, WriterHealth
@@ -266,18 +267,19 @@ class WriterCore:
         if answer.refused:
             self.refused += answer.refused
             logger.warning(
-                "tally writer %s: the coordinator refused %d deltas of batch %d: another live writer holds "
-                "a claim on their sources (acquire sources before working on them)",
+                "tally writer %s: the coordinator refused %s of batch %d: another live writer holds "
+                "a claim on %s (acquire sources before working on them)",
                 self.writer_id,
-                answer.refused,
+                _words.count(answer.refused, "delta"),
                 batch.seq,
+                "its source" if answer.refused == 1 else "their sources",
             )
         if self._send_failures:
             logger.info(
-                "tally writer %s: coordinator reachable again; batch %d delivered after %d retries",
+                "tally writer %s: coordinator reachable again; batch %d delivered after %s",
                 self.writer_id,
                 batch.seq,
-                self._send_failures,
+                _words.count(self._send_failures, "retry", "retries"),
             )
             self._send_failures = 0
 
@@ -345,21 +347,23 @@ class WriterCore:
         """The coordinator refused ``sent`` (not a lost connection): resending would fail again."""
         self.last_error = describe(err)
         logger.error(
-            "tally writer %s: the coordinator refused %d cursors (%s); they are dropped",
+            "tally writer %s: the coordinator refused %s (%s); %s dropped",
             self.writer_id,
-            len(sent),
+            _words.count(len(sent), "cursor"),
             err.message,
+            "it is" if len(sent) == 1 else "they are",
         )
         self.cursors_saved(sent)
 
     def drop_cursors(self, why: str) -> None:
         if self.cursors:
             logger.warning(
-                "tally writer %s: %s; %d cursors not saved (those sources resume from their last "
-                "saved cursor)",
+                "tally writer %s: %s; %s not saved (%s from %s last saved cursor)",
                 self.writer_id,
                 why,
-                len(self.cursors),
+                _words.count(len(self.cursors), "cursor"),
+                "its source resumes" if len(self.cursors) == 1 else "those sources resume",
+                "its" if len(self.cursors) == 1 else "their",
             )
             self.cursors.clear()
 
@@ -439,7 +443,7 @@ class WriterCore:
     def barrier_timeout(self, target: int, timeout: float, operation: str) -> Unavailable:
         return Unavailable(
             f"tally writer {self.writer_id!r}: {operation} timed out after {timeout:g}s with "
-            f"{target - self.done} deltas not yet acknowledged by the coordinator "
+            f"{_words.count(target - self.done, 'delta')} not yet acknowledged by the coordinator "
             f"(last error: {self.last_error})"
         )
 
@@ -448,7 +452,9 @@ class WriterCore:
         if self.phase is Phase.NEW:
             if self.pending:
                 logger.warning(
-                    "tally writer %s closed unopened; discarding %d deltas", self.writer_id, len(self.pending)
+                    "tally writer %s closed unopened; discarding %s",
+                    self.writer_id,
+                    _words.count(len(self.pending), "delta"),
                 )
                 self._stop(FailedPrecondition("writer closed before it was opened"), discard=True)
             self.drop_cursors("closed unopened")

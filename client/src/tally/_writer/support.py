@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterable
 
 from tally._types import Delta, OpenedWriter
+from tally._words import count
 from tally.errors import Internal, InvalidArgument, LeaseLost, NotFound, TallyError, Unavailable
 
 logger = logging.getLogger("tally._writer")
@@ -79,19 +80,20 @@ def lease_lost_error(
     """Log a lost lease once, and the error that flush()/close() raise from then on."""
     logger.error(
         "tally writer %s lost its lease on checkpoint %r (the coordinator answered %s while %s: "
-        "%s); discarding %d buffered deltas. Its pending counts are gone, so its unfinished "
+        "%s); discarding %s. Its pending counts are gone, so its unfinished "
         "sources replay on the next run",
         writer_id,
         checkpoint,
         err.code.value,
         during,
         err.message,
-        buffered,
+        count(buffered, "buffered delta"),
     )
     return LeaseLost(
         f"tally writer {writer_id!r} lost its lease on checkpoint {checkpoint!r}: the "
-        f"coordinator no longer knows it ({err.message}). {buffered} buffered deltas were "
-        "discarded; unfinished sources replay on the next run. Open a new writer to continue.",
+        f"coordinator no longer knows it ({err.message}). {count(buffered, 'buffered delta')} "
+        f"{'was' if buffered == 1 else 'were'} discarded; unfinished sources replay on the next run. "
+        "Open a new writer to continue.",
         details=err.details,
     )
 
@@ -99,10 +101,10 @@ def lease_lost_error(
 def log_retry(writer_id: str, seq: int, size: int, failures: int, delay: float, err: TallyError) -> None:
     log = logger.warning if failures == 1 else logger.debug
     log(
-        "tally writer %s: batch %d (%d deltas) not delivered, retry %d in %.2fs: %s",
+        "tally writer %s: batch %d (%s) not delivered, retry %d in %.2fs: %s",
         writer_id,
         seq,
-        size,
+        count(size, "delta"),
         failures,
         delay,
         err.message,
@@ -112,13 +114,14 @@ def log_retry(writer_id: str, seq: int, size: int, failures: int, delay: float, 
 def log_batch_refused(writer_id: str, seq: int, err: TallyError, buffered: int) -> None:
     logger.error(
         "tally writer %s: the coordinator refused batch %d (%s: %s); the writer stops sending "
-        "and discards %d buffered deltas (their sources replay on the next run); "
+        "and discards %s (%s on the next run); "
         "flush()/close() will raise this error",
         writer_id,
         seq,
         err.code.value,
         err.message,
-        buffered,
+        count(buffered, "buffered delta"),
+        "its source replays" if buffered == 1 else "their sources replay",
     )
 
 
@@ -143,12 +146,12 @@ def warn_overflow(writer_id: str, max_buffered: int, *, before_open: bool) -> No
     )
 
 
-def warn_dropped(writer_id: str, count: int, why: str) -> None:
+def warn_dropped(writer_id: str, dropped: int, why: str) -> None:
     logger.warning(
-        "tally writer %s discards %d deltas given to apply_deltas after it stopped (%s); "
+        "tally writer %s discards %s given to apply_deltas after it stopped (%s); "
         "further discards are counted in health().dropped",
         writer_id,
-        count,
+        count(dropped, "delta"),
         why or "the writer is closed",
     )
 
@@ -178,9 +181,9 @@ def log_opened(opened: OpenedWriter, checkpoint: str, flush_interval_s: float) -
             opened.settle_ms,
         )
     logger.debug(
-        "tally writer %s opened on checkpoint %r (lease %.1fs, %d sources already completed)",
+        "tally writer %s opened on checkpoint %r (lease %.1fs, %s already completed)",
         opened.writer_id,
         checkpoint,
         opened.lease_ttl_s,
-        opened.completed_count,
+        count(opened.completed_count, "source"),
     )

@@ -145,7 +145,7 @@ def _status_one(c: tally.CheckpointStatus, *, wide: bool) -> None:
     grid.add_row("settling", str(c.settling_sources))
     grid.add_row("live writers", str(c.live_writers))
     if c.claimed_sources or wide:
-        grid.add_row("claimed", f"{c.claimed_sources} sources held by live writers")
+        grid.add_row("claimed", f"{count(c.claimed_sources, 'source')} held by live writers")
     grid.add_row("anomalies", _flag(c.anomalies))
     grid.add_row("unreadable files", _flag(c.unreadable_files))
     spec = "milliseconds" if wide else "seconds"
@@ -369,12 +369,18 @@ def remaining(
     if current.total <= 0:
         err.print(f"{checkpoint}: no sources declared (client.declare or writer(expected_sources=))")
     elif shown == 0 and current.remaining < 0:
-        err.print(f"{checkpoint}: {current.total} sources declared as a count: their ids are not known")
+        err.print(
+            f"{checkpoint}: {count(current.total, 'source')} declared as a count: their ids are not known"
+        )
     elif more:
-        left = f" of {current.remaining}" if current.remaining >= 0 else ""
-        err.print(f"{shown}{left} remaining sources of {checkpoint} (--limit {limit})")
+        left = (
+            f"{shown} of {count(current.remaining, 'remaining source')}"
+            if current.remaining >= 0
+            else count(shown, "remaining source")
+        )
+        err.print(f"{left} of {checkpoint} (--limit {limit})")
     else:
-        err.print(f"{shown} remaining sources of {checkpoint} (of {current.total} declared)")
+        err.print(f"{count(shown, 'remaining source')} of {checkpoint} (of {current.total} declared)")
 
 
 # --------------------------------------------------------------------------- writers, events
@@ -567,9 +573,14 @@ def failed(
         row += [Text(last.writer_id if last else "-"), Text(reasons or "-")]
         table.add_row(*row)
     out.print(table)
-    what = "sources with failed attempts" if all_ else "failed sources"
+    if all_:
+        one, many = "source with failed attempts", "sources with failed attempts"
+    else:
+        one, many = "failed source", "failed sources"
+    them = "it" if len(found) == 1 else "them"
     out.print(
-        f"{len(found)} {what} in {checkpoint} ({budget}); tally retry {checkpoint} [IDS...] runs them again"
+        f"{count(len(found), one, many)} in {checkpoint} ({budget}); "
+        f"tally retry {checkpoint} [IDS...] runs {them} again"
     )
 
 
@@ -621,7 +632,7 @@ def reset(
         current = client.checkpoint(checkpoint)
         if not yes:
             closing = (
-                f" and close its {current.live_writers} live writers"
+                f" and close its {count(current.live_writers, 'live writer')}"
                 if force and current.live_writers
                 else ""
             )
@@ -642,7 +653,7 @@ def reset(
         try:
             result = client.reset(checkpoint, force=force)
         except tally.FailedPrecondition as exc:
-            hint = "" if force else " (tally reset --force closes them)"
+            hint = "" if force else " (tally reset --force does that)"
             raise fail(exc.message + hint) from None
     moved = (
         f"moved {count(result.files_moved, 'file')} to {result.moved_to} in the server's data directory"

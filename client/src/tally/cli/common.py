@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tally
+from tally._words import count as count  # the CLI commands use it from here
 
 # In a pipe or a file nothing is cut or wrapped (rich would fit 80 columns): identifiers stay
 # whole, so `tally status | grep run-42` finds run-42.
@@ -130,11 +131,6 @@ def emit_json(value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "file")`` → ``"1 file"``."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def age(at: float, now: float | None = None) -> str:

@@ -159,7 +159,7 @@ def inspect(
         name = str(f.path) if output == Output.WIDE else f.path.name
         table.add_row(name, "-" if f.error else str(len(f.sources)), state)
     out.print(f"folder: {metadata_dir(folder)}")
-    out.print(f"completed sources: {len(completed)} (union of {len(readable)} readable files)")
+    out.print(f"completed sources: {len(completed)} (union of {count(len(readable), 'readable file')})")
     out.print(f"files: {len(files)}, unreadable: {len(files) - len(readable)}")
     if files:
         out.print(table)

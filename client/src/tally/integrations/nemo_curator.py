@@ -47,6 +47,7 @@ from tally._config import ClientConfig
 from tally._labels import environment_labels
 from tally._trace import TRACE_ENV
 from tally._types import FailureReport
+from tally._words import count
 from tally.errors import TallyError
 
 logger = logging.getLogger(__name__)
@@ -128,10 +129,10 @@ class TallyResumabilityProxy:
             self._client.close()
             raise
         logger.info(
-            "tally writer %s open on checkpoint %r (%d sources already completed)",
+            "tally writer %s open on checkpoint %r (%s already completed)",
             self._writer.writer_id,
             checkpoint,
-            self._writer.completed_at_open or 0,
+            count(self._writer.completed_at_open or 0, "source"),
         )
 
     def wait(self) -> int:
@@ -186,11 +187,14 @@ class TallyResumabilityProxy:
         if not failed:
             return done
         logger.warning(
-            "tally checkpoint %r: skipping %d failed sources (they used up the checkpoint's failure "
-            "budget; list them with `tally failed %s`, run them again after `tally retry %s`)",
+            "tally checkpoint %r: skipping %s (%s the checkpoint's failure budget; list %s with "
+            "`tally failed %s`, run %s again after `tally retry %s`)",
             self._checkpoint,
-            len(failed),
+            count(len(failed), "failed source"),
+            "it used up" if len(failed) == 1 else "they used up",
+            "it" if len(failed) == 1 else "them",
             self._checkpoint,
+            "it" if len(failed) == 1 else "them",
             self._checkpoint,
         )
         return [completed or sid in failed for sid, completed in zip(source_ids, done, strict=True)]
@@ -212,10 +216,10 @@ class TallyResumabilityProxy:
         failed = states.count("failed")
         if held or failed:
             logger.warning(
-                "tally checkpoint %r: skipping %d partitions other live writers hold and %d failed ones "
+                "tally checkpoint %r: skipping %s other live writers hold and %d failed "
                 "(`tally failed %s` lists those); %d claimed for this run",
                 self._checkpoint,
-                held,
+                count(held, "partition"),
                 failed,
                 self._checkpoint,
                 states.count("acquired"),
@@ -230,14 +234,14 @@ class TallyResumabilityProxy:
         except TallyError as err:
             self._declaring = False
             logger.warning(
-                "tally checkpoint %r: could not declare the source stage's %d partitions (no total, "
+                "tally checkpoint %r: could not declare the source stage's %s (no total, "
                 "percent or ETA in status views): %s",
                 self._checkpoint,
-                len(source_ids),
+                count(len(source_ids), "partition"),
                 err,
             )
             return
-        logger.info("tally checkpoint %r: %d sources declared", self._checkpoint, total)
+        logger.info("tally checkpoint %r: %s declared", self._checkpoint, count(total, "source"))
 
     def report_failure(self, source_id: str, reason: str = "") -> FailureReport:
         """Count a failed attempt at a source for the checkpoint's failure budget (durable on return).
@@ -468,7 +472,7 @@ def tally_for_nemo_curator(
                 ray.kill(actor)
             raise
         # A failed actor constructor surfaces from ray.get as RayActorError wrapping the TallyError.
-        logger.info("tally checkpoint %r: %d sources already completed", checkpoint, completed)
+        logger.info("tally checkpoint %r: %s already completed", checkpoint, count(completed, "source"))
     try:
         yield
     finally:

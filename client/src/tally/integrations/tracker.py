@@ -81,6 +81,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from tally._types import Claim, FailureReport
+from tally._words import count
 from tally.errors import TallyError
 
 __all__ = ["Report", "Task", "Tracker"]
@@ -363,7 +364,11 @@ class Tracker(_Book):
                 elif state == "held":
                     held.append(sid)
         if held:
-            logger.info("%d sources were held by other writers; asking once more", len(held))
+            logger.info(
+                "%s %s held by other writers; asking once more",
+                count(len(held), "source"),
+                "was" if len(held) == 1 else "were",
+            )
             for start in range(0, len(held), ahead):
                 claims = acquire(held[start : start + ahead])
                 for sid in held[start : start + ahead]:
@@ -378,7 +383,9 @@ class Tracker(_Book):
             declare(ids)
         except TallyError as err:
             self._declaring = False
-            logger.warning("could not declare %d sources (no total in status views): %s", len(ids), err)
+            logger.warning(
+                "could not declare %s (no total in status views): %s", count(len(ids), "source"), err
+            )
 
     def save_cursor(self, source_id: str, data: bytes) -> None:
         """Remember where the run got to inside ``source_id`` (at most 4096 bytes, e.g. a row offset).

@@ -260,30 +260,40 @@ class CheckpointStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ..., total: _Optional[int] = ..., remaining: _Optional[int] = ..., claimed_sources: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after", "limit")
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    limit: int
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "next_after")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class ListWritersRequest(_message.Message):
-    __slots__ = ("checkpoint", "include_closed", "limit")
+    __slots__ = ("checkpoint", "include_closed", "limit", "after")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     include_closed: bool
     limit: int
-    def __init__(self, checkpoint: _Optional[str] = ..., include_closed: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+    after: str
+    def __init__(self, checkpoint: _Optional[str] = ..., include_closed: _Optional[bool] = ..., limit: _Optional[int] = ..., after: _Optional[str] = ...) -> None: ...
 
 class ListWritersResponse(_message.Message):
-    __slots__ = ("writers",)
+    __slots__ = ("writers", "next_after")
     WRITERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     writers: _containers.RepeatedCompositeFieldContainer[WriterStatus]
-    def __init__(self, writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "checkpoint", "kind", "message", "at", "writer_id", "data_json", "severity")

@@ -222,13 +222,15 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCheckpoints(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListWriters(self, request, context):
-        """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry.
+        """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry,
+        paged with after/next_after.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,8 +52,11 @@ class CoordinatorStub:
     """Flush, finalize settling sources, drop pending state; reports what was left incomplete."""
     GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.CheckpointStatus]
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListCheckpointsRequest, _coordinator_pb2.ListCheckpointsResponse]
+    """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own)."""
     ListWriters: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListWritersRequest, _coordinator_pb2.ListWritersResponse]
-    """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry."""
+    """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry,
+    paged with after/next_after.
+    """
     ListEvents: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]
     """Events of a checkpoint, newest first, paged with before_id."""
     GetProgress: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetProgressRequest, _coordinator_pb2.GetProgressResponse]
@@ -113,8 +116,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Flush, finalize settling sources, drop pending state; reports what was left incomplete."""
     GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.CheckpointStatus]  # type: ignore[assignment]
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListCheckpointsRequest, _coordinator_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own)."""
     ListWriters: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListWritersRequest, _coordinator_pb2.ListWritersResponse]  # type: ignore[assignment]
-    """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry."""
+    """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry,
+    paged with after/next_after.
+    """
     ListEvents: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]  # type: ignore[assignment]
     """Events of a checkpoint, newest first, paged with before_id."""
     GetProgress: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetProgressRequest, _coordinator_pb2.GetProgressResponse]  # type: ignore[assignment]
@@ -218,7 +224,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _coordinator_pb2.ListCheckpointsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.ListCheckpointsResponse, _abc.Awaitable[_coordinator_pb2.ListCheckpointsResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.ListCheckpointsResponse, _abc.Awaitable[_coordinator_pb2.ListCheckpointsResponse]]:
+        """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own)."""
 
     @_abc_1.abstractmethod
     def ListWriters(
@@ -226,7 +233,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ListWritersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListWritersResponse, _abc.Awaitable[_coordinator_pb2.ListWritersResponse]]:
-        """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry."""
+        """Writers of a checkpoint: live ones first, then closed/expired/lost ones from the registry,
+        paged with after/next_after.
+        """
 
     @_abc_1.abstractmethod
     def ListEvents(

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from tally_server.domain.checkpoint import WriterSession
 from tally_server.domain.validation import Limits
+from tally_server.domain.words import count
 from tally_server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 
 
@@ -28,8 +29,8 @@ def admit_writer(
         )
     if len(live) >= limits.max_writers_per_checkpoint:
         raise ResourceExhausted(
-            f"checkpoint {checkpoint!r} already has {len(live)} live writers, the limit (setting "
-            f"max_writers_per_checkpoint={limits.max_writers_per_checkpoint}); close some writers or "
+            f"checkpoint {checkpoint!r} already has {count(len(live), 'live writer')}, the limit (setting "
+            f"max_writers_per_checkpoint={limits.max_writers_per_checkpoint}); close a writer or "
             "raise the limit",
         )
 
@@ -43,7 +44,13 @@ def check_reset(checkpoint: str, live: Mapping[str, WriterSession], *, force: bo
     if live and not force:
         ids = ", ".join(sorted(live)[:10])
         raise FailedPrecondition(
-            f"checkpoint {checkpoint!r} has {len(live)} live writers ({ids}); stop them first, or force "
-            "the reset (their pending state is dropped and their clients get NOT_FOUND)",
+            f"checkpoint {checkpoint!r} has {count(len(live), 'live writer')} ({ids}); "
+            + (
+                "stop it first, or force the reset (its pending state is dropped and its client gets "
+                "NOT_FOUND)"
+                if len(live) == 1
+                else "stop them first, or force the reset (their pending state is dropped and their "
+                "clients get NOT_FOUND)"
+            ),
             live_writers=len(live),
         )

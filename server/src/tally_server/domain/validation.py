@@ -337,6 +337,38 @@ def before_id(value: int) -> int:
     return value
 
 
+# Pages of checkpoints and of writers (ListCheckpoints, ListWriters): items are whole statuses, so
+# the most per page is a fixed 10,000 rather than max_ids_per_query.
+DEFAULT_STATUS_PAGE = 1000
+MAX_STATUS_PAGE = 10_000
+
+
+def status_page_limit(limit: int, what: str) -> int:
+    """``limit`` of a page of checkpoints or writers (``what``), 0 meaning the default 1,000; else raise."""
+    limit = limit or DEFAULT_STATUS_PAGE
+    if not 0 < limit <= MAX_STATUS_PAGE:
+        raise InvalidArgument(
+            f"limit {describe(limit)} is out of range; ask for 1 to {MAX_STATUS_PAGE:,} {what} per page "
+            f"(0: {DEFAULT_STATUS_PAGE:,})",
+            field="limit",
+        )
+    return limit
+
+
+def checkpoint_after(after: str, limits: Limits) -> str:
+    """``after`` of a page of checkpoints: empty, or a checkpoint name (the previous page's next_after)."""
+    if after:
+        try:
+            checkpoint_name(after, limits)
+        except InvalidArgument as exc:
+            raise InvalidArgument(
+                f"after is not a checkpoint name ({exc.message}); pass the previous page's next_after, "
+                "or '' for the first page",
+                field="after",
+            ) from None
+    return after
+
+
 def _id(what: str, value: str, limits: Limits, field: str | None = None) -> None:
     """Refuse an empty, non-UTF-8 or oversized id; ``field`` (default: ``what``) names it in the refusal."""
     field = field or what

@@ -11,6 +11,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server import auth
 from tally_server.domain import validation
+from tally_server.domain.words import count
 from tally_server.errors import InvalidArgument
 from tally_server.grpc_api import convert
 from tally_server.service import CoordinatorService
@@ -82,7 +83,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.HasField("columns"):
             if request.deltas:
                 raise InvalidArgument(
-                    f"the batch came both as {len(request.deltas)} deltas and as columns; "
+                    f"the batch came both as {count(len(request.deltas), 'delta')} and as columns; "
                     "send one of the two",
                     field="columns",
                 )
@@ -131,17 +132,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Context
     ) -> pb.ListCheckpointsResponse:
-        """Every known checkpoint's status."""
-        # A scoped token sees only the checkpoints it may read.
-        views = [v for v in await self._service.list_checkpoints() if auth.current().may_read(v.name)]
-        return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint_status(v) for v in views])
+        """A page of checkpoints' statuses, by name."""
+        # A scoped token sees only the checkpoints it may read (pages are made of those).
+        page = await self._service.list_checkpoints(
+            after=request.after, limit=request.limit, visible=auth.current().may_read
+        )
+        return pb.ListCheckpointsResponse(
+            checkpoints=[convert.checkpoint_status(v) for v in page.checkpoints], next_after=page.next_after
+        )
 
     async def ListWriters(self, request: pb.ListWritersRequest, context: Context) -> pb.ListWritersResponse:
-        """Writers of a checkpoint: live ones first, then past ones if asked."""
-        writers = await self._service.list_writers(
-            request.checkpoint, include_closed=request.include_closed, limit=request.limit or 100
+        """A page of a checkpoint's writers: live ones first, then past ones if asked."""
+        page = await self._service.list_writers(
+            request.checkpoint,
+            include_closed=request.include_closed,
+            after=request.after,
+            limit=request.limit,
         )
-        return pb.ListWritersResponse(writers=[convert.writer_status(w) for w in writers])
+        return pb.ListWritersResponse(
+            writers=[convert.writer_status(w) for w in page.writers], next_after=page.next_after
+        )
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
         """A checkpoint's events, newest first, paged."""

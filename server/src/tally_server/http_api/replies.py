@@ -92,16 +92,27 @@ class FlushReply:
 
 @dataclass(frozen=True)
 class ListCheckpointsReply:
-    """Checkpoints with their progress."""
+    """A page of checkpoints with their progress, by name in byte order."""
 
     checkpoints: list[CheckpointView]
+    next_after: str = field(
+        metadata={
+            "description": "Pass as after for the next page (the last name listed); empty on the last page."
+        },
+    )
 
 
 @dataclass(frozen=True)
 class ListWritersReply:
-    """Writers of one checkpoint."""
+    """A page of one checkpoint's writers: live ones by writer_id, then ended ones newest first."""
 
     writers: list[WriterView]
+    next_after: str = field(
+        metadata={
+            "description": "Pass as after for the next page, unchanged (a position such as "
+            "'live/<writer_id>', not a writer id); empty on the last page."
+        },
+    )
 
 
 @dataclass(frozen=True)

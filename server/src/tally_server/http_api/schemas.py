@@ -12,11 +12,13 @@ from fastapi import Path, Query
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tally_server.domain.validation import (
+    DEFAULT_STATUS_PAGE,
     MAX_CURSOR_BYTES,
     MAX_DETAILS_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_PID,
     MAX_SESSION_TOKEN,
+    MAX_STATUS_PAGE,
     Limits,
 )
 
@@ -251,4 +253,5 @@ AfterParam = Annotated[
     str,
     Query(description="Start after this source id (byte order): the previous page's next_after; '' first."),
 ]
+STATUS_PAGE_LIMIT = f"{{what}} per page: 1 to {MAX_STATUS_PAGE:,}; 0: {DEFAULT_STATUS_PAGE:,}."
 HandleParam = Annotated[str, Path(description="The writer's handle, as OpenWriter returned it.")]

@@ -8,6 +8,7 @@ from tally_server.service.coordinator import CoordinatorService
 from tally_server.service.stats import ServiceStats
 from tally_server.service.views import (
     AppliedBatch,
+    CheckpointPage,
     CheckpointView,
     ClaimView,
     ClosedWriter,
@@ -25,11 +26,13 @@ from tally_server.service.views import (
     ResetResult,
     SavedCursors,
     TokenCheck,
+    WriterPage,
     WriterView,
 )
 
 __all__ = [
     "AppliedBatch",
+    "CheckpointPage",
     "CheckpointView",
     "ClaimView",
     "ClosedWriter",
@@ -49,5 +52,6 @@ __all__ = [
     "SavedCursors",
     "ServiceStats",
     "TokenCheck",
+    "WriterPage",
     "WriterView",
 ]

@@ -11,6 +11,7 @@ from tally_server.domain.admission import check_reset
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.ports import CheckpointRecord, PutCompleted
+from tally_server.domain.words import count
 from tally_server.errors import AlreadyExists, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -60,14 +61,14 @@ class Admin:
         core.event(
             checkpoint,
             EventKind.IMPORTED,
-            f"{_count(len(new), 'completed source')} imported into {import_id}.mdb "
+            f"{count(len(new), 'completed source')} imported into {import_id}.mdb "
             f"({len(source_ids) - len(new)} already completed)"
             if new
             else "nothing imported: "
             + (
                 "the one source offered was"
                 if len(source_ids) == 1
-                else f"all {len(source_ids)} sources offered were"
+                else f"all {count(len(source_ids), 'source')} offered were"
             )
             + " already completed",
             import_id,
@@ -122,10 +123,10 @@ class Admin:
             core.event(
                 name,
                 EventKind.CHECKPOINT_RESET,
-                f"checkpoint reset: {_count(files, 'file')} moved to {moved_to} (the trash); "
-                f"{_count(closed, 'live writer')} closed"
+                f"checkpoint reset: {count(files, 'file')} moved to {moved_to} (the trash); "
+                f"{count(closed, 'live writer')} closed"
                 if moved_to
-                else f"checkpoint reset: no files to move; {_count(closed, 'live writer')} closed",
+                else f"checkpoint reset: no files to move; {count(closed, 'live writer')} closed",
                 moved_to=moved_to,
                 files_moved=files,
                 writers_closed=closed,
@@ -133,8 +134,3 @@ class Admin:
             return ResetResult(moved_to, files, closed)
         finally:
             self._checkpoints.resetting.discard(name)
-
-
-def _count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1."""
-    return f"{n} {noun if n == 1 else noun + 's'}"

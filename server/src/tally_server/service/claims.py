@@ -25,6 +25,7 @@ from tally_server.domain.checkpoint import Checkpoint, Claim
 from tally_server.domain.events import EventKind
 from tally_server.domain.ledger import Delta
 from tally_server.domain.ports import ClaimRecord
+from tally_server.domain.words import count
 from tally_server.errors import Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -157,8 +158,9 @@ class Claims:
         self._core.event(
             cp.name,
             EventKind.DELTAS_REFUSED,
-            f"{refused} deltas of writer {session.writer_id} for {len(sources)} sources another live writer "
-            f"holds were refused, not applied: {named}. Acquire sources before working on them",
+            f"{count(refused, 'delta')} of writer {session.writer_id} for {count(len(sources), 'source')} "
+            f"another live writer holds {'was' if refused == 1 else 'were'} refused, not applied: {named}. "
+            "Acquire sources before working on them",
             session.writer_id,
             refused=refused,
             sources=len(sources),

@@ -24,6 +24,7 @@ from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import Delta
 from tally_server.domain.ports import CompletionStore, JointCommit, Journal, Registry
 from tally_server.domain.validation import Limits
+from tally_server.domain.words import count
 from tally_server.service.admin import Admin
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.claims import Claims
@@ -39,6 +40,7 @@ from tally_server.service.status import CheckpointGauges, Status
 from tally_server.service.totals import Totals
 from tally_server.service.views import (
     AppliedBatch,
+    CheckpointPage,
     CheckpointView,
     ClaimView,
     ClosedWriter,
@@ -54,7 +56,7 @@ from tally_server.service.views import (
     ResetResult,
     SavedCursors,
     TokenCheck,
-    WriterView,
+    WriterPage,
 )
 from tally_server.service.writers import Writers
 
@@ -172,7 +174,8 @@ class CoordinatorService:
         await self._claims.restore(await core.registry_read(core.registry.live_claims), restored)
         if restored:
             log.info(
-                "restored %d writers from the journal; each has a whole lease to come back", len(restored)
+                "restored %s from the journal; each has a whole lease to come back",
+                count(len(restored), "writer"),
             )
         keep = [session.handle for session in restored]
         lost = await core.registry_write(core.registry.mark_open_writers, WriterState.LOST, core.wall(), keep)
@@ -238,7 +241,7 @@ class CoordinatorService:
         try:
             await core.bookkeeping.flush()
         except Exception:
-            log.exception("writing %d registry rows during shutdown failed", core.bookkeeping.queued)
+            log.exception("writing %s during shutdown failed", count(core.bookkeeping.queued, "registry row"))
         await core.committer.close()
         core.completions.close()
         self._journal.close()
@@ -447,15 +450,19 @@ class CoordinatorService:
         """One checkpoint's status, from memory."""
         return await self._status.get_checkpoint(name)
 
-    async def list_checkpoints(self) -> list[CheckpointView]:
-        """Every known checkpoint's status, from memory."""
-        return await self._status.list_checkpoints()
+    async def list_checkpoints(
+        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+    ) -> CheckpointPage:
+        """A page of the checkpoints ``visible`` lets through (a scoped token's), by name, from memory."""
+        return await self._status.list_checkpoints(after=after, limit=limit, visible=visible)
 
     async def list_writers(
-        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
-    ) -> list[WriterView]:
-        """Live writers, then (``include_closed``) past ones, newest first."""
-        return await self._status.list_writers(checkpoint, include_closed=include_closed, limit=limit)
+        self, checkpoint: str, *, include_closed: bool = False, after: str = "", limit: int = 0
+    ) -> WriterPage:
+        """A page of writers: live ones by writer id, then (``include_closed``) past ones, newest first."""
+        return await self._status.list_writers(
+            checkpoint, include_closed=include_closed, after=after, limit=limit
+        )
 
     async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
         """Events newest first, paged with ``before_id``."""

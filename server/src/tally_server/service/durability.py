@@ -35,6 +35,7 @@ from tally_server.domain.ports import (
     JournalEntry,
     PutCompleted,
 )
+from tally_server.domain.words import count
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.sessions import Session
@@ -162,7 +163,7 @@ class Durability:
         cp.cursored.difference_update(done)
         # If the registry is down, read-time deletion covers it: a completed source's is never shown.
         self._core.write_behind(
-            f"delete the cursors of {len(done)} completed sources of {cp.name}",
+            f"delete the cursors of {count(len(done), 'completed source')} of {cp.name}",
             self._core.registry.delete_cursors,
             cp.name,
             sorted(done),

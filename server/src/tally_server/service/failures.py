@@ -19,6 +19,7 @@ from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint
 from tally_server.domain.events import EventKind
 from tally_server.domain.ports import FailedAttemptRecord
+from tally_server.domain.words import count
 from tally_server.errors import FailedPrecondition, InvalidArgument
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -71,8 +72,8 @@ class Failures:
             core.event(
                 cp.name,
                 EventKind.SOURCE_FAILED,
-                f"source {source_id} failed {attempts} times, the checkpoint's budget: it is skipped until "
-                f"retried (tally retry {cp.name} {source_id}); last reason: {attempt.reason}",
+                f"source {source_id} failed {count(attempts, 'time')}, the checkpoint's budget: it is "
+                f"skipped until retried (tally retry {cp.name} {source_id}); last reason: {attempt.reason}",
                 writer_id,
                 source_id=source_id,
                 attempts=attempts,
@@ -132,7 +133,8 @@ class Failures:
         core.event(
             checkpoint,
             EventKind.FAILURES_CLEARED,
-            f"failed attempts of {len(cleared)} sources cleared; they run again"
+            f"failed attempts of {count(len(cleared), 'source')} cleared; "
+            + ("it runs again" if len(cleared) == 1 else "they run again")
             + (f": {', '.join(cleared[:10])}" + (" ..." if len(cleared) > 10 else "") if asked else ""),
             cleared=len(cleared),
         )
@@ -163,7 +165,7 @@ class Failures:
             del cp.failures[sid]
         # If the registry is down, they are cleared later: retry clears them, completion wins anyway.
         self._core.write_behind(
-            f"clear the failures of {len(done)} completed sources of {cp.name}",
+            f"clear the failures of {count(len(done), 'completed source')} of {cp.name}",
             self._core.registry.clear_failures,
             cp.name,
             done,

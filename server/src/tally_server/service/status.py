@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,14 @@ from tally_server.errors import InvalidArgument, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.views import (
+    CheckpointPage,
     CheckpointView,
     CompletedPage,
     CursorView,
     EventPage,
     EventView,
     ProgressSample,
+    WriterPage,
     WriterView,
 )
 
@@ -98,9 +101,21 @@ class Status:
         """One checkpoint's status, from memory (its id set is not loaded for this)."""
         return self.view(await self._checkpoints.existing(name))
 
-    async def list_checkpoints(self) -> list[CheckpointView]:
-        """Every known checkpoint's status, from memory: no registry query, no id set loaded."""
-        return [self.view(cp) for _, cp in sorted(self._checkpoints.known.items())]
+    async def list_checkpoints(
+        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+    ) -> CheckpointPage:
+        """A page of the checkpoints ``visible`` lets through, by name in byte order after ``after``.
+
+        From memory: no registry query, no id set loaded. ``limit`` 0 is the default page.
+        """
+        limit = validation.status_page_limit(limit, "checkpoints")
+        validation.checkpoint_after(after, self._core.limits)
+        names = sorted(
+            (name for name in self._checkpoints.known if name.encode() > after.encode() and visible(name)),
+            key=str.encode,
+        )
+        page = [self.view(self._checkpoints.known[name]) for name in names[:limit]]
+        return CheckpointPage(page, page[-1].name if len(names) > limit else "")
 
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
         """Whether each source is in the checkpoint's live completed set (loads it if needed)."""
@@ -125,25 +140,39 @@ class Status:
             pass  # the read below says so if the registry is down
 
     async def list_writers(
-        self, checkpoint: str, *, include_closed: bool = False, limit: int = 100
-    ) -> list[WriterView]:
-        """Live writers (fresh counters from memory), then past ones from the registry, newest first."""
+        self, checkpoint: str, *, include_closed: bool = False, after: str = "", limit: int = 0
+    ) -> WriterPage:
+        """A page of writers: live ones by writer id, then (``include_closed``) past ones, newest first.
+
+        Live writers' counters are fresh from memory; past ones come from the registry. ``after`` is
+        a ``next_after`` this returned (see :func:`writer_position`).
+        """
+        limit = validation.status_page_limit(limit, "writers")
+        start = writer_position(after) if after else None
         cp = await self._checkpoints.existing(checkpoint)
         live = self.view(cp).writers
-        if not include_closed:
-            return live[: max(limit, 0)]
-        core = self._core
-        await self._written()
-        records = await core.registry_read(core.registry.list_writers, checkpoint)
-        live_ids = {w.writer_id for w in live}
-        queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
-        records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
-        past = [
-            WriterView.of(r)
-            for r in sorted(records, key=lambda r: r.opened_at, reverse=True)
-            if r.state != WriterState.OPEN or r.writer_id not in live_ids
-        ]
-        return (live + past)[: max(limit, 0)]
+        listed = [(_live_key(w), w) for w in live]
+        if include_closed:
+            core = self._core
+            await self._written()
+            records = await core.registry_read(core.registry.list_writers, checkpoint)
+            live_ids = {w.writer_id for w in live}
+            queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
+            records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
+            listed += [
+                (_ended_key(w), w)
+                for w in (
+                    WriterView.of(r)
+                    for r in records
+                    if r.state != WriterState.OPEN or r.writer_id not in live_ids
+                )
+            ]
+        listed.sort(key=lambda entry: entry[0])
+        if start is not None:
+            listed = [entry for entry in listed if entry[0] > start]
+        page = listed[:limit]
+        more = len(listed) > limit
+        return WriterPage([w for _, w in page], _writer_cursor(page[-1][1], page[-1][0]) if more else "")
 
     async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
         """The checkpoint's events newest first, read once the write-behind has written what it queued."""
@@ -270,3 +299,42 @@ class Status:
         more = len(page) > limit
         page = page[:limit]
         return CompletedPage(page, page[-1] if more and page else "")
+
+
+# Where a writer stands in ListWriters' order: live writers by writer id, then ended ones newest first.
+# Both shapes start with the group (0: live, 1: ended), so the tuples of the two groups compare.
+_Position = tuple[int, bytes] | tuple[int, float, bytes]
+
+
+def _live_key(w: WriterView) -> _Position:
+    return (0, w.writer_id.encode())
+
+
+def _ended_key(w: WriterView) -> _Position:
+    return (1, -w.opened_at, w.writer_id.encode())
+
+
+def _writer_cursor(w: WriterView, key: _Position) -> str:
+    """The ``next_after`` after ``w``: ``live/<writer_id>`` or ``ended/<opened_at>/<writer_id>``."""
+    return f"live/{w.writer_id}" if key[0] == 0 else f"ended/{w.opened_at!r}/{w.writer_id}"
+
+
+def writer_position(after: str) -> _Position:
+    """The position an ``after`` of ListWriters names (a ``next_after`` it returned), else raise."""
+    group, _, rest = after.partition("/")
+    if group == "live" and rest:
+        return (0, rest.encode("utf-8", "surrogatepass"))
+    if group == "ended":
+        opened_at, _, writer_id = rest.partition("/")
+        try:
+            at = float(opened_at)
+        except ValueError:
+            at = math.nan
+        if writer_id and math.isfinite(at):
+            return (1, -at, writer_id.encode("utf-8", "surrogatepass"))
+    raise InvalidArgument(
+        f"after {validation.describe(after)} is not a position in the list of writers: pass the "
+        "previous page's next_after unchanged ('live/<writer_id>' or 'ended/<opened_at>/<writer_id>'), "
+        "or '' for the first page",
+        field="after",
+    )

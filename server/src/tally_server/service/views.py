@@ -139,6 +139,22 @@ class CompletedPage:
 
 
 @dataclass(frozen=True)
+class CheckpointPage:
+    """Checkpoints by name in byte order; ``next_after`` pages on ("" on the last page)."""
+
+    checkpoints: list[CheckpointView]
+    next_after: str
+
+
+@dataclass(frozen=True)
+class WriterPage:
+    """Writers in their listing order (live by id, then ended newest first); ``next_after`` pages on."""
+
+    writers: list[WriterView]
+    next_after: str
+
+
+@dataclass(frozen=True)
 class ImportResult:
     """How many of the offered source ids were new, and the checkpoint's completed count after."""
 

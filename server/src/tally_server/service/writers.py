@@ -24,6 +24,7 @@ from tally_server.domain.journal import Applied, Persisted
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
 from tally_server.domain.ports import CompletionOp, CursorRecord, DeleteCompleted, PutCompleted
+from tally_server.domain.words import count
 from tally_server.errors import FailedPrecondition, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.claims import Claims
@@ -301,7 +302,8 @@ class Writers:
             core.event(
                 cp.name,
                 EventKind(f"writer_{state}"),
-                f"writer {session.writer_id} {why}; {len(incomplete)} sources left incomplete will replay",
+                f"writer {session.writer_id} {why}; "
+                f"{count(len(incomplete), 'source')} left incomplete will replay",
                 session.writer_id,
                 incomplete=len(incomplete),
             )

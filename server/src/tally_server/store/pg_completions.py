@@ -33,6 +33,7 @@ from tally_server.domain.ports import (
     LoadedIndex,
     PutCompleted,
 )
+from tally_server.domain.words import count
 from tally_server.store import postgres
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_schema import (
@@ -381,10 +382,9 @@ class PgCompletionStore:
                 found = {bytes(r[0]) for r in conn.execute(_CONTAINS, params)}
         except postgres.TRANSIENT as exc:
             logger.warning(
-                "checkpoint %r: cannot look up %d completed ids in the PostgreSQL store %s (%s); "
-                "answering not completed",
+                "checkpoint %r: cannot look up %s in the PostgreSQL store %s (%s); answering not completed",
                 checkpoint,
-                len(keys),
+                count(len(keys), "completed id"),
                 self.display_url,
                 postgres.cause(exc),
             )

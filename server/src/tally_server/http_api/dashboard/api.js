@@ -107,6 +107,35 @@ export async function getJson(path, signal) {
   }
 }
 
+// Items asked for per page of a list that pages with after / limit / next_after (the server's default).
+const PAGE_SIZE = 1000;
+
+/** GET a list route page by page, following next_after: resolves to { [key]: every item }.
+ *
+ * Stops once `want` items are in (the route's order decides which). `identity(item)` drops an item
+ * listed twice (a writer that ended between two pages comes again among the ended ones).
+ */
+export async function getPages(path, key, signal, { want = Infinity, identity = null } = {}) {
+  const items = [];
+  const seen = new Set();
+  const joiner = path.includes("?") ? "&" : "?";
+  let after = "";
+  for (;;) {
+    const limit = Math.max(1, Math.min(PAGE_SIZE, want - items.length));
+    const cursor = after ? `&after=${encodeURIComponent(after)}` : "";
+    const reply = await getJson(`${path}${joiner}limit=${limit}${cursor}`, signal);
+    for (const item of reply && Array.isArray(reply[key]) ? reply[key] : []) {
+      const id = identity ? identity(item) : null;
+      if (id !== null && seen.has(id)) continue;
+      if (id !== null) seen.add(id);
+      items.push(item);
+    }
+    const next = reply && typeof reply.next_after === "string" ? reply.next_after : "";
+    if (!next || next === after || items.length >= want) return { [key]: items.slice(0, want) };
+    after = next;
+  }
+}
+
 /** Splits Server-Sent Events text into the data of each event (the only field /v1/watch sends).
  *  Exported for the browser test, which feeds it every chunking of a tricky stream. */
 export class SseParser {

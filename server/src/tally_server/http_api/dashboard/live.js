@@ -7,7 +7,7 @@
  * as the stream says a writer came or went or a problem was counted.
  */
 
-import { ApiError, getJson, getToken, watch } from "./api.js";
+import { ApiError, getJson, getPages, getToken, watch } from "./api.js";
 import { EVENTS_PAGE, WRITERS_LIMIT, changed, prefs, state } from "./state.js";
 
 const POLL_MS = 5000;
@@ -70,7 +70,7 @@ class ListSession {
     let wait = POLL_MS;
     this.readReplicas(); // on its own: a slow database read never holds the list back
     try {
-      const reply = await getJson("v1/checkpoints", this.ctrl.signal);
+      const reply = await getPages("v1/checkpoints", "checkpoints", this.ctrl.signal);
       if (stale()) return;
       state.list.set(reply);
       succeeded();
@@ -200,7 +200,10 @@ class CheckpointSession {
     try {
       const [writers, events, progress] = await Promise.allSettled([
         // Every live writer (the stream has them all, so does the table) and the latest closed ones.
-        getJson(`v1/writers?checkpoint=${enc}&include_closed=${prefs.showClosed}&limit=${liveCount + WRITERS_LIMIT}`, signal),
+        getPages(`v1/writers?checkpoint=${enc}&include_closed=${prefs.showClosed}`, "writers", signal, {
+          want: liveCount + WRITERS_LIMIT,
+          identity: (w) => `${w.writer_id} ${w.opened_at}`,
+        }),
         getJson(`v1/events?checkpoint=${enc}&limit=${EVENTS_PAGE}`, signal),
         getJson(`v1/progress?checkpoint=${enc}&since=${samples.since}`, signal),
       ]);

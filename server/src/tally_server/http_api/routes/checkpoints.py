@@ -5,7 +5,7 @@
 from enum import Enum
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Path, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from starlette.convertors import Convertor, register_url_convertor
 
 from tally_server.auth import Principal
@@ -63,10 +63,18 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     @app.get("/v1/checkpoints", tags=TAGS, responses=ERROR_REPLIES, response_model=r.ListCheckpointsReply)
     async def list_checkpoints(
         caller: Annotated[Principal, Depends(guard.requires("ListCheckpoints"))],
+        after: Annotated[
+            str,
+            Query(
+                description="Start after this checkpoint name (byte order): the previous page's "
+                "next_after; '' first."
+            ),
+        ] = "",
+        limit: Annotated[int, Query(description=s.STATUS_PAGE_LIMIT.format(what="Checkpoints"))] = 0,
     ) -> r.ListCheckpointsReply:
-        """Every checkpoint with its progress (for a scoped token: the checkpoints it may read)."""
-        views = [v for v in await service.list_checkpoints() if caller.may_read(v.name)]
-        return r.ListCheckpointsReply(checkpoints=views)
+        """Checkpoints with their progress by name, paged (a scoped token: those it may read)."""
+        page = await service.list_checkpoints(after=after, limit=limit, visible=caller.may_read)
+        return r.ListCheckpointsReply(checkpoints=page.checkpoints, next_after=page.next_after)
 
     @app.get(
         "/v1/checkpoints/{name:tally_any_path}",

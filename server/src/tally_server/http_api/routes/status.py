@@ -50,11 +50,17 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         include_closed: Annotated[
             bool, Query(description="Past writers too (closed, expired, lost), after the live ones.")
         ] = False,
-        limit: Annotated[int, Query(description="At most this many writers; 0 or less: none.")] = 100,
+        after: Annotated[
+            str,
+            Query(
+                description="Start after this position: the previous page's next_after, unchanged; '' first."
+            ),
+        ] = "",
+        limit: Annotated[int, Query(description=s.STATUS_PAGE_LIMIT.format(what="Writers"))] = 0,
     ) -> r.ListWritersReply:
-        """Writers of a checkpoint: live ones, then (include_closed) past ones, newest first."""
-        writers = await service.list_writers(checkpoint, include_closed=include_closed, limit=limit)
-        return r.ListWritersReply(writers=writers)
+        """Writers of a checkpoint: live ones by writer_id, then (include_closed) past ones, newest first."""
+        page = await service.list_writers(checkpoint, include_closed=include_closed, after=after, limit=limit)
+        return r.ListWritersReply(writers=page.writers, next_after=page.next_after)
 
     @app.get(
         "/v1/cursors",

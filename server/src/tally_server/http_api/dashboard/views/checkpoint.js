@@ -2,7 +2,7 @@
 
 import { chartView, currentRate, progressPoints } from "../chart.js";
 import { h } from "../dom.js";
-import { fmtAgo, fmtEta, fmtInt, fmtPercent, fmtRate, fmtStamp, totalOf } from "../format.js";
+import { fmtAgo, fmtEta, fmtInt, fmtPercent, fmtRate, fmtStamp, plural, totalOf } from "../format.js";
 import { RANGES, prefs, rangeSeconds } from "../state.js";
 import { activityPill } from "./common.js";
 import { eventsPanel } from "./events.js";
@@ -82,7 +82,7 @@ function tiles(cp, rate, closed) {
     tile(
       "Live writers",
       fmtInt(cp.live_writers),
-      [closed ? `${fmtInt(closed)} closed` : "", cp.claimed_sources > 0 ? `${fmtInt(cp.claimed_sources)} sources claimed` : ""]
+      [closed ? `${fmtInt(closed)} closed` : "", cp.claimed_sources > 0 ? `${plural(cp.claimed_sources, "source")} claimed` : ""]
         .filter(Boolean)
         .join(" · "),
       "",
@@ -101,7 +101,7 @@ function tiles(cp, rate, closed) {
       ? tile(
           "Failed sources",
           fmtInt(cp.failed_sources || 0),
-          `${fmtInt(cp.max_attempts)} failed attempts each; skipped until tally retry`,
+          `${plural(cp.max_attempts, "failed attempt")} each; skipped until tally retry`,
           cp.failed_sources > 0 ? "bad" : "",
           "failed",
         )

@@ -34,7 +34,7 @@ function checkpointCard(cp) {
       h("span", { class: "num", "data-testid": "completed-count" }, fmtInt(cp.completed_count)),
       h("span", { class: "unit" }, "completed"),
       total
-        ? h("span", { class: "unit pct", "data-testid": "percent", title: `${fmtInt(cp.completed_count)} of ${fmtInt(cp.total)} declared sources` }, `${fmtPercent(total.percent)} of ${fmtInt(cp.total)}`)
+        ? h("span", { class: "unit pct", "data-testid": "percent", title: `${fmtInt(cp.completed_count)} of ${plural(cp.total, "declared source")}` }, `${fmtPercent(total.percent)} of ${fmtInt(cp.total)}`)
         : null,
     ),
     total ? h("progress", { class: "total-bar", max: cp.total, value: Math.min(cp.completed_count, cp.total) }) : null,
