@@ -479,10 +479,17 @@ def source_id_chunks(ids: Iterable[str]) -> list[list[str]]:
         # A lone string would be iterated character by character: almost surely a mistake.
         raise InvalidArgument(f"source ids must be a list of strings, not a single {type(ids).__name__}")
     items = list(ids)
-    for i, sid in enumerate(items):
-        if not isinstance(sid, str):
-            raise InvalidArgument(f"source_ids[{i}] is {type(sid).__name__} {sid!r}; source ids are strings")
-    return [items[i : i + ARE_COMPLETED_CHUNK] for i in range(0, len(items), ARE_COMPLETED_CHUNK)]
+    chunks = [items[i : i + ARE_COMPLETED_CHUNK] for i in range(0, len(items), ARE_COMPLETED_CHUNK)]
+    try:
+        for chunk in chunks:
+            "".join(chunk)  # refuses anything but a str, at C speed (a chunk at a time: little memory)
+    except TypeError:
+        for i, sid in enumerate(items):
+            if not isinstance(sid, str):
+                raise InvalidArgument(
+                    f"source_ids[{i}] is {type(sid).__name__} {sid!r}; source ids are strings"
+                ) from None
+    return chunks
 
 
 def are_completed(checkpoint: str, ids: Iterable[str]) -> Plan[list[bool]]:

@@ -168,6 +168,7 @@ def test_watch_passes_refusals_through(client: Client, fake: FakeTransport) -> N
         (lambda c: c.completed("cp", page_size=0), "page_size must be a positive integer"),
         (lambda c: c.import_completed("cp", "abc", import_id="x"), "not a single str"),
         (lambda c: c.import_completed("cp", [1], import_id="x"), "source ids are strings"),
+        (lambda c: c.are_completed("cp", ["a"] * 25_000 + [b"b"]), r"source_ids\[25000\] is bytes b'b'"),
         (lambda c: c.import_completed("cp", ["a"], import_id=""), "import_id must be a non-empty string"),
         (lambda c: c.reset(None), "checkpoint must be a non-empty string"),
         (lambda c: c.watch("cp", interval_s=0), "interval_s must be a positive number"),

@@ -294,3 +294,13 @@ def test_a_batch_is_refused_exactly_when_one_of_its_deltas_is(batch: list[tuple[
             with pytest.raises(InvalidArgument) as info:
                 check()
             assert str(info.value).startswith(expected)
+
+
+def test_plain_ids_pass_the_quick_check_and_others_go_to_the_careful_one() -> None:
+    limits = Limits(max_id_bytes=8, max_ids_per_query=3)
+    assert validation.plain_source_ids(["a", "s" * 8], limits) == ("a", "s" * 8)
+    # None is "look closer", never a verdict: source_ids then accepts or names what is wrong.
+    assert validation.plain_source_ids(["é"], limits) is None
+    assert validation.source_ids(["é"], limits) == ("é",)
+    for ids in (["a", ""], ["s" * 9], ["a"] * 4):
+        assert validation.plain_source_ids(ids, limits) is None

@@ -4,6 +4,7 @@ not in a completion file is ever reported completed, and the count stays exact."
 from __future__ import annotations
 
 import functools
+import zlib
 from pathlib import Path
 
 from tally_server.domain.checkpoint import CompletedSet
@@ -92,3 +93,26 @@ def test_keys_page_through_several_files_in_key_order(tmp_path: Path) -> None:
             pages += keys
             after = keys[-1] if keys else after
         assert pages == sorted(s.encode() for s in ids)
+
+
+def test_answers_keep_their_places_when_hits_of_many_files_are_confirmed_together(tmp_path: Path) -> None:
+    """Hits are grouped by file to be confirmed: each answer must still land on its own id.
+
+    ``<id>~`` hashes like ``<id>`` (a hit) but is in no file, so only the lookup can refuse it.
+    """
+    shadowed = Hasher(lambda key: zlib.crc32(key.rstrip(b"~")) << 20)
+    ids = [f"source-{i}" for i in range(60)]
+    with LmdbCompletionStore(tmp_path) as store:
+        store.commit([PutCompleted("run", f"w{i}", ids[i::4]) for i in range(4)])
+        completed = loaded(store, "run", shadowed)
+        asked = [
+            sid + suffix for i, sid in enumerate(reversed(ids)) for suffix in ("", "~")[: 1 + i % 3 // 2]
+        ]
+        asked += ["nope"]
+        assert completed.contains_many(asked) == [not sid.endswith("~") and sid != "nope" for sid in asked]
+        # The same with part of the answer coming from the overlay.
+        store.commit([PutCompleted("run", "w9", ["late"])])
+        completed.add(["late"], "w9")
+        asked += ["late", "late~"]
+        expected = [not sid.endswith("~") and sid != "nope" for sid in asked]
+        assert completed.contains_many(asked) == expected

@@ -62,7 +62,7 @@ class Hasher:
 
     def of_ids(self, ids: Sequence[str]) -> U64:
         """The hashes of many ids, as an array (the same values as ``of_keys``)."""
-        if self._fast_str and all(map(str.isascii, ids)):
+        if self._fast_str and "".join(ids).isascii():
             return np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids)).view(np.uint64)
         return np.fromiter(map(self.of_id, ids), dtype=np.uint64, count=len(ids))
 

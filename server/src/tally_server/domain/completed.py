@@ -120,38 +120,53 @@ class CompletedSet:
         return None
 
     def contains_many(self, source_ids: Sequence[str]) -> list[bool]:
-        """``[sid in self for sid in source_ids]``, vectorised over the index."""
-        out = [False] * len(source_ids)
+        """``[sid in self for sid in source_ids]``, vectorised over the index.
+
+        Every hash hit is confirmed in the file its entry names, the hits of one file in one call
+        (one read transaction).
+        """
         overlay, tombstones = self._overlay, self._tombstones
+        rest: list[int] | None = None  # positions of ``asked`` in ``source_ids`` (None: the same)
         if overlay or tombstones:
+            out = [False] * len(source_ids)
             rest = []
             for i, sid in enumerate(source_ids):
                 if sid in overlay:
                     out[i] = True
                 elif sid not in tombstones:
                     rest.append(i)
+            asked: Sequence[str] = [source_ids[i] for i in rest]
         else:
-            rest = list(range(len(source_ids)))
+            out = []
+            asked = source_ids
         index = self._index
-        if index is None or not rest or not len(index):
-            return out
+        if index is None or not asked or not len(index):
+            return out or [False] * len(source_ids)
         assert self._confirm is not None
-        asked = [source_ids[i] for i in rest]
         at, found = index.first_many(self._hasher.of_ids(asked))
         hits = np.flatnonzero(found)
         if not len(hits):
-            return out
-        origins = (index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)).tolist()
-        by_origin: dict[int, list[int]] = {}
-        for k, origin in zip(hits.tolist(), origins, strict=True):
-            by_origin.setdefault(origin, []).append(k)
-        for origin, ks in by_origin.items():
-            keys = [asked[k].encode() for k in ks]
-            for k, ok in zip(ks, self._confirm(self._origins[origin], keys), strict=True):
-                if ok:
-                    out[rest[k]] = True
-                else:  # another entry with the same hash prefix may hold it (rare)
-                    out[rest[k]] = self._indexed_seq(asked[k]) is not None
+            return out or [False] * len(source_ids)
+        origins = index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)
+        order = np.argsort(origins, kind="stable")  # the hits of each file together
+        hits, origins = hits[order], origins[order]
+        cuts = (np.flatnonzero(origins[1:] != origins[:-1]) + 1).tolist()
+        ks = hits.tolist()
+        keys = [asked[k].encode() for k in ks]
+        confirmed: list[bool] = []
+        for lo, hi in zip([0, *cuts], [*cuts, len(ks)], strict=True):
+            confirmed += self._confirm(self._origins[int(origins[lo])], keys[lo:hi])
+        answer = np.zeros(len(asked), dtype=bool)
+        answer[hits] = confirmed
+        if not all(confirmed):  # another entry with the same hash prefix may hold it (rare)
+            for k, ok in zip(ks, confirmed, strict=True):
+                if not ok and self._indexed_seq(asked[k]) is not None:
+                    answer[k] = True
+        if rest is None:
+            return answer.tolist()
+        for i, ok in zip(rest, answer.tolist(), strict=True):
+            if ok:
+                out[i] = True
         return out
 
     def add(self, sources: Iterable[str], origin: str | None = None) -> None:
