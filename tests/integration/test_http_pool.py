@@ -108,12 +108,14 @@ def test_async_calls_run_concurrently_on_one_event_loop_without_threads(json_ser
                 "answers": answers,
                 "sequential": sequential,
                 "threads": threading.active_count() - threads,
+                "executor": [t.name for t in threading.enumerate() if t.name.startswith("asyncio_")],
             }
 
     result = asyncio.run(main())
     assert result["first"].completed_count == 1
     assert result["answers"] == [[True]] * concurrent and result["sequential"] == [[True]] * CALLS
-    assert result["threads"] == 0  # no worker thread was started for any of it
+    # No worker thread was started for any of it (asyncio.to_thread's are named asyncio_N).
+    assert result["threads"] == 0 and result["executor"] == []
     seen = peers(json_server, "/v1/are-completed", concurrent + CALLS)
     # The gathered calls were in flight together: each needed a connection of its own...
     assert len(set(seen[:concurrent])) == concurrent, seen[:concurrent]
