@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,29 @@ def test_grpc_users_need_no_httpx(server: RunningServer) -> None:
         "print('ok')\n"
     )
     assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_opens_connections_of_its_own(json_server: RunningServer) -> None:
+    # A pool copied by fork holds the parent's connections: the child's requests must not go
+    # out on them, interleaved with the parent's.
+    with tally.Client(json_server.http_url) as client:
+        assert client.are_completed(CHECKPOINT, ["done"]) == [True]  # the pool has a connection now
+        (parent,) = set(peers(json_server, "/v1/are-completed", 1))
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork in a process with threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: report through the exit status, never return into pytest
+            code = 1
+            try:
+                answers = [client.are_completed(CHECKPOINT, ["done", "x"]) for _ in range(20)]
+                code = 0 if answers == [[True, False]] * 20 else 2
+            finally:
+                os._exit(code)
+        answers = [client.are_completed(CHECKPOINT, ["done"]) for _ in range(20)]
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert answers == [[True]] * 20
+        seen = peers(json_server, "/v1/are-completed", 41)
+    # The parent kept its connection; the child's 20 calls came over another one.
+    assert seen.count(parent) == 21 and len(set(seen)) == 2, seen

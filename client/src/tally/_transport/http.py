@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import ssl
 from collections.abc import AsyncGenerator, Generator
 from typing import Any, TypeVar
@@ -114,14 +115,25 @@ class HttpTransport:
             ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
-        self._client = httpx.Client(**_client_options(token, tls))
+        self._options = _client_options(token, tls)
+        self._client = httpx.Client(**self._options)
+        self._pid = os.getpid()
         self._contact = FirstContact(self._base, connect_wait)
+
+    def _pool(self) -> httpx.Client:
+        """The client of this process: a forked child gets a new pool, as its parent's connections
+        (copied by fork, still the parent's) would carry the two processes' requests interleaved.
+        The copy is dropped unclosed: closing it would end the parent's connections too."""
+        if os.getpid() != self._pid:
+            self._client = httpx.Client(**self._options)
+            self._pid = os.getpid()
+        return self._client
 
     def send(self, call: Call[T], timeout: float) -> T:
         method, path, kwargs = _request_args(call)
         url = self._base + path
         try:
-            response = self._client.request(method, url, timeout=timeout, **kwargs)
+            response = self._pool().request(method, url, timeout=timeout, **kwargs)
         except httpx.HTTPError as err:
             raise unreachable(err, self._base, f"{method} {path}", timeout, self._contact) from None
         self._contact.ok()
@@ -129,7 +141,7 @@ class HttpTransport:
 
     def event_stream(self, call: WatchCheckpoint, timeout: float) -> EventStream:
         """An unopened Server-Sent Events stream of the checkpoint's status."""
-        return EventStream(self._client, self._base, convert.watch_path(call), timeout, self._contact)
+        return EventStream(self._pool(), self._base, convert.watch_path(call), timeout, self._contact)
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
         stream = self.event_stream(call, timeout)
@@ -140,8 +152,9 @@ class HttpTransport:
             stream.close()
 
     def close(self) -> None:
-        """Close the pool's connections."""
-        self._client.close()
+        """Close the pool's connections (in a forked child that made no call: leave the parent's)."""
+        if os.getpid() == self._pid:
+            self._client.close()
 
 
 class AsyncHttpTransport:
@@ -164,22 +177,32 @@ class AsyncHttpTransport:
             ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
-        self._client = httpx.AsyncClient(**_client_options(token, tls))
+        self._options = _client_options(token, tls)
+        self._client = httpx.AsyncClient(**self._options)
+        self._pid = os.getpid()
         self._contact = FirstContact(self._base, connect_wait)
+
+    def _pool(self) -> httpx.AsyncClient:
+        """The client of this process (see :meth:`HttpTransport._pool`)."""
+        if os.getpid() != self._pid:
+            self._client = httpx.AsyncClient(**self._options)
+            self._pid = os.getpid()
+        return self._client
 
     async def send(self, call: Call[T], timeout: float) -> T:
         method, path, kwargs = _request_args(call)
         url = self._base + path
         try:
-            response = await self._client.request(method, url, timeout=timeout, **kwargs)
+            response = await self._pool().request(method, url, timeout=timeout, **kwargs)
         except httpx.HTTPError as err:
             raise unreachable(err, self._base, f"{method} {path}", timeout, self._contact) from None
         self._contact.ok()
         return _answer(call, response, url)
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
-        return async_events(self._client, self._base, convert.watch_path(call), timeout, self._contact)
+        return async_events(self._pool(), self._base, convert.watch_path(call), timeout, self._contact)
 
     async def close(self) -> None:
-        """Close the pool's connections."""
-        await self._client.aclose()
+        """Close the pool's connections (see :meth:`HttpTransport.close`)."""
+        if os.getpid() == self._pid:
+            await self._client.aclose()
