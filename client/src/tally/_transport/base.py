@@ -156,12 +156,13 @@ def _tls(config: ClientConfig, endpoint: Endpoint) -> TlsFiles | None:
 def make_transport(config: ClientConfig) -> Transport:
     """Create the blocking transport for ``config.address`` (one per replica if it lists several).
 
-    Implementations are imported here, lazily, so ``import tally`` stays cheap and an HTTP-only
-    user never loads grpc.
+    Implementations are imported here, lazily, so ``import tally`` stays cheap, an HTTP-only
+    user never loads grpc and a gRPC user never loads httpx (the ``tally-client[http]`` extra).
 
     Raises:
         ValueError: The address cannot be parsed (see :func:`parse_addresses`), or a TLS file
             cannot be read.
+        ModuleNotFoundError: An HTTP address, and httpx is not installed.
     """
     endpoints = parse_addresses(config.address)
     transports = [(_name(e), _one_transport(config, e)) for e in endpoints]
@@ -197,6 +198,7 @@ def _one_transport(config: ClientConfig, endpoint: Endpoint) -> Transport:
         return GrpcTransport(
             endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
         )
+    _require_httpx(endpoint)
     from tally._transport.http import HttpTransport
 
     return HttpTransport(
@@ -211,10 +213,28 @@ def _one_async_transport(config: ClientConfig, endpoint: Endpoint) -> AsyncTrans
         return AsyncGrpcTransport(
             endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
         )
-    from tally._transport.http import AsyncHttpTransport, HttpTransport
+    _require_httpx(endpoint)
+    from tally._transport.http import AsyncHttpTransport
 
     return AsyncHttpTransport(
-        HttpTransport(
-            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
-        )
+        endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
     )
+
+
+HTTP_EXTRA_HINT = "pip install 'tally-client[http]'"
+
+
+def _require_httpx(endpoint: Endpoint) -> None:
+    """The HTTP transports need httpx, the ``[http]`` extra: say so in one line when it is missing.
+
+    Raises:
+        ModuleNotFoundError: httpx is not installed.
+    """
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ModuleNotFoundError(
+            f"the HTTP address {endpoint.target} needs httpx, which is not installed: {HTTP_EXTRA_HINT} "
+            "(or use the coordinator's gRPC address, host:port, which needs nothing more)",
+            name="httpx",
+        ) from None

@@ -1,35 +1,99 @@
-"""HTTP/JSON transports over the coordinator's REST API (``/v1``), stdlib only.
+"""HTTP/JSON transports over the coordinator's REST API (``/v1``), on httpx (``tally-client[http]``).
 
 Each has one ``send``: the call description's route (``http_convert.ROUTES``) gives the method,
-path and body and reads the answer; this module only adds the connection, headers and errors.
+path and body and reads the answer; this module only adds the client, headers and errors. Each
+transport owns one httpx client, so its calls share a pool of keep-alive connections (a call
+opens no new TCP connection, nor TLS session, while one is idle), and closing the transport
+closes them. The asyncio transport is httpx's own ``AsyncClient``: no threads.
 """
 
 from __future__ import annotations
 
-import asyncio
-import http.client
+import functools
 import json
-import urllib.error
-import urllib.request
+import os
+import ssl
 from collections.abc import AsyncGenerator, Generator
 from typing import Any, TypeVar
+
+import httpx
 
 from tally._calls import Call, WatchCheckpoint
 from tally._transport import http_convert as convert
 from tally._transport.base import TlsFiles
 from tally._transport.contact import FirstContact
-from tally._transport.http_errors import error_from_response, parse, ssl_context, tls_hint
-from tally._transport.sse import EventStream
+from tally._transport.http_errors import error_from_response, parse, ssl_context, unreachable
+from tally._transport.sse import EventStream, async_events
 from tally._types import CheckpointStatus
-from tally.errors import Internal, StatusCode, Unavailable
+from tally.errors import Internal
 
 _USER_AGENT = "tally-python"
+
+# Idle connections are dropped before the coordinator's own keep-alive timeout (uvicorn's 5 s)
+# ends them, so a request seldom goes out on a connection the server is closing (one that does
+# fails as Unavailable, which the caller's retry layer resends).
+_KEEPALIVE_EXPIRY_S = 3.0
+# No cap on connections: each open watch holds one, and a capped pool would make further calls
+# wait for a stream to end. Idle ones beyond this many are closed.
+_LIMITS = httpx.Limits(
+    max_connections=None, max_keepalive_connections=20, keepalive_expiry=_KEEPALIVE_EXPIRY_S
+)
 
 T = TypeVar("T")
 
 
+def _client_options(token: str | None, tls: TlsFiles | None) -> dict[str, Any]:
+    """The settings both httpx clients share: headers, TLS, pool limits.
+
+    Raises:
+        ValueError: A TLS file is not a usable certificate or key.
+    """
+    headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return {
+        "headers": headers,
+        # https: the CA and client pair of ``tls`` (system roots without a CA file).
+        "verify": ssl_context(tls) if tls is not None else _plain_http_context(),
+        "limits": _LIMITS,
+    }
+
+
+@functools.cache
+def _plain_http_context() -> ssl.SSLContext:
+    """The TLS settings of an http:// transport, which speaks no TLS to its coordinator but whose
+    httpx client wants some (an https proxy of the environment would use them): the system's
+    defaults, made once per process, as reading the trust store takes tens of milliseconds."""
+    return ssl.create_default_context()
+
+
+def _request_args(call: Call[Any]) -> tuple[str, str, dict[str, Any]]:
+    """Method, path and httpx keyword arguments (the JSON body and its type) of ``call``."""
+    route = convert.route(call)
+    body = route.body(call)
+    kwargs: dict[str, Any] = {}
+    if body is not None or route.method == "POST":
+        kwargs["content"] = json.dumps({} if body is None else body).encode()
+        kwargs["headers"] = {"Content-Type": "application/json"}
+    return route.method, route.path(call), kwargs
+
+
+def _answer(call: Call[T], response: httpx.Response, url: str) -> T:
+    """The answer of ``call`` read from ``response``, or the error it carries."""
+    if response.status_code >= 300:
+        raise error_from_response(response.status_code, response.content, url)
+    raw = response.content
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError:
+        raise Internal(
+            f"{response.request.method} {url} answered with a body that is not JSON: {raw[:200]!r}"
+        ) from None
+    return parse(convert.route(call).read, body, call.what)
+
+
 class HttpTransport:
-    """Blocking transport over the HTTP/JSON API using ``urllib.request``."""
+    """Blocking transport over the HTTP/JSON API: one ``httpx.Client`` and its connection pool."""
 
     def __init__(
         self,
@@ -39,73 +103,45 @@ class HttpTransport:
         tls: TlsFiles | None = None,
         connect_wait: float = 0.0,
     ) -> None:
-        """Create the transport.
+        """Create the transport; no connection is made until the first call.
 
         Args:
             base_url: ``http[s]://host:port[/prefix]``; ``/v1/...`` is appended.
             token: Bearer token sent as the ``Authorization`` header.
             tls: For ``https``: the CA to trust and a client certificate (None: system defaults).
+            connect_wait: Seconds during which a refused first connection is retried (see contact).
 
         Raises:
             ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
-        self._headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._context = ssl_context(tls) if tls is not None else None
-        handlers = [urllib.request.HTTPSHandler(context=self._context)] if self._context is not None else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self._options = _client_options(token, tls)
+        self._client = httpx.Client(**self._options)
+        self._pid = os.getpid()
         self._contact = FirstContact(self._base, connect_wait)
 
-    def send(self, call: Call[T], timeout: float) -> T:
-        route = convert.route(call)
-        body = self._request(route.method, route.path(call), route.body(call), timeout)
-        return parse(route.read, body, call.what)
+    def _pool(self) -> httpx.Client:
+        """The client of this process: a forked child gets a new pool, as its parent's connections
+        (copied by fork, still the parent's) would carry the two processes' requests interleaved.
+        The copy is dropped unclosed: closing it would end the parent's connections too."""
+        if os.getpid() != self._pid:
+            self._client = httpx.Client(**self._options)
+            self._pid = os.getpid()
+        return self._client
 
-    def _request(self, method: str, path: str, body: Any, timeout: float) -> Any:
+    def send(self, call: Call[T], timeout: float) -> T:
+        method, path, kwargs = _request_args(call)
         url = self._base + path
-        headers = dict(self._headers)
-        data = None
-        if body is not None or method == "POST":
-            data = json.dumps({} if body is None else body).encode()
-            headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
-            with self._opener.open(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as err:
-            self._contact.ok()
-            with err:
-                raise error_from_response(err.code, err.read(), url) from None
-        except urllib.error.URLError as err:
-            code = StatusCode.DEADLINE_EXCEEDED if isinstance(err.reason, TimeoutError) else None
-            hint = tls_hint(err.reason, self._base.startswith("https:"))
-            unreachable = Unavailable(
-                f"Tally coordinator at {self._base} is unreachable: {err.reason}{hint}", code
-            )
-            refused = isinstance(err.reason, ConnectionRefusedError)
-            raise self._contact.failed(unreachable, refused=refused) from None
-        except TimeoutError:
-            raise Unavailable(
-                f"Tally coordinator at {self._base} did not answer {method} {path} within {timeout:g}s",
-                StatusCode.DEADLINE_EXCEEDED,
-            ) from None
-        except (http.client.HTTPException, OSError) as err:
-            hint = tls_hint(err, self._base.startswith("https:"))
-            failed = Unavailable(f"connection to Tally coordinator at {self._base} failed: {err!r}{hint}")
-            raise self._contact.failed(failed, refused=isinstance(err, ConnectionRefusedError)) from None
+            response = self._pool().request(method, url, timeout=timeout, **kwargs)
+        except httpx.HTTPError as err:
+            raise unreachable(err, self._base, f"{method} {path}", timeout, self._contact) from None
         self._contact.ok()
-        try:
-            return json.loads(raw) if raw else {}
-        except ValueError:
-            raise Internal(f"{method} {url} answered with a body that is not JSON: {raw[:200]!r}") from None
+        return _answer(call, response, url)
 
     def event_stream(self, call: WatchCheckpoint, timeout: float) -> EventStream:
         """An unopened Server-Sent Events stream of the checkpoint's status."""
-        return EventStream(
-            self._base, convert.watch_path(call), self._headers, timeout, self._context, self._contact
-        )
+        return EventStream(self._pool(), self._base, convert.watch_path(call), timeout, self._contact)
 
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
         stream = self.event_stream(call, timeout)
@@ -116,36 +152,57 @@ class HttpTransport:
             stream.close()
 
     def close(self) -> None:
-        self._opener.close()
+        """Close the pool's connections (in a forked child that made no call: leave the parent's)."""
+        if os.getpid() == self._pid:
+            self._client.close()
 
 
 class AsyncHttpTransport:
-    """asyncio transport that runs :class:`HttpTransport` calls in worker threads."""
+    """asyncio transport over the HTTP/JSON API: one ``httpx.AsyncClient`` and its connection pool.
 
-    def __init__(self, sync: HttpTransport) -> None:
-        """Wrap a blocking HTTP transport.
+    Its calls run on the caller's event loop, concurrently, without threads.
+    """
 
-        Args:
-            sync: The transport whose calls run via ``asyncio.to_thread``.
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        connect_wait: float = 0.0,
+    ) -> None:
+        """Create the transport (no connection yet); the arguments are :class:`HttpTransport`'s.
+
+        Raises:
+            ValueError: A TLS file is not a usable certificate or key.
         """
-        self._sync = sync
+        self._base = base_url.rstrip("/")
+        self._options = _client_options(token, tls)
+        self._client = httpx.AsyncClient(**self._options)
+        self._pid = os.getpid()
+        self._contact = FirstContact(self._base, connect_wait)
+
+    def _pool(self) -> httpx.AsyncClient:
+        """The client of this process (see :meth:`HttpTransport._pool`)."""
+        if os.getpid() != self._pid:
+            self._client = httpx.AsyncClient(**self._options)
+            self._pid = os.getpid()
+        return self._client
 
     async def send(self, call: Call[T], timeout: float) -> T:
-        return await asyncio.to_thread(self._sync.send, call, timeout)
-
-    async def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
-        stream = self._sync.event_stream(call, timeout)
+        method, path, kwargs = _request_args(call)
+        url = self._base + path
         try:
-            await asyncio.to_thread(stream.open)
-            while True:
-                # Each read blocks a worker thread; if this task is cancelled meanwhile, the
-                # close below shuts the socket down and that thread's read ends too.
-                status = await asyncio.to_thread(next, stream, None)
-                if status is None:
-                    return
-                yield status
-        finally:
-            stream.close()
+            response = await self._pool().request(method, url, timeout=timeout, **kwargs)
+        except httpx.HTTPError as err:
+            raise unreachable(err, self._base, f"{method} {path}", timeout, self._contact) from None
+        self._contact.ok()
+        return _answer(call, response, url)
+
+    def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
+        return async_events(self._pool(), self._base, convert.watch_path(call), timeout, self._contact)
 
     async def close(self) -> None:
-        self._sync.close()
+        """Close the pool's connections (see :meth:`HttpTransport.close`)."""
+        if os.getpid() == self._pid:
+            await self._client.aclose()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import ssl
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import httpx
+
 from tally._transport.base import TlsFiles
-from tally.errors import Internal, StatusCode, TallyError, error_for_code
+from tally._transport.contact import FirstContact
+from tally.errors import Internal, StatusCode, TallyError, Unavailable, error_for_code
 
 T = TypeVar("T")
 
@@ -88,16 +90,53 @@ def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     return context
 
 
-def tls_hint(err: object, https: bool) -> str:
+def unreachable(
+    err: httpx.HTTPError, base: str, what: str, timeout: float, contact: FirstContact
+) -> Unavailable:
+    """The error for a request that got no HTTP answer (``what``: e.g. ``POST /v1/flush``).
+
+    A timeout is DEADLINE_EXCEEDED; a refused connection to a coordinator that never answered is
+    :class:`~tally._transport.contact.NeverReached` (see ``contact``).
+    """
+    if isinstance(err, httpx.TimeoutException):
+        return Unavailable(
+            f"Tally coordinator at {base} did not answer {what} within {timeout:g}s",
+            StatusCode.DEADLINE_EXCEEDED,
+        )
+    causes = chain(err)
+    hint = tls_hint(causes, base.startswith("https:"))
+    failed = Unavailable(f"Tally coordinator at {base} is unreachable: {str(err) or repr(err)}{hint}")
+    refused = any(isinstance(e, ConnectionRefusedError) for e in causes)
+    return contact.failed(failed, refused=refused)
+
+
+def chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the errors below it: httpx wraps httpcore's, which wraps the OSError or SSLError."""
+    causes = [err]
+    while len(causes) < 10:
+        # httpcore re-raises its own error "from None": the OSError is then only its context.
+        below = causes[-1].__cause__ or causes[-1].__context__
+        if below is None:
+            break
+        causes.append(below)
+    return causes
+
+
+def tls_hint(causes: list[BaseException], https: bool) -> str:
     """What may cause a connection failure that looks like a TLS mismatch ("" if it does not)."""
-    if isinstance(err, ssl.SSLCertVerificationError):
+
+    def any_of(*kinds: type[BaseException]) -> bool:
+        return any(isinstance(e, kinds) for e in causes)
+
+    if any_of(ssl.SSLCertVerificationError):
         return (
             " (the coordinator's certificate is not signed by a CA this client trusts: pass ca_cert or set "
             "TALLY_CA_CERT)"
         )
-    if not https and isinstance(err, (http.client.RemoteDisconnected, ConnectionResetError)):
+    # A TLS server reading a plain request closes the connection without an HTTP answer.
+    if not https and any_of(httpx.RemoteProtocolError, ConnectionResetError):
         return " (if the coordinator serves TLS, use an https:// address)"
-    if https and isinstance(err, (ssl.SSLError, ConnectionResetError)):
+    if https and any_of(ssl.SSLError, ConnectionResetError, httpx.RemoteProtocolError):
         return (
             " (if the coordinator requires client certificates, pass client_cert and client_key or set "
             "TALLY_CLIENT_CERT and TALLY_CLIENT_KEY)"

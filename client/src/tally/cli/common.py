@@ -93,7 +93,7 @@ def connect(address: str, token: str | None, timeout: float) -> Iterator[tally.C
     """A client of the coordinator whose errors end the command with one red line."""
     try:
         client = tally.Client(address, token=token, timeout=timeout)
-    except ValueError as exc:  # an address the SDK cannot parse
+    except (ValueError, ModuleNotFoundError) as exc:  # an address the SDK cannot parse, or not speak
         raise fail(str(exc)) from None
     try:
         with client:
