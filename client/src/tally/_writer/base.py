@@ -8,6 +8,7 @@ thread, and off the event loop it waits for room like the threaded one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -242,13 +243,7 @@ class WriterBase:
                 "batch",
                 batch_seq=batch.seq,
                 deltas=len(batch.deltas),
-                counts={
-                    "applied": c.applied,
-                    "skipped": c.skipped,
-                    "rewritten": c.rewritten,
-                    "anomalies": c.anomalies,
-                    "completed": c.completed,
-                },
+                counts=dataclasses.asdict(c),
                 refused=answer.refused,
                 settled=answer.settled,
             )
@@ -272,13 +267,7 @@ class WriterBase:
             c = outcome.counts
             trace.record(
                 "close",
-                counts={
-                    "applied": c.applied,
-                    "skipped": c.skipped,
-                    "rewritten": c.rewritten,
-                    "anomalies": c.anomalies,
-                    "completed": c.completed,
-                },
+                counts=dataclasses.asdict(c),
                 incomplete_count=outcome.incomplete_count,
                 incomplete_sources=list(outcome.incomplete_sources),
             )

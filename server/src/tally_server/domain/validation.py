@@ -324,22 +324,21 @@ def batch_seq(value: int) -> int:
 
 def session_token(value: str) -> str:
     """Return ``value`` if it can be a client's session token (empty: none), else raise."""
-    if len(value) > MAX_SESSION_TOKEN or not value.isascii() or not value.isprintable():
-        raise InvalidArgument(
-            f"session_token {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
-            "ASCII characters (e.g. a random hex string), or none",
-            field="session_token",
-        )
-    return value
+    return _client_token("session_token", value, "a random hex string")
 
 
 def attempt_id(value: str) -> str:
     """Return ``value`` if it can name a failed attempt (empty: unnamed), else raise."""
+    return _client_token("attempt_id", value, "a random hex string, new for each attempt")
+
+
+def _client_token(field: str, value: str, example: str) -> str:
+    """A name a client makes up: at most ``MAX_SESSION_TOKEN`` printable ASCII characters, or empty."""
     if len(value) > MAX_SESSION_TOKEN or not value.isascii() or not value.isprintable():
         raise InvalidArgument(
-            f"attempt_id {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
-            "ASCII characters (e.g. a random hex string, new for each attempt), or none",
-            field="attempt_id",
+            f"{field} {describe(value)} is not allowed: send at most {MAX_SESSION_TOKEN} printable "
+            f"ASCII characters (e.g. {example}), or none",
+            field=field,
         )
     return value
 
