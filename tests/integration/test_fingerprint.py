@@ -64,7 +64,7 @@ def test_reset_starts_over_but_not_while_others_are_live(tmp_path: Path) -> None
         live.open()
         live.apply_deltas(tree("a"))
         live.flush()
-        with pytest.raises(tally.FailedPrecondition, match="live writers"):
+        with pytest.raises(tally.FailedPrecondition, match=r"has 1 live writer \(first\); stop it first"):
             client.writer("fp/reset", writer_id="second", fingerprint=changed, on_mismatch="reset").open()
         live.close()
         with client.writer("fp/reset", writer_id="second", fingerprint=changed, on_mismatch="reset") as w:
