@@ -91,6 +91,26 @@ def test_writers_json_and_wide(server: RunningServer, busy: tally.Writer) -> Non
     assert "skipped" not in row(ok("writers", "cli/run", address=server.grpc_address), "writer")
 
 
+def test_writers_says_when_the_limit_hides_some(server: RunningServer) -> None:
+    with tally.Client(server.grpc_address) as client:
+        opened = [client.writer("cli/many", writer_id=f"w{i}") for i in range(4)]
+        for w in opened:
+            w.open()
+        capped = run("writers", "cli/many", "--limit", "3", "-o", "json", address=server.grpc_address)
+        assert capped.returncode == 0, capped.stderr
+        assert [w["writer_id"] for w in json.loads(capped.stdout)] == ["w0", "w1", "w2"]
+        assert capped.stderr.strip() == (
+            "the first 3 writers shown; there are more: tally writers cli/many --limit 30"
+        )
+        table = run("writers", "cli/many", "--limit", "1", address=server.grpc_address)
+        assert "w0" in table.stdout and "w1" not in table.stdout
+        assert "the first 1 writer shown; there are more" in table.stderr
+        every = run("writers", "cli/many", "--limit", "4", address=server.grpc_address)
+        assert all(f"w{i}" in every.stdout for i in range(4)) and every.stderr == ""
+        for w in opened:
+            w.close()
+
+
 def test_events_json_pages_by_the_last_id(server: RunningServer, busy: tally.Writer) -> None:  # noqa: F811
     every = as_json("events", "cli/run", address=server.grpc_address)
     ids = [e["id"] for e in every]

@@ -399,17 +399,26 @@ def writers(
 ) -> None:
     """Writers of a checkpoint: host, pid, labels (SLURM ids), heartbeat age, counts.
 
+    Live writers first (by writer id), then with --all the ended ones, newest first. When there
+    are more than --limit, a line on stderr says so.
+
     -o json: an array of writers; -o wide adds every count and the times in full.
     """
     with connect(address, token, timeout) as client:
-        found = client.writers(checkpoint, include_closed=all_, limit=limit)
+        found = client.writers(checkpoint, include_closed=all_, limit=limit + 1)
+    more, found = len(found) > limit, found[:limit]
     if output == Output.JSON:
         emit_json(found)
-        return
-    if not found:
+    elif not found:
         out.print(f"no {'' if all_ else 'live '}writers in {checkpoint}")
-        return
-    out.print(writers_table(found, closed=all_, wide=output == Output.WIDE))
+    else:
+        out.print(writers_table(found, closed=all_, wide=output == Output.WIDE))
+    if more:
+        also = " --all" if all_ else ""
+        err.print(
+            f"the first {count(limit, 'writer')} shown; there are more: "
+            f"tally writers {checkpoint}{also} --limit {limit * 10}"
+        )
 
 
 def events(
