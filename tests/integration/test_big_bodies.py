@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -137,4 +138,10 @@ def test_keepalives_answer_while_a_big_batch_is_parsed(server: RunningServer) ->
     assert status == 200, reply
     assert reply["counts"]["applied"] == 100_000
     assert took, "no keepalive was issued while the batch was in flight"
-    assert max(took) < 1.0, f"a keepalive waited {max(took):.2f}s behind the batch ({len(took)} sent)"
+    # Blocked behind the parse, one keepalive waits for all of it (seconds) while the others take
+    # milliseconds; a loaded machine slows every keepalive alike, so the bound grows with the median.
+    bound = 1.0 + 20 * statistics.median(took)
+    assert max(took) < bound, (
+        f"a keepalive waited {max(took):.2f}s behind the batch ({len(took)} sent, "
+        f"median {statistics.median(took) * 1000:.1f} ms)"
+    )
