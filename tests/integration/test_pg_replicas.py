@@ -437,6 +437,7 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
             for source in ("a", "b", "c"):
                 live.apply_deltas(tree(source))
             live.apply_deltas(tree("half")[:2])
+            live.save_cursor("half", b"row 7")
             live.flush()
 
             def answered_here(call: str) -> float:
@@ -456,6 +457,7 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
             owner_writers = at_owner.ListWriters(writers)
             owner_events = at_owner.ListEvents(pb.ListEventsRequest(checkpoint=name))
             owner_status = at_owner.GetCheckpoint(pb.GetCheckpointRequest(name=name))
+            owner_cursor = at_owner.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="half"))
             http_reads = [
                 f"/v1/checkpoints/{name.replace('/', '%2F')}",
                 "/v1/checkpoints",
@@ -464,6 +466,8 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 f"/v1/progress?checkpoint={name}",
                 f"/v1/completed?checkpoint={name}&limit=2",
                 "/v1/replicas",
+                f"/v1/cursors?checkpoint={name}&source_id=half",
+                f"/v1/cursors?checkpoint={name}&source_id=a",
             ]
             owner_http = {path: at_owner_http.get(path) for path in http_reads}
             owner_bad = at_owner_http.get(f"/v1/events?checkpoint={name}&limit=5000")
@@ -491,6 +495,10 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 assert (list(first.source_ids), first.next_after) == (["a", "b", "c"], "c")
                 rest = stub.ListCompleted(pb.ListCompletedRequest(checkpoint=name, after="c"))
                 assert (list(rest.source_ids), rest.next_after) == (["z"], "")
+                cursor = stub.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="half"))
+                assert (cursor.found, cursor.data, cursor.writer_id) == (True, b"row 7", "w1")
+                assert cursor == owner_cursor
+                assert not stub.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="a")).found
                 done = stub.AreCompleted(pb.AreCompletedRequest(checkpoint=name, source_ids=["a", "half"]))
                 assert list(done.completed) == [True, False]
                 # Refused at the replica as at the owner: the same code, message and details.
@@ -505,7 +513,7 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 for path, answer in owner_http.items():
                     got = http.get(path)
                     assert got.status_code == answer.status_code == 200, (path, got.text)
-                    if path.startswith(("/v1/events", "/v1/completed", "/v1/writers")):
+                    if path.startswith(("/v1/events", "/v1/completed", "/v1/writers", "/v1/cursors")):
                         mine, theirs = got.json(), answer.json()
                         if path.startswith("/v1/writers"):  # live counters move; who and which state do not
                             mine = [(w["writer_id"], w["state"]) for w in mine["writers"]]
@@ -535,6 +543,7 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
             for call in ("GetCheckpoint", "ListCheckpoints", "ListWriters", "ListEvents", "GetProgress"):
                 assert local[f'{{call="{call}"}}'] >= 2, call  # one over gRPC, one over HTTP
             assert local['{call="ListCompleted"}'] >= 3 and local['{call="AreCompleted"}'] >= 2
+            assert local['{call="GetCursor"}'] >= 4
             # A checkpoint the owner has not published (here: none) is asked of the owner.
             with pytest.raises(grpc.RpcError) as missing:
                 stub.GetCheckpoint(pb.GetCheckpointRequest(name="no/such"))

@@ -8,7 +8,8 @@ replica until it takes the lock itself:
   servicer and routes over :class:`ReplicaReads`, so tokens, validation, errors and answers are the
   same):
 
-  - ``AreCompleted`` and ``ListCompleted`` from the database's committed completions. A completion
+  - ``AreCompleted``, ``ListCompleted`` (and ``GetCursor``'s check) from the database's committed
+    completions. A completion
     is committed before the owner counts it completed, and an un-complete (an anomaly) is committed
     before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed what
     the owner would not, and a flushed completion is seen by every replica at once.
@@ -16,8 +17,10 @@ replica until it takes the lock itself:
     the owner publishes (``store.pg_status``: at most about half a second behind its memory); a
     checkpoint not published yet is asked of the owner.
   - Past writers, ``ListEvents`` and ``GetProgress``'s samples from the registry, which the owner
-    writes behind its answers (also about half a second); ``ListReplicas`` from ``store_replicas``.
-- Every other gRPC call (writes, claims, cursors, failures, ``WatchCheckpoint``), and every other
+    writes behind its answers (also about half a second); ``GetCursor`` from the registry too (a
+    cursor is saved there before ``SaveCursors`` is answered); ``ListReplicas`` from
+    ``store_replicas``.
+- Every other gRPC call (writes, claims, failures, totals, ``WatchCheckpoint``), and every other
   HTTP request except the probes and ``/metrics``, is forwarded to the owner as it came (bytes,
   metadata, bearer token): the owner checks and answers it.
 - The probes say ready while the owner is known and alive; ``/metrics`` shows this replica's own
@@ -80,6 +83,7 @@ from tally_server.service.views import (
     CheckpointPage,
     CheckpointView,
     CompletedPage,
+    CursorView,
     EventPage,
     ProgressSample,
     ReplicasView,
@@ -120,6 +124,7 @@ LOCAL_CALLS = frozenset(
     {
         "AreCompleted",
         "ListCompleted",
+        "GetCursor",
         "GetCheckpoint",
         "ListCheckpoints",
         "ListWriters",
@@ -271,6 +276,24 @@ class ReplicaReads:
         page = ids[:limit]
         self._answered("ListCompleted")
         return CompletedPage(page, page[-1] if len(ids) > limit and page else "")
+
+    async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
+        """The cursor last saved for a source; none once the source's completion is committed.
+
+        From the registry (a cursor is saved there before ``SaveCursors`` is answered); the owner
+        deletes the cursors of completed sources when it sees them, a replica only leaves them out.
+        """
+        validation.checkpoint_name(checkpoint, self.limits)
+        validation.source_id(source_id, self.limits)
+        record = await asyncio.to_thread(self._registry.get_cursor, checkpoint, source_id)
+        found = record is not None
+        if record is not None:
+            (done,) = await asyncio.to_thread(self._reader.are_completed, checkpoint, [source_id])
+            found = not done
+        self._answered("GetCursor")
+        if record is None or not found:
+            return CursorView(False)
+        return CursorView(True, record.data, record.saved_at, record.writer_id)
 
     async def get_checkpoint(self, name: str) -> CheckpointView:
         """One checkpoint's status as the owner last published it."""
