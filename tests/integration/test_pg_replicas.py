@@ -31,6 +31,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import tree
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -77,9 +78,15 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
                     False,
                     False,
                 ]
-                # The writer's state lives at the owner: its status (read through the replica) shows it.
+                # The writer's state lives at the owner, which publishes it for the replicas within
+                # about half a second: read through the replica, the status shows it.
+                wait_until(
+                    lambda: client.checkpoint("rep/run").completed_count == 3,
+                    timeout=30,
+                    what="the replica to show the published status",
+                )
                 status = client.checkpoint("rep/run")
-                assert status.completed_count == 3 and [x.writer_id for x in status.writers] == ["w1"]
+                assert [x.writer_id for x in status.writers] == ["w1"]
             # Who owns what, asked through either: the owner applies this checkpoint's deltas.
             listed = client.replicas()
             assert [r.owner for r in listed.replicas].count(True) == 1
@@ -114,10 +121,13 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
         assert 'owner="' in owner_line and 'owner=""' not in owner_line
         ready = httpx.get(f"http://{replica.http_address}/readyz")
         assert ready.status_code == 200 and ready.json()["role"] == "replica"
-        # HTTP is forwarded as it came: the owner's JSON answer, through the replica's port.
+        # A read over HTTP is answered by the replica in the owner's JSON shape.
         listed = httpx.get(f"http://{replica.http_address}/v1/checkpoints/rep%2Frun")
         assert listed.status_code == 200, listed.text
         assert listed.json()["completed_count"] == 3
+        # Other HTTP requests are forwarded as they came: the owner's JSON answer, through the replica.
+        failures = httpx.get(f"http://{replica.http_address}/v1/failures", params={"checkpoint": "rep/run"})
+        assert failures.status_code == 200 and failures.json()["sources"] == [], failures.text
         assert "tally_replica_up" not in httpx.get(f"http://{owner.http_address}/metrics").text
 
 
@@ -191,6 +201,18 @@ def test_a_replica_checks_tokens_itself_for_reads_and_the_owner_checks_forwarded
                 metadata=[("authorization", "Bearer r-token")],
             )
             assert list(ok.completed) == [False]
+            # The status reads a replica answers itself check tokens as the owner does.
+            for call, asked in (
+                (stub.GetCheckpoint, pb.GetCheckpointRequest(name="team-b/run")),
+                (stub.ListEvents, pb.ListEventsRequest(checkpoint="team-b/run")),
+                (stub.ListCompleted, pb.ListCompletedRequest(checkpoint="team-b/run")),
+            ):
+                with pytest.raises(grpc.RpcError) as unknown:
+                    call(asked)
+                assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as outside:
+                    call(asked, metadata=[("authorization", "Bearer r-token")])
+                assert outside.value.code() == grpc.StatusCode.PERMISSION_DENIED
             with pytest.raises(grpc.RpcError) as reader_writes:
                 stub.OpenWriter(
                     pb.OpenWriterRequest(checkpoint="team-a/run", writer_id="w"),
@@ -246,8 +268,14 @@ def test_when_the_owner_goes_a_replica_takes_over_and_writers_on_every_replica_l
             assert client.are_completed("rep/fail", sources) == [s in done for s in sources]
             for w in writers:
                 w.__exit__(None, None, None)
+            # Through a replica, the status is the owner's as published (within about half a second).
+            wait_until(
+                lambda: client.checkpoint("rep/fail").completed_count == len(done),
+                timeout=30,
+                what="the status to show every completion",
+            )
             status = client.checkpoint("rep/fail")
-            assert status.completed_count == len(done) and status.anomalies == 0
+            assert status.anomalies == 0
             after = client.replicas()
             assert after.epoch == 2 and after.owner is not None
             assert after.owner.grpc_address in {s.grpc_address for s in others}
@@ -356,14 +384,16 @@ def test_a_second_coordinator_under_a_live_ones_name_is_refused_and_no_call_goes
         assert "goes by the replica name" in line and "TALLY_REPLICA_NAME" in line
         # A call marked as forwarded already is refused by a replica, naming both.
         looped = httpx.get(
-            f"http://{replica.http_address}/v1/checkpoints", headers={"tally-forwarded-by": "elsewhere"}
+            f"http://{replica.http_address}/v1/failures",
+            params={"checkpoint": "any"},
+            headers={"tally-forwarded-by": "elsewhere"},
         )
         assert looped.status_code == 503
         assert "replica elsewhere forwarded this call" in looped.json()["error"]["message"]
         with grpc.insecure_channel(replica.grpc_address) as channel:
             with pytest.raises(grpc.RpcError) as again:
-                pb_grpc.CoordinatorStub(channel).ListCheckpoints(
-                    pb.ListCheckpointsRequest(), metadata=[("tally-forwarded-by", "elsewhere")]
+                pb_grpc.CoordinatorStub(channel).ListFailures(
+                    pb.ListFailuresRequest(checkpoint="any"), metadata=[("tally-forwarded-by", "elsewhere")]
                 )
             assert again.value.code() == grpc.StatusCode.UNAVAILABLE
         # The owner serves such a call as any other (it does not forward).
@@ -373,3 +403,153 @@ def test_a_second_coordinator_under_a_live_ones_name_is_refused_and_no_call_goes
             ).status_code
             == 200
         )
+
+
+def samples_of(metrics_text: str, name: str) -> dict[str, float]:
+    """The samples of one metric in a Prometheus exposition, by their label text."""
+    found = {}
+    for line in metrics_text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            found[labels] = float(value)
+    return found
+
+
+def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path, postgres_url: str) -> None:
+    """Status, writers, events, progress and completed ids come from the replica (the owner's
+    published status, the registry, the committed completions) over gRPC and HTTP, shaped as the
+    owner's answers: they answer while the owner is stopped (SIGSTOP), when a write through the same
+    replica cannot, and the replica forwarded none of them."""
+    name = "reads/run"
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
+        with (
+            tally.Client(owner.grpc_address) as client,
+            grpc.insecure_channel(owner.grpc_address) as owner_channel,
+            grpc.insecure_channel(replica.grpc_address) as replica_channel,
+            httpx.Client(base_url=f"http://{owner.http_address}") as at_owner_http,
+            httpx.Client(base_url=f"http://{replica.http_address}") as http,
+        ):
+            at_owner, stub = pb_grpc.CoordinatorStub(owner_channel), pb_grpc.CoordinatorStub(replica_channel)
+            with client.writer(name, writer_id="w0") as w0:
+                w0.apply_deltas(tree("z"))
+            live = client.writer(name, writer_id="w1")  # stays open: a live writer with a pending source
+            live.__enter__()
+            for source in ("a", "b", "c"):
+                live.apply_deltas(tree(source))
+            live.apply_deltas(tree("half")[:2])
+            live.save_cursor("half", b"row 7")
+            live.flush()
+
+            def answered_here(call: str) -> float:
+                local = samples_of(http.get("/metrics").text, "tally_replica_local_calls_total")
+                return local.get(f'{{call="{call}"}}', 0.0)
+
+            def published() -> bool:
+                """The replica answered from the owner's published status (not forwarded): current."""
+                before = answered_here("GetCheckpoint")
+                status = stub.GetCheckpoint(pb.GetCheckpointRequest(name=name))
+                fresh = status.completed_count == 4 and status.pending_sources == 1
+                return fresh and answered_here("GetCheckpoint") > before
+
+            wait_until(published, timeout=30, what="the owner to publish the checkpoint's status")
+            # The owner's answers, to compare with the replica's once the owner is stopped.
+            writers = pb.ListWritersRequest(checkpoint=name, include_closed=True)
+            owner_writers = at_owner.ListWriters(writers)
+            owner_events = at_owner.ListEvents(pb.ListEventsRequest(checkpoint=name))
+            owner_status = at_owner.GetCheckpoint(pb.GetCheckpointRequest(name=name))
+            owner_cursor = at_owner.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="half"))
+            http_reads = [
+                f"/v1/checkpoints/{name.replace('/', '%2F')}",
+                "/v1/checkpoints",
+                f"/v1/writers?checkpoint={name}&include_closed=true",
+                f"/v1/events?checkpoint={name}",
+                f"/v1/progress?checkpoint={name}",
+                f"/v1/completed?checkpoint={name}&limit=2",
+                "/v1/replicas",
+                f"/v1/cursors?checkpoint={name}&source_id=half",
+                f"/v1/cursors?checkpoint={name}&source_id=a",
+            ]
+            owner_http = {path: at_owner_http.get(path) for path in http_reads}
+            owner_bad = at_owner_http.get(f"/v1/events?checkpoint={name}&limit=5000")
+            assert owner_bad.status_code == 400
+            with pytest.raises(grpc.RpcError) as owner_refusal:
+                at_owner.ListEvents(pb.ListEventsRequest(checkpoint=name, limit=5000))
+            forwarded_before = samples_of(http.get("/metrics").text, "tally_replica_forwarded_calls_total")
+            owner.process.send_signal(signal.SIGSTOP)
+            try:
+                status = stub.GetCheckpoint(pb.GetCheckpointRequest(name=name))
+                assert (status.completed_count, status.pending_sources, status.live_writers) == (4, 1, 1)
+                assert [w.writer_id for w in status.writers] == ["w1"]
+                assert status.owner == owner_status.owner != ""
+                listed = stub.ListCheckpoints(pb.ListCheckpointsRequest())
+                assert [c.name for c in listed.checkpoints] == [name]
+                page = stub.ListWriters(writers)
+                assert [(w.writer_id, w.state) for w in page.writers] == [
+                    (w.writer_id, w.state) for w in owner_writers.writers
+                ]
+                assert [w.writer_id for w in page.writers] == ["w1", "w0"]
+                assert stub.ListEvents(pb.ListEventsRequest(checkpoint=name)) == owner_events
+                progress = stub.GetProgress(pb.GetProgressRequest(checkpoint=name))
+                assert progress.samples[-1].completed_count == 4
+                first = stub.ListCompleted(pb.ListCompletedRequest(checkpoint=name, limit=3))
+                assert (list(first.source_ids), first.next_after) == (["a", "b", "c"], "c")
+                rest = stub.ListCompleted(pb.ListCompletedRequest(checkpoint=name, after="c"))
+                assert (list(rest.source_ids), rest.next_after) == (["z"], "")
+                cursor = stub.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="half"))
+                assert (cursor.found, cursor.data, cursor.writer_id) == (True, b"row 7", "w1")
+                assert cursor == owner_cursor
+                assert not stub.GetCursor(pb.GetCursorRequest(checkpoint=name, source_id="a")).found
+                done = stub.AreCompleted(pb.AreCompletedRequest(checkpoint=name, source_ids=["a", "half"]))
+                assert list(done.completed) == [True, False]
+                # Refused at the replica as at the owner: the same code, message and details.
+                with pytest.raises(grpc.RpcError) as refusal:
+                    stub.ListEvents(pb.ListEventsRequest(checkpoint=name, limit=5000))
+                assert refusal.value.code() == owner_refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refusal.value.details() == owner_refusal.value.details()
+                with pytest.raises(grpc.RpcError) as unnamed:
+                    stub.GetCheckpoint(pb.GetCheckpointRequest(name=""))
+                assert error_info(unnamed.value).metadata["field"] == "name"
+                # Over HTTP: the owner's JSON, from the replica.
+                for path, answer in owner_http.items():
+                    got = http.get(path)
+                    assert got.status_code == answer.status_code == 200, (path, got.text)
+                    if path.startswith(("/v1/events", "/v1/completed", "/v1/writers", "/v1/cursors")):
+                        mine, theirs = got.json(), answer.json()
+                        if path.startswith("/v1/writers"):  # live counters move; who and which state do not
+                            mine = [(w["writer_id"], w["state"]) for w in mine["writers"]]
+                            theirs = [(w["writer_id"], w["state"]) for w in theirs["writers"]]
+                        assert mine == theirs, path
+                    elif path == "/v1/replicas":
+                        assert got.json()["answered_by"] != answer.json()["answered_by"]
+                    else:
+                        assert set(got.json()) == set(answer.json()), path
+                assert http.get(http_reads[0]).json()["completed_count"] == 4
+                are = http.post("/v1/are-completed", json={"checkpoint": name, "source_ids": ["z", "x"]})
+                assert are.json() == {"completed": [True, False]}
+                bad = http.get(f"/v1/events?checkpoint={name}&limit=5000")
+                assert (bad.status_code, bad.json()) == (owner_bad.status_code, owner_bad.json())
+                # A write through the same replica goes to the stopped owner: it cannot be answered.
+                with pytest.raises(grpc.RpcError) as write:
+                    stub.OpenWriter(pb.OpenWriterRequest(checkpoint=name, writer_id="w2"), timeout=2)
+                assert write.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                metrics = http.get("/metrics").text
+            finally:
+                owner.process.send_signal(signal.SIGCONT)
+            # The replica stayed a replica throughout: the reads above were its own.
+            assert "taking over store" not in replica.log()
+            forwarded = samples_of(metrics, "tally_replica_forwarded_calls_total")
+            assert sum(forwarded.values()) - sum(forwarded_before.values()) <= 1  # the OpenWriter
+            local = samples_of(metrics, "tally_replica_local_calls_total")
+            for call in ("GetCheckpoint", "ListCheckpoints", "ListWriters", "ListEvents", "GetProgress"):
+                assert local[f'{{call="{call}"}}'] >= 2, call  # one over gRPC, one over HTTP
+            assert local['{call="ListCompleted"}'] >= 3 and local['{call="AreCompleted"}'] >= 2
+            assert local['{call="GetCursor"}'] >= 4
+            # A checkpoint the owner has not published (here: none) is asked of the owner.
+            with pytest.raises(grpc.RpcError) as missing:
+                stub.GetCheckpoint(pb.GetCheckpointRequest(name="no/such"))
+            with pytest.raises(grpc.RpcError) as missing_at_owner:
+                at_owner.GetCheckpoint(pb.GetCheckpointRequest(name="no/such"))
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            assert missing.value.details() == missing_at_owner.value.details()
+            assert http.get("/v1/events?checkpoint=no/such").status_code == 404
+            live.__exit__(None, None, None)

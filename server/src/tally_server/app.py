@@ -39,6 +39,7 @@ from tally_server.store.journal import LmdbJournal, NoJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
+from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     RENEW_EVERY_S,
     TAKE_OVER_AFTER_S,
@@ -406,6 +407,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     grpc_host, _ = split_listen(settings.grpc_listen)
     http_host, http_port = http_sock.getsockname()[:2]
     board = None
+    status_board = None
     if store_lock is not None:
         board = ReplicaBoard(
             store_lock.url,
@@ -414,7 +416,11 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             settings.advertised(settings.http_listen, http_port),
         )
         await asyncio.to_thread(board.announce)
-        service.serve_replicas(store_lock.holder, functools.partial(replica.list_replicas, board))
+        lock = store_lock
+        status_board = await asyncio.to_thread(StatusBoard, lock.url, lambda: lock.epoch)
+        service.serve_replicas(
+            store_lock.holder, functools.partial(replica.list_replicas, board), status_board.publish
+        )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -456,6 +462,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     if board is not None:
         await asyncio.to_thread(board.leave)
         board.close()
+    if status_board is not None:
+        status_board.close()
     if store_lock is not None:
         store_lock.release()
     datadir_lock.release()
@@ -493,9 +501,10 @@ async def _serve_as_replica(
     channels = replica.GrpcChannels(settings.max_message_bytes, tls)
     board = ReplicaBoard(lock.url, lock.holder, "", "")  # its addresses once the ports are bound
     listing = functools.partial(replica.list_replicas, board)
-    forwarder = replica.GrpcForwarder(
-        route, reader, authorizer, settings.limits, metrics, channels, listing, lock.holder
-    )
+    statuses = await asyncio.to_thread(StatusBoard, lock.url)
+    registry = await asyncio.to_thread(SqlRegistry, settings.resolved_registry_url())
+    reads = replica.ReplicaReads(settings.limits, reader, statuses, registry, listing, metrics)
+    forwarder = replica.GrpcForwarder(route, reads, authorizer, metrics, channels, lock.holder)
     server, grpc_port, health = replica.grpc_server(
         forwarder, settings.grpc_listen, settings.max_message_bytes, credentials
     )
@@ -512,7 +521,14 @@ async def _serve_as_replica(
     )
     config = uvicorn.Config(
         replica.http_app(
-            route, metrics, client, "https" if settings.tls else "http", authorizer, listing, lock.holder
+            route,
+            metrics,
+            client,
+            "https" if settings.tls else "http",
+            authorizer,
+            reads,
+            lock.holder,
+            settings.max_message_bytes,
         ),
         log_config=None,
         access_log=False,
@@ -535,7 +551,7 @@ async def _serve_as_replica(
     print(f"http listening on {_address(http_host, http_port)}", flush=True)
     owner = route.owner
     log.info(
-        "replica %s of store %s: answering are_completed, forwarding the rest to the owner %s",
+        "replica %s of store %s: answering reads, forwarding the rest to the owner %s",
         lock.holder,
         display(lock.url),
         f"{owner.name} at {owner.grpc_address}" if owner is not None else "(not known yet)",
@@ -553,6 +569,8 @@ async def _serve_as_replica(
         await channels.close()
         await client.aclose()
         reader.close()
+        statuses.close()
+        registry.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     if not took:

@@ -4,12 +4,25 @@ Several ``tally serve`` given one ``--store`` form one service. The one holding 
 *owner*, see ``store.postgres.StoreLock``) applies every writer's deltas; each other one runs as a
 replica until it takes the lock itself:
 
-- ``AreCompleted`` over gRPC is answered here, from the database's committed completions. A
-  completion is committed before the owner counts it completed, and an un-complete (an anomaly) is
-  committed before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed
-  what the owner would not, and a flushed completion is seen by every replica at once.
-- Every other gRPC call, and every HTTP request except the probes and ``/metrics``, is forwarded
-  to the owner as it came (bytes, metadata, bearer token): the owner checks and answers it.
+- Reads are answered here (:data:`LOCAL_CALLS`, over gRPC and HTTP alike, by the owner's own
+  servicer and routes over :class:`ReplicaReads`, so tokens, validation, errors and answers are the
+  same):
+
+  - ``AreCompleted``, ``ListCompleted`` (and ``GetCursor``'s check) from the database's committed
+    completions. A completion
+    is committed before the owner counts it completed, and an un-complete (an anomaly) is committed
+    before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed what
+    the owner would not, and a flushed completion is seen by every replica at once.
+  - ``GetCheckpoint``, ``ListCheckpoints`` and the live writers of ``ListWriters`` from the statuses
+    the owner publishes (``store.pg_status``: at most about half a second behind its memory); a
+    checkpoint not published yet is asked of the owner.
+  - Past writers, ``ListEvents`` and ``GetProgress``'s samples from the registry, which the owner
+    writes behind its answers (also about half a second); ``GetCursor`` from the registry too (a
+    cursor is saved there before ``SaveCursors`` is answered); ``ListReplicas`` from
+    ``store_replicas``.
+- Every other gRPC call (writes, claims, failures, totals, ``WatchCheckpoint``), and every other
+  HTTP request except the probes and ``/metrics``, is forwarded to the owner as it came (bytes,
+  metadata, bearer token): the owner checks and answers it.
 - The probes say ready while the owner is known and alive; ``/metrics`` shows this replica's own
   series (``tally_replica_*``).
 
@@ -21,21 +34,23 @@ journals: the writers re-attach, through any replica.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httpx
 import sqlalchemy as sa
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, generate_latest
+from pydantic import TypeAdapter
 from sqlalchemy.dialects import postgresql
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -43,15 +58,39 @@ from starlette.routing import Route
 from tally.v1 import coordinator_pb2 as pb
 from tally_server.auth import Authorizer
 from tally_server.domain import validation
+from tally_server.domain.ports import Registry
 from tally_server.domain.validation import Limits
-from tally_server.errors import ErrorCode, TallyServerError, Unavailable
-from tally_server.grpc_api import convert
+from tally_server.errors import ErrorCode, Unavailable
+from tally_server.grpc_api.auth import AuthInterceptor
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
-from tally_server.http_api.errors import HTTP_STATUS, error_response, www_authenticate
+from tally_server.grpc_api.servicer import CoordinatorServicer
+from tally_server.http_api.auth import Guard, declared_operation
+from tally_server.http_api.body_limit import BodyLimit
+from tally_server.http_api.errors import error_response, install_handlers
+from tally_server.http_api.routes import admin, checkpoints, status
 from tally_server.listen import add_grpc_port
 from tally_server.metrics import CONTENT_TYPE, new_registry
-from tally_server.service.views import ReplicasView, ReplicaView
+from tally_server.service import CoordinatorService
+from tally_server.service.status import (
+    completed_limit,
+    event_page,
+    events_limit,
+    writer_page,
+    writer_position,
+)
+from tally_server.service.views import (
+    CheckpointPage,
+    CheckpointView,
+    CompletedPage,
+    CursorView,
+    EventPage,
+    ProgressSample,
+    ReplicasView,
+    ReplicaView,
+    WriterPage,
+)
+from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import TRANSIENT, create_engine, read_error
 from tally_server.store.replicas import Owner, ReplicaBoard, ReplicaNameInUse
 
@@ -78,6 +117,27 @@ _HOP_BY_HOP = frozenset(
         "host",
         "content-length",
     }
+)
+# The tally.v1 calls a replica answers itself (over HTTP too: the routes that serve them); every
+# other one is forwarded to the store's owner.
+LOCAL_CALLS = frozenset(
+    {
+        "AreCompleted",
+        "ListCompleted",
+        "GetCursor",
+        "GetCheckpoint",
+        "ListCheckpoints",
+        "ListWriters",
+        "ListEvents",
+        "GetProgress",
+        "ListReplicas",
+    }
+)
+_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
+_VIEW = TypeAdapter(CheckpointView)
+_COMPLETED_AFTER = sa.text(
+    "SELECT DISTINCT source_id FROM completed WHERE checkpoint = :checkpoint AND source_id > :after "
+    "ORDER BY source_id LIMIT :limit"
 )
 _ARE_COMPLETED = sa.text(
     "SELECT DISTINCT source_id FROM completed WHERE checkpoint = :checkpoint AND source_id = ANY(:ids)"
@@ -139,9 +199,160 @@ class CompletedReader:
             raise read_error(self.url, exc, f"the completions of checkpoint {checkpoint!r}") from None
         return [bytes(k) in done for k in keys]
 
+    def completed_after(self, checkpoint: str, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` committed completed ids of the checkpoint after ``after``, in byte order.
+
+        Raises:
+            StoreUnavailable: the database cannot be read now (UNAVAILABLE: retry).
+        """
+        params = {"checkpoint": checkpoint, "after": after.encode(), "limit": limit}
+        try:
+            with self._engine.connect() as conn:
+                keys = conn.execute(_COMPLETED_AFTER, params).scalars().all()
+        except TRANSIENT as exc:
+            raise read_error(self.url, exc, f"the completions of checkpoint {checkpoint!r}") from None
+        return [bytes(k).decode(errors="replace") for k in keys]
+
     def close(self) -> None:
         """Close the reader's connections."""
         self._engine.dispose()
+
+
+class ForwardToOwner(Exception):
+    """A read this replica leaves to the owner: the checkpoint has no published status (yet)."""
+
+
+class ReplicaReads:
+    """The reads a replica answers itself, under the coordinator service's names and signatures.
+
+    The owner's gRPC servicer and HTTP routes call these, so a replica checks, refuses and answers
+    exactly as the owner does. Status comes from what the owner published (``store.pg_status``),
+    history from the registry, completions from the committed rows. A checkpoint with no published
+    status raises :class:`ForwardToOwner`: the call goes to the owner, which knows (the checkpoint may
+    have been created within the last half second).
+    """
+
+    def __init__(
+        self,
+        limits: Limits,
+        reader: CompletedReader,
+        board: StatusBoard,
+        registry: Registry,
+        listing: Callable[[], ReplicasView],
+        metrics: ReplicaMetrics,
+    ) -> None:
+        self.limits = limits
+        self._reader, self._board, self._registry = reader, board, registry
+        self._listing, self._metrics = listing, metrics
+
+    def checkpoint_of(self, handle: str) -> str | None:
+        """None: writer handles are the owner's (calls naming one are forwarded)."""
+        return None
+
+    def _answered(self, call: str) -> None:
+        self._metrics.local_calls.labels(call).inc()
+
+    async def _view(self, name: str) -> CheckpointView:
+        validation.checkpoint_name(name, self.limits)
+        found = (await asyncio.to_thread(self._board.statuses, [name])).get(name)
+        if found is None:
+            raise ForwardToOwner(name)
+        return _VIEW.validate_python(found)
+
+    async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
+        """Parallel booleans from the committed completions."""
+        validation.checkpoint_name(checkpoint, self.limits)
+        ids = validation.source_ids(source_ids, self.limits)
+        done = await asyncio.to_thread(self._reader.are_completed, checkpoint, ids)
+        self._metrics.local_reads.inc()
+        self._answered("AreCompleted")
+        return done
+
+    async def list_completed(self, checkpoint: str, *, after: str = "", limit: int = 10_000) -> CompletedPage:
+        """A page of committed completed ids in byte order after ``after``."""
+        await self._view(checkpoint)
+        completed_limit(limit, self.limits)
+        ids = await asyncio.to_thread(self._reader.completed_after, checkpoint, after, limit + 1)
+        page = ids[:limit]
+        self._answered("ListCompleted")
+        return CompletedPage(page, page[-1] if len(ids) > limit and page else "")
+
+    async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
+        """The cursor last saved for a source; none once the source's completion is committed.
+
+        From the registry (a cursor is saved there before ``SaveCursors`` is answered); the owner
+        deletes the cursors of completed sources when it sees them, a replica only leaves them out.
+        """
+        validation.checkpoint_name(checkpoint, self.limits)
+        validation.source_id(source_id, self.limits)
+        record = await asyncio.to_thread(self._registry.get_cursor, checkpoint, source_id)
+        found = record is not None
+        if record is not None:
+            (done,) = await asyncio.to_thread(self._reader.are_completed, checkpoint, [source_id])
+            found = not done
+        self._answered("GetCursor")
+        if record is None or not found:
+            return CursorView(False)
+        return CursorView(True, record.data, record.saved_at, record.writer_id)
+
+    async def get_checkpoint(self, name: str) -> CheckpointView:
+        """One checkpoint's status as the owner last published it."""
+        view = await self._view(name)
+        self._answered("GetCheckpoint")
+        return view
+
+    async def list_checkpoints(
+        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+    ) -> CheckpointPage:
+        """A page of the published checkpoints ``visible`` lets through, by name in byte order."""
+        limit = validation.status_page_limit(limit, "checkpoints")
+        validation.checkpoint_after(after, self.limits)
+        start = after.encode()
+        names = sorted(
+            (n for n in await asyncio.to_thread(self._board.names) if n.encode() > start and visible(n)),
+            key=str.encode,
+        )
+        found = await asyncio.to_thread(self._board.statuses, names[:limit])
+        page = [_VIEW.validate_python(found[n]) for n in names[:limit] if n in found]
+        self._answered("ListCheckpoints")
+        return CheckpointPage(page, page[-1].name if len(names) > limit and page else "")
+
+    async def list_writers(
+        self, checkpoint: str, *, include_closed: bool = False, after: str = "", limit: int = 0
+    ) -> WriterPage:
+        """Live writers (as published), then (``include_closed``) past ones from the registry."""
+        limit = validation.status_page_limit(limit, "writers")
+        start = writer_position(after) if after else None
+        view = await self._view(checkpoint)
+        records = await asyncio.to_thread(self._registry.list_writers, checkpoint) if include_closed else []
+        self._answered("ListWriters")
+        return writer_page(view.writers, records, start, limit)
+
+    async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
+        """The checkpoint's events newest first, from the registry."""
+        await self._view(checkpoint)
+        events_limit(limit)
+        validation.before_id(before_id)
+        records = await asyncio.to_thread(
+            lambda: self._registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
+        )
+        self._answered("ListEvents")
+        return event_page(records, limit)
+
+    async def progress(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressSample]:
+        """The registry's samples, then the published count now."""
+        view = await self._view(checkpoint)
+        records = await asyncio.to_thread(lambda: self._registry.list_samples(checkpoint, since=since))
+        samples = [ProgressSample(r.at, r.completed_count) for r in records]
+        samples.append(ProgressSample(time.time(), view.completed_count))
+        self._answered("GetProgress")
+        return samples
+
+    async def list_replicas(self) -> ReplicasView:
+        """The store's replicas and epoch, from the database."""
+        view = await asyncio.to_thread(self._listing)
+        self._answered("ListReplicas")
+        return view
 
 
 class ReplicaMetrics:
@@ -158,6 +369,12 @@ class ReplicaMetrics:
         self.local_reads = Counter(
             "tally_replica_are_completed_calls",
             "are_completed calls this replica answered from the database itself.",
+            registry=self.registry,
+        )
+        self.local_calls = Counter(
+            "tally_replica_local_calls",
+            "Reads this replica answered itself (gRPC and HTTP), by tally.v1 call.",
+            ["call"],
             registry=self.registry,
         )
         info = Gauge(
@@ -182,24 +399,24 @@ def _forwarded_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tupl
 
 
 class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
-    """The ``tally.v1.Coordinator`` service of a replica: ``AreCompleted`` here, the rest at the owner."""
+    """``tally.v1.Coordinator`` on a replica: reads here (``LOCAL_CALLS``), the rest at the owner."""
 
     def __init__(
         self,
         route: OwnerRoute,
-        reader: CompletedReader,
+        reads: ReplicaReads,
         authorizer: Authorizer,
-        limits: Limits,
         metrics: ReplicaMetrics,
         channel_for: Callable[[str], grpc.aio.Channel],
-        listing: Callable[[], ReplicasView],
         name: str,
     ) -> None:
         self._name = name
-        self._route, self._reader, self._authorizer, self._limits = route, reader, authorizer, limits
+        self._route = route
         self._metrics = metrics
         self._channel_for = channel_for
-        self._listing = listing
+        # The owner's servicer and token checks, over this replica's reads.
+        self._servicer = CoordinatorServicer(cast(CoordinatorService, reads))
+        self._auth = AuthInterceptor(authorizer, reads.checkpoint_of)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         """The handler of one method: None outside tally.v1 (health and reflection answer those)."""
@@ -207,36 +424,33 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         if not method.startswith(_PREFIX):
             return None
         name = method[len(_PREFIX) :]
-        if name == "AreCompleted":
-            return grpc.unary_unary_rpc_method_handler(
-                self._are_completed,
-                request_deserializer=pb.AreCompletedRequest.FromString,
-                response_serializer=pb.AreCompletedResponse.SerializeToString,
-            )
-        if name == "ListReplicas":
-            return grpc.unary_unary_rpc_method_handler(
-                self._list_replicas,
-                request_deserializer=pb.ListReplicasRequest.FromString,
-                response_serializer=pb.ListReplicasResponse.SerializeToString,
-            )
+        if name in LOCAL_CALLS:
+            header = dict(handler_call_details.invocation_metadata or ()).get("authorization")
+            if isinstance(header, bytes):
+                header = header.decode("latin-1")
+            return self._auth.guard(name, header, self._local(name))
         if name in _STREAMS:
             return grpc.unary_stream_rpc_method_handler(self._stream(method))
         return grpc.unary_unary_rpc_method_handler(self._unary(method))
 
-    async def _are_completed(self, request: pb.AreCompletedRequest, context: Any) -> pb.AreCompletedResponse:
-        header = dict(context.invocation_metadata() or ()).get("authorization")
-        principal = self._authorizer.check("AreCompleted", header)
-        principal.require_request("AreCompleted", {"checkpoint": request.checkpoint}, lambda _handle: None)
-        validation.checkpoint_name(request.checkpoint, self._limits)
-        ids = validation.source_ids(list(request.source_ids), self._limits)
-        done = await asyncio.to_thread(self._reader.are_completed, request.checkpoint, ids)
-        self._metrics.local_reads.inc()
-        return pb.AreCompletedResponse(completed=done)
+    def _local(self, name: str) -> Any:
+        """The servicer's handler of ``name``; a checkpoint not published yet is asked of the owner."""
+        rpc = _SERVICE.methods_by_name[name]
+        request_type, response_type = getattr(pb, rpc.input_type.name), getattr(pb, rpc.output_type.name)
+        answer = getattr(self._servicer, name)
+        forward = self._unary(_PREFIX + name)
 
-    async def _list_replicas(self, request: pb.ListReplicasRequest, context: Any) -> pb.ListReplicasResponse:
-        header = dict(context.invocation_metadata() or ()).get("authorization")
-        self._authorizer.check("ListReplicas", header).require("ListReplicas", None)
-        return convert.replicas(await asyncio.to_thread(self._listing))
+        async def local(request: Any, context: Any) -> Any:
+            try:
+                return await answer(request, context)
+            except ForwardToOwner:
+                return response_type.FromString(await forward(request.SerializeToString(), context))
+
+        return grpc.unary_unary_rpc_method_handler(
+            local,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
 
     def _target(self, context: Any) -> tuple[Owner, grpc.aio.Channel, list[tuple[str, Any]]]:
         metadata = _forwarded_metadata(context.invocation_metadata())
@@ -346,10 +560,29 @@ def http_app(
     client: httpx.AsyncClient,
     scheme: str,
     authorizer: Authorizer,
-    listing: Callable[[], ReplicasView],
+    reads: ReplicaReads,
     name: str,
-) -> Starlette:
-    """The HTTP face of a replica: probes and ``/metrics`` here, every other request at the owner."""
+    max_message_bytes: int,
+) -> FastAPI:
+    """The HTTP face of a replica: probes, ``/metrics`` and reads here, every other request at the owner.
+
+    The reads of ``LOCAL_CALLS`` are served by the owner's own routes over ``reads``.
+    """
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=max_message_bytes)
+    install_handlers(app)
+    guard = Guard(authorizer, reads.checkpoint_of, metrics_auth=False)
+    service = cast(CoordinatorService, reads)
+    for resource in (checkpoints, status, admin):
+        resource.add_routes(app, service, guard)
+    # Only the routes of the reads answered here: the others fall through to ``forward`` below.
+    app.router.routes[:] = [
+        r
+        for r in app.router.routes
+        if isinstance(r, APIRoute)
+        and (op := declared_operation(r)) is not None
+        and op.operation in LOCAL_CALLS
+    ]
 
     async def healthz(_request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -363,18 +596,6 @@ def http_app(
 
     async def prometheus(_request: Request) -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
-
-    async def replicas(request: Request) -> Response:
-        try:
-            principal = authorizer.check("ListReplicas", request.headers.get("authorization"))
-            principal.require("ListReplicas", None)
-            view = await asyncio.to_thread(listing)
-        except TallyServerError as exc:
-            challenge = None
-            if exc.code is ErrorCode.UNAUTHENTICATED:
-                challenge = {"WWW-Authenticate": www_authenticate(request.headers.get("authorization"))}
-            return error_response(HTTP_STATUS[exc.code], exc.code, exc.message, headers=challenge)
-        return JSONResponse(dataclasses.asdict(view))
 
     async def forward(request: Request) -> Response:
         came_from = request.headers.get(FORWARDED_BY)
@@ -409,16 +630,18 @@ def http_app(
             answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=_closing(answer)
         )
 
+    async def unknown_yet(request: Request, _exc: Exception) -> Response:
+        return await forward(request)
+
+    app.add_exception_handler(ForwardToOwner, unknown_yet)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    return Starlette(
-        routes=[
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", prometheus, methods=["GET"]),
-            Route("/v1/replicas", replicas, methods=["GET"]),
-            Route("/{path:path}", forward, methods=methods),
-        ]
-    )
+    app.router.routes[:0] = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    app.router.routes.append(Route("/{path:path}", forward, methods=methods))
+    return app
 
 
 def _loop(came_from: str, here: str) -> str:
@@ -510,7 +733,10 @@ async def mirror_health(route: OwnerRoute, health: HealthServicer, halt: threadi
 
 
 __all__ = [
+    "LOCAL_CALLS",
     "CompletedReader",
+    "ForwardToOwner",
+    "ReplicaReads",
     "GrpcChannels",
     "GrpcForwarder",
     "OwnerRoute",

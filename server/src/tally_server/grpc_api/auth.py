@@ -67,7 +67,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         header = dict(details.invocation_metadata or ()).get("authorization")
         if isinstance(header, bytes):
             header = header.decode("latin-1")
-        handler = await continuation(details)
+        return self.guard(operation, header, await continuation(details))
+
+    def guard(self, operation: str, header: str | None, handler: Any) -> Any:
+        """``handler`` of ``operation`` behind the checks of the caller's ``authorization`` header."""
         try:
             principal = self._authorizer.check(operation, header)
         except TallyServerError as exc:

@@ -124,7 +124,7 @@ class CheckpointTable:
         validation.checkpoint_name(name, self._core.limits)
         cp = await self.find(name, create=False)
         if cp is None:
-            raise NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")
+            raise missing_checkpoint(name)
         return cp
 
     async def completed(self, cp: Checkpoint, *, use: bool = True) -> CompletedSet:
@@ -297,3 +297,8 @@ class CheckpointTable:
         """A reset starts the checkpoint's progress history over."""
         self._sampled.pop(name, None)
         self._core.bookkeeping.forget_samples(name)
+
+
+def missing_checkpoint(name: str) -> NotFound:
+    """The refusal of a read of a checkpoint that does not exist."""
+    return NotFound(f"checkpoint {name!r} does not exist; it is created when its first writer opens")

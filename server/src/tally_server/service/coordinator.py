@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 # Background loop periods, in seconds.
 _CLOCK_TICK_S = 0.1
 _REGISTRY_FLUSH_S = 0.5
+# How often the checkpoints' statuses are checked for a change and published for replicas.
+_STATUS_PUBLISH_S = 0.5
 _STORAGE_PROBE_S = 1.0
 # A stall of the event loop this long is worth a warning in the log.
 _STALL_WARNING_S = 1.0
@@ -149,6 +152,8 @@ class CoordinatorService:
         self._durability.on_claims_completed = self._claims.completed
         self._status = Status(core, self._checkpoints, lambda: core.accepting)
         self._loops: list[Loop] = []
+        self._published_status: dict[str, dict[str, Any]] = {}
+        self._status_published_once = False
         self._background: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -194,6 +199,7 @@ class CoordinatorService:
             Loop("settle", self._durability.settle_step, settle_interval, sleep=self._sleep),
             Loop("lease", self._writers.lease_step, lease_interval, sleep=self._sleep),
             Loop("registry", self._flush_bookkeeping, _REGISTRY_FLUSH_S, sleep=self._sleep),
+            Loop("status", self._publish_status, _STATUS_PUBLISH_S, sleep=self._sleep),
             Loop("progress", self._progress_step, self.progress_interval_s, sleep=self._sleep),
             Loop("storage", self._probe_storage, _STORAGE_PROBE_S, sleep=self._sleep),
         ]
@@ -307,6 +313,20 @@ class CoordinatorService:
     async def _flush_bookkeeping(self) -> None:
         self._writers.queue_heartbeats()
         await self._core.bookkeeping.flush()
+
+    async def _publish_status(self) -> None:
+        """Publish the checkpoints' statuses that changed, for the store's replicas (PostgreSQL only)."""
+        publish = self._core.publish_status
+        if publish is None:
+            return
+        views = self._status.snapshot()
+        published = self._published_status
+        changed = {name: view for name, view in views.items() if published.get(name) != view}
+        renamed = published.keys() != views.keys() or not self._status_published_once
+        if not changed and not renamed:
+            return
+        if await self._core.registry_write(publish, changed, list(views) if renamed else None):
+            self._published_status, self._status_published_once = views, True
 
     async def _progress_step(self) -> None:
         self._checkpoints.sample_progress()
@@ -477,10 +497,20 @@ class CoordinatorService:
         async for view in self._status.watch(checkpoint, interval_s=interval_s):
             yield view
 
-    def serve_replicas(self, name: str, listing: Callable[[], ReplicasView]) -> None:
-        """On a PostgreSQL store: this coordinator's replica name, and how to list the store's replicas."""
+    def serve_replicas(
+        self,
+        name: str,
+        listing: Callable[[], ReplicasView],
+        publish_status: Callable[[Mapping[str, Any], Sequence[str] | None], bool] | None = None,
+    ) -> None:
+        """On a PostgreSQL store: this coordinator's name among the replicas, and their needs.
+
+        ``listing`` lists the store's replicas; ``publish_status`` publishes the checkpoints'
+        statuses the replicas answer status reads from.
+        """
         self._core.owner_name = name
         self._core.list_replicas = listing
+        self._core.publish_status = publish_status
 
     async def list_replicas(self) -> ReplicasView:
         """The coordinators serving the store (none on the LMDB store), read from the database."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -65,6 +65,10 @@ class Core:
     # while it serves), and how to list them all (a blocking database read).
     owner_name: str = ""
     list_replicas: Callable[[], ReplicasView] | None = None
+    # On a PostgreSQL store: writes the checkpoints' statuses that changed (and, given the names to
+    # keep, drops the others') for the replicas to answer status reads from (blocking; False if the
+    # store is no longer this coordinator's). See ``store.pg_status``.
+    publish_status: Callable[[Mapping[str, Any], Sequence[str] | None], bool] | None = None
     _behind: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:

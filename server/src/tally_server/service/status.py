@@ -18,6 +18,7 @@ from typing import Any
 from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint, WriterState
 from tally_server.domain.events import severity_of
+from tally_server.domain.ports import EventRecord, WriterRecord
 from tally_server.errors import InvalidArgument, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -79,6 +80,10 @@ class Status:
             remaining=cp.remaining,
             claimed_sources=len(cp.claims),
         )
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every known checkpoint's status as JSON-ready dicts (what the owner publishes for replicas)."""
+        return {name: view_json(self.view(cp)) for name, cp in self._checkpoints.known.items()}
 
     def gauges(self) -> dict[str, CheckpointGauges]:
         """Per known checkpoint, read at scrape time (never loads an id set)."""
@@ -151,58 +156,26 @@ class Status:
         start = writer_position(after) if after else None
         cp = await self._checkpoints.existing(checkpoint)
         live = self.view(cp).writers
-        listed = [(_live_key(w), w) for w in live]
+        records: list[WriterRecord] = []
         if include_closed:
             core = self._core
             await self._written()
             records = await core.registry_read(core.registry.list_writers, checkpoint)
-            live_ids = {w.writer_id for w in live}
             queued = {r.handle: r for r in core.bookkeeping.queued_writers(checkpoint)}
             records = [queued.pop(r.handle, r) for r in records] + list(queued.values())
-            listed += [
-                (_ended_key(w), w)
-                for w in (
-                    WriterView.of(r)
-                    for r in records
-                    if r.state != WriterState.OPEN or r.writer_id not in live_ids
-                )
-            ]
-        listed.sort(key=lambda entry: entry[0])
-        if start is not None:
-            listed = [entry for entry in listed if entry[0] > start]
-        page = listed[:limit]
-        more = len(listed) > limit
-        return WriterPage([w for _, w in page], _writer_cursor(page[-1][1], page[-1][0]) if more else "")
+        return writer_page(live, records, start, limit)
 
     async def list_events(self, checkpoint: str, *, limit: int = 50, before_id: int = 0) -> EventPage:
         """The checkpoint's events newest first, read once the write-behind has written what it queued."""
         await self._checkpoints.existing(checkpoint)
-        if not 0 < limit <= 1000:
-            raise InvalidArgument(
-                f"limit {limit} is out of range; ask for 1 to 1000 events per page", field="limit"
-            )
+        events_limit(limit)
         validation.before_id(before_id)
         core = self._core
         await self._written()
         records = await core.registry_read(
             lambda: core.registry.list_events(checkpoint, limit=limit + 1, before_id=before_id or None)
         )
-        page = records[:limit]
-        events = [
-            EventView(
-                r.id or 0,
-                r.checkpoint,
-                r.kind,
-                r.message,
-                r.at,
-                r.writer_id or "",
-                dict(r.data),
-                severity_of(r.kind),
-            )
-            for r in page
-        ]
-        more = len(records) > limit
-        return EventPage(events, events[-1].id if more and events else 0)
+        return event_page(records, limit)
 
     async def progress(self, checkpoint: str, *, since: float = 0.0) -> list[ProgressSample]:
         """Persisted samples, plus the live count now, so a plot always ends at the present."""
@@ -265,13 +238,7 @@ class Status:
         """A page of completed ids in byte order after ``after`` (loads the set if needed)."""
         self._core.check_reads()
         cp = await self._checkpoints.existing(checkpoint)
-        most = self._core.limits.max_ids_per_query
-        if not 0 < limit <= most:
-            raise InvalidArgument(
-                f"limit {limit} is out of range; ask for 1 to {most} ids per page "
-                "(setting max_ids_per_query)",
-                field="limit",
-            )
+        completed_limit(limit, self._core.limits)
         completed = await self._checkpoints.completed(cp)
         origins = completed.origins
         if not origins:  # a set held in memory only
@@ -299,6 +266,78 @@ class Status:
         more = len(page) > limit
         page = page[:limit]
         return CompletedPage(page, page[-1] if more and page else "")
+
+
+def view_json(view: CheckpointView) -> dict[str, Any]:
+    """``dataclasses.asdict(view)`` without its deep copies, ten times faster.
+
+    The owner makes one per checkpoint every half second (:meth:`Status.snapshot`); the view's maps
+    are its own already (``view`` copies them).
+    """
+    plain = dict(vars(view))
+    plain["writers"] = [{**vars(w), "counts": dict(vars(w.counts))} for w in view.writers]
+    return plain
+
+
+def events_limit(limit: int) -> None:
+    """Refuse an events page size out of 1 to 1000 (INVALID_ARGUMENT)."""
+    if not 0 < limit <= 1000:
+        raise InvalidArgument(
+            f"limit {limit} is out of range; ask for 1 to 1000 events per page", field="limit"
+        )
+
+
+def completed_limit(limit: int, limits: validation.Limits) -> None:
+    """Refuse a page of completed ids out of 1 to ``max_ids_per_query`` (INVALID_ARGUMENT)."""
+    most = limits.max_ids_per_query
+    if not 0 < limit <= most:
+        raise InvalidArgument(
+            f"limit {limit} is out of range; ask for 1 to {most} ids per page (setting max_ids_per_query)",
+            field="limit",
+        )
+
+
+def event_page(records: Sequence[EventRecord], limit: int) -> EventPage:
+    """A page of events from up to ``limit + 1`` registry records, newest first (one more: a next page)."""
+    page = records[:limit]
+    events = [
+        EventView(
+            r.id or 0,
+            r.checkpoint,
+            r.kind,
+            r.message,
+            r.at,
+            r.writer_id or "",
+            dict(r.data),
+            severity_of(r.kind),
+        )
+        for r in page
+    ]
+    more = len(records) > limit
+    return EventPage(events, events[-1].id if more and events else 0)
+
+
+def writer_page(
+    live: Sequence[WriterView], records: Sequence[WriterRecord], start: _Position | None, limit: int
+) -> WriterPage:
+    """A page of ListWriters: the live writers, then the past ones among ``records`` (the registry's).
+
+    A record of a live writer still open is left out (the live one has its fresh counters).
+    """
+    listed = [(_live_key(w), w) for w in live]
+    live_ids = {w.writer_id for w in live}
+    listed += [
+        (_ended_key(w), w)
+        for w in (
+            WriterView.of(r) for r in records if r.state != WriterState.OPEN or r.writer_id not in live_ids
+        )
+    ]
+    listed.sort(key=lambda entry: entry[0])
+    if start is not None:
+        listed = [entry for entry in listed if entry[0] > start]
+    page = listed[:limit]
+    more = len(listed) > limit
+    return WriterPage([w for _, w in page], _writer_cursor(page[-1][1], page[-1][0]) if more else "")
 
 
 # Where a writer stands in ListWriters' order: live writers by writer id, then ended ones newest first.

@@ -104,3 +104,16 @@ store_replicas_table = sa.Table(
     # The database's clock when the replica last showed it is alive.
     sa.Column("renewed_at", sa.Double[float](), nullable=False),
 )
+
+# Every checkpoint's status as the store's owner last published it (``store.pg_status``): a
+# ``CheckpointView`` as JSON, live writers included, rewritten by the owner when it changes (checked
+# every half second). Replicas answer status reads from it; ``epoch`` is the owner's that wrote it.
+checkpoint_status_table = sa.Table(
+    "checkpoint_status",
+    metadata,
+    sa.Column("checkpoint", sa.Text(), primary_key=True),
+    sa.Column("status", postgresql.JSONB(), nullable=False),
+    sa.Column("epoch", sa.BigInteger(), nullable=False),
+    # The database's clock when the owner last wrote this row (it writes only rows that changed).
+    sa.Column("published_at", sa.Double[float](), nullable=False),
+)
