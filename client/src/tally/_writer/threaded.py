@@ -230,7 +230,8 @@ class Writer(WriterBase):
             handle = self._core.require_handle("flush")
             target = self._core.begin_flush()
             batch = self._batch_to_send_here(deadline)
-            self._notify_locked()
+            if batch is None:
+                self._notify_locked()  # the sender stops lingering (waking it costs a thread switch)
         if batch is not None:
             self._send_here(batch)
         with self._lock:
