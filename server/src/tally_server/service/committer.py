@@ -43,6 +43,7 @@ class Lane:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._stopped = False
         # A daemon: close() stops it; a process that dies without close() loses no acknowledged
         # work, since nothing is answered before its commit returned.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -56,6 +57,8 @@ class Lane:
         ``then`` runs on the loop as soon as ``fn`` returned (not if it raised), before the
         awaiting coroutine resumes: what it wakes runs one turn of the loop earlier.
         """
+        if self._stopped:  # as an executor after shutdown: nothing would ever run it
+            raise RuntimeError(f"{self._thread.name} is shut down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._queue.put((loop, future, fn, args, then))
@@ -63,6 +66,7 @@ class Lane:
 
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread."""
+        self._stopped = True
         self._queue.put(None)
         self._thread.join()
 
