@@ -79,6 +79,17 @@ def test_a_grpc_call_without_an_id_gets_a_fresh_one_per_call(json_server: Runnin
     assert {e["request_id"] for e in lines_about(entries, "logs/fresh-2 [")} == {second}
 
 
+def test_each_call_of_one_grpc_method_echoes_and_logs_its_own_request_id(json_server: RunningServer) -> None:
+    # The method's handler is wrapped once and reused: each call's id must still be its own.
+    echoed = [
+        open_over_grpc(json_server, f"logs/same-{i}", (("x-request-id", f"same-{i}"),)) for i in range(3)
+    ]
+    assert echoed == ["same-0", "same-1", "same-2"]
+    entries = json_lines(json_server)
+    for i in range(3):
+        assert {e["request_id"] for e in lines_about(entries, f"logs/same-{i} [")} == {f"same-{i}"}
+
+
 def test_http_request_id_header_is_logged_and_echoed(json_server: RunningServer) -> None:
     body = {"checkpoint": "logs/http", "writer_id": "w"}
     reply = httpx.post(f"{json_server.http_url}/v1/writers", json=body, headers={"X-Request-ID": "http-456"})

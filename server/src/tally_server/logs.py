@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import random
 import re
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +51,12 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tally_request_
 
 # A caller-supplied id is echoed and logged verbatim, so it must be short and log-safe.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_random_bits = random.Random().getrandbits
 
 
 def new_request_id() -> str:
-    """A new random request id."""
-    return uuid.uuid4().hex[:16]
+    """A new random request id (16 hex digits; it names a call in logs, it guards nothing)."""
+    return f"{_random_bits(64):016x}"  # a tenth of uuid4's cost, which reads the OS's entropy
 
 
 def accept_request_id(incoming: str | None) -> str:

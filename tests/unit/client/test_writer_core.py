@@ -105,6 +105,21 @@ def test_flush_ends_the_linger_and_its_barrier_counts_acknowledged_deltas() -> N
     core.raise_if_stopped()  # nothing went wrong
 
 
+def test_a_batch_whose_sending_thread_was_interrupted_goes_again_at_once_without_a_retry() -> None:
+    clock = Clock()
+    core = open_core(clock)
+    core.accept(deltas(3), 0, may_wait=True)
+    core.begin_flush()
+    batch = take(core)  # a flush sends it from its own thread
+    assert core.next_send() == Wait(None)  # the sender thread leaves it alone meanwhile
+    core.batch_interrupted(batch)  # e.g. KeyboardInterrupt in the flushing thread
+    again = take(core)
+    assert again is batch and again.seq == 1
+    assert core.retries == 0
+    core.batch_interrupted(Batch(9, deltas(1)))  # not the batch in flight: nothing changes
+    assert core.next_send() == Wait(None)
+
+
 def test_a_flush_needs_no_call_only_when_the_latest_answer_covers_its_barrier() -> None:
     core = open_core(Clock())
     core.accept(deltas(3), 0, may_wait=True)

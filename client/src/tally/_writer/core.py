@@ -283,6 +283,11 @@ class WriterCore:
             )
             self._send_failures = 0
 
+    def batch_interrupted(self, batch: Batch) -> None:
+        """The thread sending ``batch`` was interrupted before its answer: send it again now."""
+        if self.inflight is batch:
+            self._resend_at = self.clock()
+
     def batch_failed(self, batch: Batch, err: TallyError) -> None:
         """A failed batch: resent after a backoff (Unavailable), a lost lease, or a stop."""
         if self.inflight is not batch:

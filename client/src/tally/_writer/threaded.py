@@ -229,7 +229,12 @@ class Writer(WriterBase):
         with self._lock:
             handle = self._core.require_handle("flush")
             target = self._core.begin_flush()
-            self._notify_locked()
+            batch = self._batch_to_send_here(deadline)
+            if batch is None:
+                self._notify_locked()  # the sender stops lingering (waking it costs a thread switch)
+        if batch is not None:
+            self._send_here(batch)
+        with self._lock:
             if not self._changed.wait_for(lambda: self._core.barrier_reached(target), deadline.remaining()):
                 raise self._core.barrier_timeout(target, deadline.timeout, "flush")
             self._core.raise_if_stopped()
@@ -326,6 +331,33 @@ class Writer(WriterBase):
                     raise
                 with self._lock:
                     self._core.cursors_saved(chunk)
+
+    def _batch_to_send_here(self, deadline: Deadline) -> Batch | None:
+        """The batch a flush sends from its own thread, if the sender has none out; else None.
+
+        Handing the last batch to the sender thread and its answer back costs two thread
+        wake-ups, as long as the call itself for one small batch. Only when the flush may wait as
+        long as the sender would for an answer (the client's timeout), so that a short flush
+        timeout never cuts a batch's call short.
+        """
+        if deadline.timeout < self._config.timeout:
+            return None
+        step = self._core.next_send()
+        if not isinstance(step, Batch):
+            return None
+        self._took_batch_locked()
+        return step
+
+    def _send_here(self, batch: Batch) -> None:
+        try:
+            self._send(batch)
+        except Exception as exc:  # a bug, as it would be in the sender thread: the writer stops visibly
+            self._background_crashed("sender", exc)
+        except BaseException:  # interrupted (KeyboardInterrupt): the sender thread sends it again
+            with self._lock:
+                self._core.batch_interrupted(batch)
+                self._notify_locked()
+            raise
 
     def _call(self, call: calls.Call[T], deadline: Deadline) -> T:
         return send(self._transport, call, self._policy, deadline)

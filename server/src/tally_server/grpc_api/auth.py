@@ -46,13 +46,15 @@ def _fields(request: Message) -> dict[str, str]:
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Checks tally.v1 calls only; health checking and reflection stay open for probes and tools.
 
-    Put it inside the error interceptor, which maps its refusals to status codes.
+    Put it inside the error interceptor, which maps its refusals to status codes. Without tokens
+    (authentication off) every caller is the same, so each method's handler is wrapped once.
     """
 
     def __init__(self, authorizer: Authorizer, checkpoint_of: Callable[[str], str | None]) -> None:
         """``checkpoint_of``: a writer handle's checkpoint (None if unknown), for scoped tokens."""
         self._authorizer = authorizer
         self._checkpoint_of = checkpoint_of
+        self._open: dict[str, tuple[Any, Any]] = {}  # authentication off: method -> (handler, wrapped)
 
     async def intercept_service(
         self,
@@ -64,6 +66,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if not method.startswith(_PREFIX):
             return await continuation(details)
         operation = method[len(_PREFIX) :]
+        if not self._authorizer.enabled:
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            cached = self._open.get(method)
+            if cached is not None and cached[0] is handler:
+                return cached[1]
+            wrapped = self._scoped(handler, operation, auth.UNRESTRICTED)
+            self._open[method] = (handler, wrapped)
+            return wrapped
         header = dict(details.invocation_metadata or ()).get("authorization")
         if isinstance(header, bytes):
             header = header.decode("latin-1")
@@ -82,7 +94,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def _scoped(self, handler: Any, operation: str, principal: Principal) -> Any:
         def check(request: Any) -> None:
             # An undecodable request is not a message: the error interceptor outside refuses it.
-            if isinstance(request, Message):
+            if principal is not auth.UNRESTRICTED and isinstance(request, Message):
                 principal.require_request(operation, _fields(request), self._checkpoint_of)
 
         if handler.unary_unary is not None:

@@ -84,8 +84,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     Covers unary calls and server streams (WatchCheckpoint) alike: a request that cannot be decoded
     is INVALID_ARGUMENT, and a refusal in the middle of a stream ends it with the refusal's code.
-    Client-streaming methods (none in tally.v1) pass through untouched.
+    Client-streaming methods (none in tally.v1) pass through untouched. A method's handler is
+    wrapped once and the wrapper reused while the handler inside stays the same.
     """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -97,6 +101,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:
             return handler
         method = details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(handler.unary_unary, method),

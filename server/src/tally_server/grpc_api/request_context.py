@@ -12,11 +12,17 @@ their duration is how long a client watched, not how fast Tally answered, and wo
 latency quantiles.
 
 Every call gets an access line (:func:`tally_server.logs.access`) when it ends, streams included;
-the methods in :data:`QUIET_METHODS` only at DEBUG unless they fail.
+the methods in :data:`QUIET_METHODS` only at DEBUG unless they fail. A unary call's line and its
+latency observation are made on the next turn of the event loop, once the answer is on its way:
+they cost as much as a small call's own work, and the caller need not wait for them.
+
+Each method's handler is wrapped once and reused for every call (the wrapper reads the call's
+metadata from its context), not rebuilt per call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,8 +53,25 @@ def _access(
 ) -> None:
     if code == grpc.StatusCode.OK and context.cancelled():
         code = grpc.StatusCode.CANCELLED  # the caller left (a watcher stopped watching)
+    _logged(method, code, elapsed, context.peer())
+
+
+def _logged(method: str, code: grpc.StatusCode, elapsed: float, peer: str) -> None:
     ok = code == grpc.StatusCode.OK
-    logs.access("grpc", method, code.name, elapsed, context.peer(), quiet=method in QUIET_METHODS, ok=ok)
+    logs.access("grpc", method, code.name, elapsed, peer, quiet=method in QUIET_METHODS, ok=ok)
+
+
+def _finished(
+    latency: Histogram, method: str, code: grpc.StatusCode, cancelled: bool, elapsed: float, peer: str
+) -> None:
+    latency.labels(method, code.name).observe(elapsed)
+    if code == grpc.StatusCode.OK and cancelled:
+        code = grpc.StatusCode.CANCELLED  # the caller left before the answer
+    _logged(method, code, elapsed, peer)
+
+
+def _caller_id(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    return _incoming_id(context.invocation_metadata())
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
@@ -59,6 +82,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     def __init__(self, latency: Histogram) -> None:
         self._latency = latency
+        # Per method: the handler wrapped last and its wrapper, reused while the handler is the same.
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -70,7 +95,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED; no label for arbitrary names
         method = details.method
-        caller_id = _incoming_id(details.invocation_metadata)
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         latency = self._latency
 
         if handler.unary_unary is not None or handler.stream_unary is not None:
@@ -79,9 +111,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 return handler
 
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                rid = logs.accept_request_id(caller_id)
-                token = logs.request_id.set(rid)
                 started = time.perf_counter()
+                rid = logs.accept_request_id(_caller_id(context))
+                token = logs.request_id.set(rid)
                 code = grpc.StatusCode.UNKNOWN
                 try:
                     context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
@@ -97,8 +129,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     raise
                 finally:
                     elapsed = time.perf_counter() - started
-                    latency.labels(method, code.name).observe(elapsed)
-                    _access(method, code, elapsed, context)
+                    # After the answer is sent; the callback runs in a copy of this context, so its
+                    # line carries the request id.
+                    asyncio.get_running_loop().call_soon(
+                        _finished, latency, method, code, context.cancelled(), elapsed, context.peer()
+                    )
                     logs.request_id.reset(token)
 
             if handler.unary_unary is not None:
@@ -121,7 +156,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             ) -> AsyncIterator[Any]:
                 # Each RPC runs in its own task, so the id needs no reset (a generator may be
                 # closed from another context, where a reset would fail).
-                rid = logs.accept_request_id(caller_id)
+                rid = logs.accept_request_id(_caller_id(context))
                 logs.request_id.set(rid)
                 started = time.perf_counter()
                 try:
@@ -137,7 +172,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         elif inspect.iscoroutinefunction(streaming):
 
             async def write(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                rid = logs.accept_request_id(caller_id)
+                rid = logs.accept_request_id(_caller_id(context))
                 token = logs.request_id.set(rid)
                 started = time.perf_counter()
                 try:

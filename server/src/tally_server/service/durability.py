@@ -43,6 +43,23 @@ from tally_server.service.sessions import Session
 log = logging.getLogger(__name__)
 
 
+async def _outcomes(futures: Sequence[asyncio.Future[None]]) -> list[BaseException | None]:
+    """``asyncio.gather(*futures, return_exceptions=True)``, without its machinery for one future.
+
+    A small batch waits for one journal entry and no completion: awaited as it is, it costs no
+    gathering future and no extra turn of the event loop.
+    """
+    if not futures:
+        return []
+    if len(futures) == 1:
+        try:
+            await futures[0]
+        except Exception as exc:
+            return [exc]
+        return [None]
+    return await asyncio.gather(*futures, return_exceptions=True)
+
+
 class Durability:
     """The commit path every writer operation shares.
 
@@ -80,8 +97,8 @@ class Durability:
                 committer.enqueue(JournalEntry(session.handle, first + i, e)) for i, e in enumerate(entries)
             ]
             committed = [committer.enqueue(change) for change in changes]
-            journal = await asyncio.gather(*written, return_exceptions=True)
-            results = await asyncio.gather(*committed, return_exceptions=True)
+            journal = await _outcomes(written)
+            results = await _outcomes(committed)
             failed = next((r for r in journal if isinstance(r, BaseException)), None)
             if failed is not None:
                 session.journal_queue[:0] = entries
