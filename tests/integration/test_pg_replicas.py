@@ -396,6 +396,17 @@ def test_a_second_coordinator_under_a_live_ones_name_is_refused_and_no_call_goes
                     pb.ListFailuresRequest(checkpoint="any"), metadata=[("tally-forwarded-by", "elsewhere")]
                 )
             assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+            # A method tally.v1 does not have is not forwarded either: UNIMPLEMENTED, as at the owner.
+            metrics_url = f"http://{replica.http_address}/metrics"
+            forwarded_before = samples_of(httpx.get(metrics_url).text, "tally_replica_forwarded_calls_total")
+            for address in (replica.grpc_address, owner.grpc_address):
+                with grpc.insecure_channel(address) as other:
+                    unknown = other.unary_unary("/tally.v1.Coordinator/NoSuchCall")
+                    with pytest.raises(grpc.RpcError) as missing:
+                        unknown(b"", timeout=10)
+                    assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED, address
+            forwarded = samples_of(httpx.get(metrics_url).text, "tally_replica_forwarded_calls_total")
+            assert forwarded == forwarded_before
         # The owner serves such a call as any other (it does not forward).
         assert (
             httpx.get(

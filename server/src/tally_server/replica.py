@@ -419,11 +419,14 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self._auth = AuthInterceptor(authorizer, reads.checkpoint_of)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        """The handler of one method: None outside tally.v1 (health and reflection answer those)."""
+        """The handler of one method: None outside tally.v1 (health and reflection answer those) and for
+        a method tally.v1 does not have."""
         method: str = handler_call_details.method
         if not method.startswith(_PREFIX):
             return None
         name = method[len(_PREFIX) :]
+        if name not in _SERVICE.methods_by_name:
+            return None  # UNIMPLEMENTED here, as at the owner: nothing unknown is forwarded
         if name in LOCAL_CALLS:
             header = dict(handler_call_details.invocation_metadata or ()).get("authorization")
             if isinstance(header, bytes):
