@@ -151,7 +151,7 @@ class SipHash13:
         v0 ^= v1
         v2 ^= v3
         v0 ^= v2
-        v0[v0 == _U64(0xFFFFFFFFFFFFFFFF)] = _U64(0xFFFFFFFFFFFFFFFE)  # hash() is never -1
+        np.minimum(v0, _U64(0xFFFFFFFFFFFFFFFE), out=v0)  # hash() is never -1: it gives -2 instead
         return v0
 
 
