@@ -184,7 +184,7 @@ def test_a_tree_unlike_what_lmdb_says_is_walked_with_a_cursor(tmp_path: Path) ->
 def test_the_array_hash_is_pythons_hash(keys: list[bytes]) -> None:
     python_hash = bytes_hash.PYTHON_HASH
     assert python_hash is not None
-    data = np.frombuffer(b"".join(keys) + bytes(88), dtype=np.uint8)  # room for a whole key past the last
+    data = np.frombuffer(b"".join(keys) + bytes(96), dtype=np.uint8)  # room for a whole key past the last
     lengths = np.array([len(k) for k in keys], dtype=np.int64)
     offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
     got = python_hash.of_words(bytes_hash.pack_words(data, offsets, lengths), lengths)

@@ -48,6 +48,8 @@ F_SUBDATA = 0x02
 SUPPORTED = sys.byteorder == "little" and struct.calcsize("P") == 8
 # Leaf pages unpacked at once (about 700,000 keys of 12 bytes at 4 KiB pages).
 LEAF_BATCH = 4096
+# Zero bytes after a file's content in memory: whole words are read past the last key.
+SPARE = 16
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,11 @@ class Keys:
 
 
 def read_file(path: Path) -> npt.NDArray[np.uint8]:
-    """The whole file in memory, followed by 8 zero bytes (whole-word reads of the last key)."""
+    """The whole file in memory, followed by 16 zero bytes (whole-word reads of the last key)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         size = os.fstat(fd).st_size
-        data = np.zeros(size + 8, dtype=np.uint8)
+        data = np.zeros(size + SPARE, dtype=np.uint8)
         view = data.data[:size]
         got = 0
         while got < size:
@@ -86,18 +88,16 @@ def read_file(path: Path) -> npt.NDArray[np.uint8]:
             got += n
     finally:
         os.close(fd)
-    return data[: got + 8] if got < size else data
+    return data[: got + SPARE] if got < size else data
 
 
 class _Pages:
     def __init__(self, data: npt.NDArray[np.uint8], psize: int, last_pgno: int) -> None:
         self.data = data
-        self.size = len(data) - 8
+        self.size = len(data) - SPARE
         self.psize = psize
         self.last_pgno = last_pgno
         self.by_page = data[: self.size - self.size % psize].view("<u2").reshape(-1, psize // 2)
-        # A word at every byte offset (``data`` ends in 8 spare bytes).
-        self.words = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
 
 
 def _meta(data: npt.NDArray[np.uint8], psize: int, txnid: int) -> tuple[int, int, int] | None:
@@ -105,7 +105,7 @@ def _meta(data: npt.NDArray[np.uint8], psize: int, txnid: int) -> tuple[int, int
     raw = data.data
     for page in (0, 1):
         base = page * psize + PAGE_HEADER
-        if base + META_HEAD.size + 2 * DB_RECORD.size + 16 > len(data) - 8:
+        if base + META_HEAD.size + 2 * DB_RECORD.size + 16 > len(data) - SPARE:
             return None
         magic, version, _, _ = META_HEAD.unpack_from(raw, base)
         main = DB_RECORD.unpack_from(raw, base + META_HEAD.size + DB_RECORD.size)
@@ -144,7 +144,7 @@ def _level(pages: _Pages, pgnos: I64, flag: int) -> tuple[I64, I64, npt.NDArray[
     ptr = ptrs[used].astype(np.int64)
     node = (pgnos * psize)[:, None] + ptrs
     node = node[used]
-    return node, ptr, pages.words[node]
+    return node, ptr, bytes_hash.words_at(pages.data, node, 1)[:, 0]
 
 
 def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callable[[Keys], None]) -> bool:
@@ -154,7 +154,7 @@ def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callabl
     the file walked with a cursor). Leaf pages are read :data:`LEAF_BATCH` at a time, so a big file
     never has all its keys unpacked at once.
     """
-    if not SUPPORTED or len(data) < 8 + 2 * 512:
+    if not SUPPORTED or len(data) < SPARE + 2 * 512:
         return False
     raw = data.data
     psize = struct.unpack_from("<I", raw, PAGE_HEADER + META_HEAD.size)[0]  # the free DB's md_pad
