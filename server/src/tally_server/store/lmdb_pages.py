@@ -95,6 +95,8 @@ class _Pages:
     def __init__(self, data: npt.NDArray[np.uint8], psize: int, last_pgno: int) -> None:
         self.data = data
         self.size = len(data) - SPARE
+        # A word at every byte offset: one word each is read faster so than by two aligned reads.
+        self.words = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
         self.psize = psize
         self.last_pgno = last_pgno
         self.by_page = data[: self.size - self.size % psize].view("<u2").reshape(-1, psize // 2)
@@ -144,7 +146,7 @@ def _level(pages: _Pages, pgnos: I64, flag: int) -> tuple[I64, I64, npt.NDArray[
     ptr = ptrs[used].astype(np.int64)
     node = (pgnos * psize)[:, None] + ptrs
     node = node[used]
-    return node, ptr, bytes_hash.words_at(pages.data, node, 1)[:, 0]
+    return node, ptr, pages.words[node]
 
 
 def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callable[[Keys], None]) -> bool:
