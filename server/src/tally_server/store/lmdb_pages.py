@@ -50,6 +50,9 @@ SUPPORTED = sys.byteorder == "little" and struct.calcsize("P") == 8
 LEAF_BATCH = 4096
 # Zero bytes after a file's content in memory: whole words are read past the last key.
 SPARE = 16
+# Larger files are walked with a cursor: their pages stay file-backed (the kernel can take them
+# back) instead of one copy in the heap. About 10 M keys of 12 bytes.
+MAX_FILE_BYTES = 1 << 28
 
 
 @dataclass(frozen=True)

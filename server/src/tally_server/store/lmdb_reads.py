@@ -40,6 +40,8 @@ def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 
     """The hashes of the file's keys read from its pages (``lmdb_pages``); None: walk it with a cursor."""
     if not lmdb_pages.SUPPORTED or not hasher.spans_supported:
         return None
+    if os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
+        return None
     stat = txn.stat(db)
     tree = lmdb_pages.TreeStat(
         txnid=txn.id(),
