@@ -25,12 +25,49 @@ import numpy as np
 from tally.integrations import nemo_format
 from tally.integrations.nemo_format import READ_ERRORS, describe_error
 from tally_server.domain.compact import U64, Hasher
+from tally_server.store import lmdb_pages
 from tally_server.store.file_handles import HandleCache, OpenFile
 
 logger = logging.getLogger(__name__)
 
 # Keys hashed per step of a load: a step is also where another thread may take the GIL.
 _LOAD_CHUNK = 1 << 15
+# Keys hashed per array pass when read from the pages: the hash's state stays in the CPU's cache.
+_HASH_CHUNK = 1 << 15
+
+
+def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
+    """The hashes of the file's keys read from its pages (``lmdb_pages``); None: walk it with a cursor."""
+    if not lmdb_pages.SUPPORTED or not hasher.spans_supported:
+        return None
+    if os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
+        return None
+    stat = txn.stat(db)
+    tree = lmdb_pages.TreeStat(
+        txnid=txn.id(),
+        last_pgno=env.info()["last_pgno"],
+        depth=stat["depth"],
+        branch_pages=stat["branch_pages"],
+        leaf_pages=stat["leaf_pages"],
+        overflow_pages=stat["overflow_pages"],
+        entries=stat["entries"],
+    )
+    parts: list[U64] = []
+    usable = True
+
+    def hash_batch(keys: lmdb_pages.Keys) -> None:
+        nonlocal usable
+        for i in range(0, len(keys.lengths), _HASH_CHUNK):
+            part = hasher.of_words(keys.words[i : i + _HASH_CHUNK], keys.lengths[i : i + _HASH_CHUNK])
+            if part is None:
+                usable = False
+                return
+            parts.append(part)
+
+    whole = lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, hash_batch)
+    if not whole or not usable:
+        return None
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
 
 class FileReads:
@@ -59,7 +96,7 @@ class FileReads:
         self._inodes.pop(path, None)
 
     @contextlib.contextmanager
-    def _walk(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
+    def _walk(self, path: Path) -> Iterator[tuple[Any, Any, Any] | None]:
         """Like ``_txn``, but through a handle closed afterwards.
 
         A walk of every page must not leave the file mapped (its pages would count as the server's
@@ -69,7 +106,7 @@ class FileReads:
             handle = self._writes.get(path)
             if handle is not None:
                 with handle.env.begin(db=handle.db) as txn:
-                    yield txn, handle.db
+                    yield txn, handle.db, handle.env
                 return
             if not os.path.lexists(path):
                 yield None
@@ -82,7 +119,7 @@ class FileReads:
                     yield None
                     return
                 with env.begin(db=db) as txn:
-                    yield txn, db
+                    yield txn, db, env
             finally:
                 env.close()
 
@@ -140,7 +177,11 @@ class FileReads:
         return handle
 
     def hash_keys(self, path: Path, hasher: Hasher) -> U64:
-        """The hash of every key in the file: a full cursor walk, so damaged pages raise here.
+        """The hash of every key in the file, in no particular order.
+
+        Read from the file's pages with array operations where ``lmdb_pages`` can vouch for the
+        whole tree against what LMDB says of it; otherwise a full cursor walk, so damaged pages
+        raise here as LMDB reports them.
 
         Raises:
             READ_ERRORS: the file cannot be read (a key that is not UTF-8 counts as damage).
@@ -149,7 +190,10 @@ class FileReads:
         with self._walk(path) as opened:
             if opened is None:
                 return np.empty(0, dtype=np.uint64)
-            txn, db = opened
+            txn, db, env = opened
+            fast = _hash_pages(path, txn, db, env, hasher)
+            if fast is not None:
+                return fast
             with txn.cursor(db=db) as cursor:
                 keys = cursor.iternext(keys=True, values=False)
                 while chunk := list(itertools.islice(keys, _LOAD_CHUNK)):
@@ -160,17 +204,16 @@ class FileReads:
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
     def hash_files(self, paths: Sequence[Path], hasher: Hasher) -> list[U64 | BaseException]:
-        """``hash_keys`` of each file, sorted; or the error that made the file unreadable."""
+        """``hash_keys`` of each file (unsorted), or the error that made the file unreadable."""
 
         def read(path: Path) -> U64 | BaseException:
             try:
-                hashes = self.hash_keys(path, hasher)
+                return self.hash_keys(path, hasher)
             except READ_ERRORS as exc:
                 return exc
-            hashes.sort()
-            return hashes
 
-        # One thread: two read no faster on two cores (measured) and keep more heap afterwards.
+        # One thread: two gain about 10 % at 10 M ids on two cores (numpy lets go of the GIL while
+        # hashing) but leave about 17 MB more resident (the second thread's malloc arena; measured).
         return [read(path) for path in paths]
 
     def merged_keys_after(self, paths: Sequence[Path], after: bytes, limit: int) -> tuple[list[bytes], bool]:
@@ -203,7 +246,7 @@ class FileReads:
             with self._walk(path) as opened:
                 if opened is None:
                     return []
-                txn, db = opened
+                txn, db, _ = opened
                 with txn.cursor(db=db) as cursor:
                     return [k for k in cursor.iternext(keys=True, values=False) if wanted(k)]
         except READ_ERRORS as exc:
