@@ -419,8 +419,7 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self._auth = AuthInterceptor(authorizer, reads.checkpoint_of)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        """The handler of one method: None outside tally.v1 (health and reflection answer those) and for
-        a method tally.v1 does not have."""
+        """The handler of one method: None outside tally.v1 and for a method it does not have."""
         method: str = handler_call_details.method
         if not method.startswith(_PREFIX):
             return None
