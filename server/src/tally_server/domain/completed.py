@@ -127,7 +127,9 @@ class CompletedSet:
         """
         overlay, tombstones = self._overlay, self._tombstones
         rest: list[int] | None = None  # positions of ``asked`` in ``source_ids`` (None: the same)
-        if overlay or tombstones:
+        if (overlay and not overlay.keys().isdisjoint(source_ids)) or (
+            tombstones and not tombstones.isdisjoint(source_ids)
+        ):
             out = [False] * len(source_ids)
             rest = []
             for i, sid in enumerate(source_ids):
@@ -183,19 +185,28 @@ class CompletedSet:
                 self._origins.append(origin)
         value = (self._seq << _SEQ_SHIFT) | tag
         overlay, tombstones = self._overlay, self._tombstones
-        for sid in sources:
-            if sid in overlay:
-                continue
+        new = [sid for sid in dict.fromkeys(sources) if sid not in overlay]
+        index = self._index
+        if new and index is not None and len(index):
             # The id is in ``origin``'s file already (committed before it is added), so an entry
-            # of that file whose hash matches may be another id: only other files can tell.
-            if sid not in tombstones and self._indexed_seq(sid, skip_origin=tag) is not None:
-                continue
-            overlay[sid] = value
-            self._id_chars += len(sid)
-            if sid in self.declared:
-                self.declared_done += 1
-            if tag != _NO_ORIGIN and sid not in tombstones:
-                self._mergeable += 1
+            # of that file whose hash matches may be another id: only other files can tell. Ids
+            # with no entry of their hash prefix at all (nearly every one) are settled at once.
+            doubtful = [sid for sid in new if sid not in tombstones] if tombstones else new
+            _, found = index.first_many(self._hasher.of_ids(doubtful))
+            if found.any():
+                indexed = {
+                    sid
+                    for sid, hit in zip(doubtful, found.tolist(), strict=True)
+                    if hit and self._indexed_seq(sid, skip_origin=tag) is not None
+                }
+                if indexed:
+                    new = [sid for sid in new if sid not in indexed]
+        overlay.update(dict.fromkeys(new, value))
+        self._id_chars += sum(map(len, new))
+        if self.declared:
+            self.declared_done += len(self.declared.intersection(new))
+        if tag != _NO_ORIGIN:
+            self._mergeable += len(new) - (len(tombstones.intersection(new)) if tombstones else 0)
         if self.merge_due and not self.background_merges:
             self.merge()
 
@@ -379,4 +390,6 @@ class _View:
         one by one for their sequence.
         """
         members = self._set.contains_many(source_ids)
+        if not any(members):
+            return members
         return [member and self(sid) for sid, member in zip(source_ids, members, strict=True)]
