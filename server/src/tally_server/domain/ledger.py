@@ -9,6 +9,7 @@ and any delta for it in the meantime cancels the settle (§2.2).
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -303,12 +304,24 @@ class WriterLedger:
         From here on a delta for them is an anomaly, as in the anchor. Returns the ones that
         still qualify (pending zero and not already completed), which the caller persists.
         """
-        out = []
-        for sid in sources:
-            if self.pending.get(sid) == 0 and sid not in self.own_completed:
-                self.own_completed.add(sid)
-                del self.pending[sid]
-                out.append(sid)
+        pending, own_completed = self.pending, self.own_completed
+        sources = list(sources)
+        if (
+            set(map(pending.get, sources)) <= {0}
+            and own_completed.isdisjoint(sources)
+            and len(dict.fromkeys(sources)) == len(sources)
+        ):
+            # All of them qualify (the common case: what a batch just brought to zero): C passes.
+            own_completed.update(sources)
+            deque(map(pending.__delitem__, sources), maxlen=0)
+            out = sources
+        else:
+            out = []
+            for sid in sources:
+                if pending.get(sid) == 0 and sid not in own_completed:
+                    own_completed.add(sid)
+                    del pending[sid]
+                    out.append(sid)
         self.totals.completed += len(out)
         return out
 
