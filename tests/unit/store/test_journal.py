@@ -8,8 +8,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from tally_server.domain import validation
 from tally_server.domain.journal import Applied, Completing, Opened, Persisted, Reverted, Snapshot
-from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, OpenJournal
 from tally_server.store.journal import JOURNAL_FILENAME, LmdbJournal, decode_entry, encode_entry
 
@@ -65,6 +66,22 @@ def test_every_entry_survives_its_encoding() -> None:
     ]
     for entry in entries:
         assert decode_entry(encode_entry(entry)) == entry
+
+
+def test_a_checked_batch_is_written_byte_for_byte_as_its_rows() -> None:
+    """Validation hands the journal its ASCII columns joined: the entry is the one the rows make."""
+    rows = [("0_a", "a", 1), ("0_b_0", "b", -1), ("x" * 511, "a", 2**62 - 1), ("t", "s\x00x", -(2**62) + 1)]
+    columns = [list(c) for c in zip(*rows, strict=True)]
+    checked = validation.delta_columns(*columns, validation.Limits(), int64=True)
+    assert checked.ascii is not None  # the quick path, with the columns joined
+    other = validation.delta_columns(["é", *columns[0][1:]], *columns[1:], validation.Limits())
+    assert other.ascii is None  # not ASCII: each id encoded on its own
+    for batch in (checked, other):
+        entry = Applied(7, batch, ["a"])
+        expected = encode_entry(Applied(7, list(batch), ["a"]))
+        assert encode_entry(entry) == expected
+        assert decode_entry(expected) == entry
+    assert isinstance(checked, DeltaBatch) and list(checked) == rows and checked == rows
 
 
 def test_a_write_torn_by_a_crash_leaves_the_journal_as_before_it(tmp_path: Path) -> None:

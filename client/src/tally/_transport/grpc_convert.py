@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
@@ -89,12 +90,19 @@ def open_writer_request(spec: WriterSpec) -> pb.OpenWriterRequest:
     )
 
 
+_TASK_ID, _SOURCE_ID, _DELTA = itemgetter(0), itemgetter(1), itemgetter(2)
+
+
 def apply_deltas_request(call: calls.ApplyDeltas) -> pb.ApplyDeltasRequest:
     if call.columns and call.deltas:
-        # Three parallel columns: no message object per delta, on either side.
-        task_ids, source_ids, values = zip(*call.deltas, strict=True)
-        columns = pb.DeltaColumns(task_ids=task_ids, source_ids=source_ids, deltas=values)
-        return pb.ApplyDeltasRequest(handle=call.handle, columns=columns, batch_seq=call.batch_seq)
+        # Three parallel columns: no message object per delta, on either side. Filled in place:
+        # a DeltaColumns built apart would be copied whole into the request.
+        request = pb.ApplyDeltasRequest(handle=call.handle, batch_seq=call.batch_seq)
+        columns = request.columns
+        columns.task_ids.extend(map(_TASK_ID, call.deltas))
+        columns.source_ids.extend(map(_SOURCE_ID, call.deltas))
+        columns.deltas.extend(map(_DELTA, call.deltas))
+        return request
     return pb.ApplyDeltasRequest(
         handle=call.handle,
         deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in call.deltas],

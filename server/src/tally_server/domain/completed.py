@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 import numpy.typing as npt
@@ -127,7 +129,9 @@ class CompletedSet:
         """
         overlay, tombstones = self._overlay, self._tombstones
         rest: list[int] | None = None  # positions of ``asked`` in ``source_ids`` (None: the same)
-        if overlay or tombstones:
+        if (overlay and not overlay.keys().isdisjoint(source_ids)) or (
+            tombstones and not tombstones.isdisjoint(source_ids)
+        ):
             out = [False] * len(source_ids)
             rest = []
             for i, sid in enumerate(source_ids):
@@ -183,19 +187,28 @@ class CompletedSet:
                 self._origins.append(origin)
         value = (self._seq << _SEQ_SHIFT) | tag
         overlay, tombstones = self._overlay, self._tombstones
-        for sid in sources:
-            if sid in overlay:
-                continue
+        new = [sid for sid in dict.fromkeys(sources) if sid not in overlay]
+        index = self._index
+        if new and index is not None and len(index):
             # The id is in ``origin``'s file already (committed before it is added), so an entry
-            # of that file whose hash matches may be another id: only other files can tell.
-            if sid not in tombstones and self._indexed_seq(sid, skip_origin=tag) is not None:
-                continue
-            overlay[sid] = value
-            self._id_chars += len(sid)
-            if sid in self.declared:
-                self.declared_done += 1
-            if tag != _NO_ORIGIN and sid not in tombstones:
-                self._mergeable += 1
+            # of that file whose hash matches may be another id: only other files can tell. Ids
+            # with no entry of their hash prefix at all (nearly every one) are settled at once.
+            doubtful = [sid for sid in new if sid not in tombstones] if tombstones else new
+            _, found = index.first_many(self._hasher.of_ids(doubtful))
+            if found.any():
+                indexed = {
+                    sid
+                    for sid, hit in zip(doubtful, found.tolist(), strict=True)
+                    if hit and self._indexed_seq(sid, skip_origin=tag) is not None
+                }
+                if indexed:
+                    new = [sid for sid in new if sid not in indexed]
+        overlay.update(dict.fromkeys(new, value))
+        self._id_chars += sum(map(len, new))
+        if self.declared:
+            self.declared_done += len(self.declared.intersection(new))
+        if tag != _NO_ORIGIN:
+            self._mergeable += len(new) - (len(tombstones.intersection(new)) if tombstones else 0)
         if self.merge_due and not self.background_merges:
             self.merge()
 
@@ -250,32 +263,37 @@ class CompletedSet:
         overlay, tombstones = self._overlay, self._tombstones
         if self._confirm is None:
             return None  # without files to confirm in, the ids stay as they are
-        moving = [
-            (sid, v) for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
-        ]
-        if not moving:
+        # The ids with a file and no tombstone, found with C passes (the overlay holds ~50,000).
+        sids = list(overlay)
+        values = np.fromiter(overlay.values(), dtype=np.uint64, count=len(sids))
+        keep = (values & np.uint64(_NO_ORIGIN)) != np.uint64(_NO_ORIGIN)
+        if tombstones:
+            keep &= ~np.fromiter(map(tombstones.__contains__, sids), dtype=bool, count=len(sids))
+        if not keep.all():
+            sids, values = list(compress(sids, keep.tolist())), values[keep]
+        if not sids:
             return None
         if self._index is None:
             self._index = CompactIndex.build([])
-        hashes = self._hasher.of_ids([sid for sid, _ in moving])
+        hashes = self._hasher.of_ids(sids)
         # An id whose hash prefix another entry has already (or another id merged with it) stays
         # in the overlay: entries must never leave open which one carries which sequence.
         _, taken = self._index.first_many(hashes)
         prefixes = hashes & np.uint64(compact.prefix_mask(self._index.origin_bits, len(self._origins)))
         _, first, counts = np.unique(prefixes, return_index=True, return_counts=True)
-        alone = np.zeros(len(moving), dtype=bool)
+        alone = np.zeros(len(sids), dtype=bool)
         alone[first[counts == 1]] = True
         keep = alone & ~taken
         if not keep.all():
-            moving = [m for m, k in zip(moving, keep.tolist(), strict=True) if k]
-            hashes = hashes[keep]
-            if not moving:
+            sids, values, hashes = list(compress(sids, keep.tolist())), values[keep], hashes[keep]
+            if not sids:
                 return None
-        values = np.fromiter((v for _, v in moving), dtype=np.uint64, count=len(moving))
         origins = (values & np.uint64(_NO_ORIGIN)).astype(np.uint32)
         seqs = values >> np.uint64(_SEQ_SHIFT)
         settled = min((v.cutoff for v in self._views), default=self._seq)
-        return MergePlan(self._index, moving, hashes, origins, seqs, len(self._origins), settled)
+        return MergePlan(
+            self._index, sids, values.tolist(), hashes, origins, seqs, len(self._origins), settled
+        )
 
     def finish_merge(self, plan: MergePlan, merged: CompactIndex) -> None:
         """Install ``merged`` (``plan.build()``); the moved ids leave the overlay."""
@@ -283,7 +301,14 @@ class CompletedSet:
             return  # another merge came first: this one is moot, its ids are still in the overlay
         self._index = merged
         overlay, tombstones = self._overlay, self._tombstones
-        for sid, value in plan.moving:
+        if not tombstones and list(map(overlay.get, plan.sids)) == plan.values:
+            # Each moved id is in the overlay as planned (nothing was discarded meanwhile): C passes.
+            deque(map(overlay.__delitem__, plan.sids), maxlen=0)
+            self._id_chars -= sum(map(len, plan.sids))
+            moved: Iterable[tuple[str, int]] = ()
+        else:
+            moved = zip(plan.sids, plan.values, strict=True)
+        for sid, value in moved:
             if sid in tombstones:
                 # Discarded while the merge was built (and maybe completed again since, which
                 # keeps it in the overlay): its tombstone now hides an entry of the index.
@@ -333,7 +358,8 @@ class MergePlan:
     """Ids of the overlay on their way into the compact index (see ``CompletedSet.plan_merge``)."""
 
     index: CompactIndex
-    moving: list[tuple[str, int]]
+    sids: list[str]  # the ids that move
+    values: list[int]  # each one's overlay value as planned
     hashes: npt.NDArray[np.uint64]
     origins: npt.NDArray[np.uint32]
     seqs: npt.NDArray[np.uint64]
@@ -347,7 +373,7 @@ class MergePlan:
             self.origins,
             self.seqs,
             origin_count=self.origin_count,
-            added=len(self.moving),
+            added=len(self.sids),
             settled=self.settled,
         )
 
@@ -379,4 +405,6 @@ class _View:
         one by one for their sequence.
         """
         members = self._set.contains_many(source_ids)
+        if not any(members):
+            return members
         return [member and self(sid) for sid, member in zip(source_ids, members, strict=True)]

@@ -8,10 +8,85 @@ and any delta for it in the meantime cancels the settle (§2.2).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from typing import NamedTuple, overload
 
 Delta = tuple[str, str, int]
+
+
+class AsciiColumn(NamedTuple):
+    """A column of ASCII ids joined, with the length of each (characters and bytes alike)."""
+
+    text: str
+    lengths: array[int]
+
+
+class DeltaBatch(Sequence[Delta]):
+    """A batch as three parallel columns: delta ``i`` is ``(task_ids[i], source_ids[i], values[i])``.
+
+    It reads as a sequence of ``(task_id, source_id, delta)`` tuples, each made when read; the
+    ledger and the journal read the columns instead (no tuple per delta). The columns are lists
+    owned by the batch: nobody changes them.
+
+    ``ascii``: the task and source columns joined, when validation found every id ASCII (the
+    journal writes them as they are, without going through the ids again); else None.
+    """
+
+    __slots__ = ("ascii", "source_ids", "task_ids", "values")
+
+    def __init__(
+        self,
+        task_ids: list[str],
+        source_ids: list[str],
+        values: list[int],
+        ascii: tuple[AsciiColumn, AsciiColumn] | None = None,
+    ) -> None:
+        self.task_ids = task_ids
+        self.source_ids = source_ids
+        self.values = values
+        self.ascii = ascii
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[Delta]) -> DeltaBatch:
+        """The batch of these ``(task_id, source_id, delta)`` rows."""
+        if isinstance(rows, DeltaBatch):
+            return cls(rows.task_ids, rows.source_ids, rows.values, rows.ascii)
+        rows = rows if isinstance(rows, list | tuple) else list(rows)
+        if not rows:
+            return cls([], [], [])
+        task_ids, source_ids, values = zip(*rows, strict=True)
+        return cls(list(task_ids), list(source_ids), list(values))
+
+    def __len__(self) -> int:
+        return len(self.task_ids)
+
+    def __iter__(self) -> Iterator[Delta]:
+        return zip(self.task_ids, self.source_ids, self.values, strict=True)
+
+    @overload
+    def __getitem__(self, index: int) -> Delta: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> DeltaBatch: ...
+
+    def __getitem__(self, index: int | slice) -> Delta | DeltaBatch:
+        if isinstance(index, slice):
+            return DeltaBatch(self.task_ids[index], self.source_ids[index], self.values[index])
+        return self.task_ids[index], self.source_ids[index], self.values[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DeltaBatch | list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
 
 
 @dataclass
@@ -113,41 +188,44 @@ class WriterLedger:
         ``now`` starts settle windows.
         """
         result = BatchResult()
-        counts = result.counts
+        columns = batch if isinstance(batch, DeltaBatch) else DeltaBatch.of_rows(batch)
+        tasks, sources, values = columns.task_ids, columns.source_ids, columns.values
         pending, applied, settling = self.pending, self.applied, self.settling
         own_completed, uncompleted = self.own_completed, self.uncompleted
-        before_open = self._completed_before_open
-        many = getattr(before_open, "many", None)
-        if many is not None:
-            # A view that answers many ids at once (a compact index: one vectorised lookup instead
-            # of one per delta) is asked once for the batch's sources.
-            batch = batch if isinstance(batch, Sequence) else list(batch)
-            asked = [sid for sid in dict.fromkeys(sid for _, sid, _ in batch) if sid not in own_completed]
-            before_open = _answered(dict(zip(asked, many(asked), strict=True)), before_open)
+        touched = dict.fromkeys(sources)
+        # The batch's sources that counted as completed when the writer opened, asked once per
+        # source (a view with ``many``, a compact index, answers them in one vectorised lookup).
+        # Sources the writer completed or un-completed itself are not asked: the view's answer
+        # does not count for them (is_completed). While a batch applies, the writer's own
+        # completions only shrink, and a source leaving them is un-completed for good, so these
+        # answers stay right for the whole batch.
+        asked = list(touched.keys() - own_completed - uncompleted)
+        view = self._completed_before_open
+        many = getattr(view, "many", None)
+        before_open = set(compress(asked, many(asked) if many is not None else map(view, asked)))
+        fresh = dict(zip(tasks, values, strict=True))
         # Insertion-ordered set of sources whose count must be re-examined at the end of the batch.
-        recheck: dict[str, None] = {}
-        for task_id, sid, d in batch:
-            if sid in settling:
-                del settling[sid]  # any delta cancels the settle; re-examined below
-                recheck[sid] = None
-            existing = applied.get(task_id)
-            if existing == d:
-                counts.skipped += 1
-                continue
-            # self.is_completed(sid), spelled out: it runs for every delta.
-            if sid in own_completed or (sid not in uncompleted and before_open(sid)):
-                self._anomaly(result, task_id, sid, existing, d)
-                continue
-            applied[task_id] = d
-            if existing is None:
-                count = pending.get(sid, 0) + d
-                counts.applied += 1
-            else:
-                count = pending.get(sid, 0) - existing + d
-                counts.rewritten += 1
-            pending[sid] = count
-            if not count:
-                recheck[sid] = None
+        recheck: dict[str, None]
+        if (
+            not before_open
+            and own_completed.isdisjoint(touched)
+            and (not settling or settling.keys().isdisjoint(touched))
+            and len(fresh) == len(tasks)
+            and applied.keys().isdisjoint(fresh)
+        ):
+            # Every task is new (no skip, no rewrite) and no source is completed for this writer
+            # (no anomaly) or settling: the rules reduce to adding each delta to its source's count.
+            applied.update(fresh)
+            recheck = {}
+            count_of = pending.get
+            for sid, d in zip(sources, values, strict=True):
+                count = count_of(sid, 0) + d
+                pending[sid] = count
+                if not count:
+                    recheck[sid] = None
+            result.counts.applied = len(tasks)
+        else:
+            recheck = self._apply_each(result, zip(tasks, sources, values, strict=True), before_open)
         # The anchor completes a source that touched zero anywhere in the batch, even if a later
         # delta of the same batch moved it again (and then loses that count). Tally completes only
         # what is still at zero at the end of the batch; every other case is identical.
@@ -157,8 +235,46 @@ class WriterLedger:
                     result.complete_now.append(sid)
                 else:
                     settling[sid] = now + self.settle_s
-        self.totals.add(counts)
+        self.totals.add(result.counts)
         return result
+
+    def _apply_each(
+        self, result: BatchResult, batch: Iterable[Delta], before_open: set[str]
+    ) -> dict[str, None]:
+        """The rules delta by delta; returns the sources to re-examine at the end of the batch, in order.
+
+        ``before_open``: the batch's sources that counted as completed when the writer opened (of
+        those neither completed nor un-completed by the writer itself).
+        """
+        pending, applied, settling = self.pending, self.applied, self.settling
+        own_completed, uncompleted = self.own_completed, self.uncompleted
+        recheck: dict[str, None] = {}
+        skipped = applied_count = rewritten = 0
+        for task_id, sid, d in batch:
+            if sid in settling:
+                del settling[sid]  # any delta cancels the settle; re-examined below
+                recheck[sid] = None
+            existing = applied.get(task_id)
+            if existing == d:
+                skipped += 1
+                continue
+            # self.is_completed(sid), spelled out: it runs for every delta.
+            if sid in own_completed or (sid not in uncompleted and sid in before_open):
+                self._anomaly(result, task_id, sid, existing, d)
+                continue
+            applied[task_id] = d
+            if existing is None:
+                count = pending.get(sid, 0) + d
+                applied_count += 1
+            else:
+                count = pending.get(sid, 0) - existing + d
+                rewritten += 1
+            pending[sid] = count
+            if not count:
+                recheck[sid] = None
+        counts = result.counts
+        counts.skipped, counts.applied, counts.rewritten = skipped, applied_count, rewritten
+        return recheck
 
     def _anomaly(self, result: BatchResult, task_id: str, sid: str, old: int | None, new: int) -> None:
         result.counts.anomalies += 1
@@ -188,12 +304,24 @@ class WriterLedger:
         From here on a delta for them is an anomaly, as in the anchor. Returns the ones that
         still qualify (pending zero and not already completed), which the caller persists.
         """
-        out = []
-        for sid in sources:
-            if self.pending.get(sid) == 0 and sid not in self.own_completed:
-                self.own_completed.add(sid)
-                del self.pending[sid]
-                out.append(sid)
+        pending, own_completed = self.pending, self.own_completed
+        sources = list(sources)
+        if (
+            set(map(pending.get, sources)) <= {0}
+            and own_completed.isdisjoint(sources)
+            and len(dict.fromkeys(sources)) == len(sources)
+        ):
+            # All of them qualify (the common case: what a batch just brought to zero): C passes.
+            own_completed.update(sources)
+            deque(map(pending.__delitem__, sources), maxlen=0)
+            out = sources
+        else:
+            out = []
+            for sid in sources:
+                if pending.get(sid) == 0 and sid not in own_completed:
+                    own_completed.add(sid)
+                    del pending[sid]
+                    out.append(sid)
         self.totals.completed += len(out)
         return out
 
@@ -237,13 +365,3 @@ class WriterLedger:
                 self.pending[sid] = 0
                 self.settling[sid] = now
                 self.totals.completed -= 1
-
-
-def _answered(answers: dict[str, bool], view: Callable[[str], bool]) -> Callable[[str], bool]:
-    """``view`` with the answers it already gave for a batch (asked again only for the others)."""
-
-    def before_open(source_id: str) -> bool:
-        done = answers.get(source_id)
-        return view(source_id) if done is None else done
-
-    return before_open

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tally_server.errors import InvalidArgument, ResourceExhausted
+import numpy as np
 
-Delta = tuple[str, str, int]
+from tally_server.domain.ledger import AsciiColumn, Delta, DeltaBatch
+from tally_server.errors import InvalidArgument, ResourceExhausted
 
 # One path segment of a checkpoint name or a writer id: it becomes a directory or a
 # file name under the data directory, so only characters that are safe everywhere.
@@ -139,11 +141,11 @@ def _utf8(what: str, value: str, field: str) -> None:
         ) from None
 
 
-class CheckedDeltas(tuple[Delta, ...]):
+class CheckedDeltas(DeltaBatch):
     """A batch that :func:`deltas` accepted; handing it to :func:`deltas` again costs nothing.
 
     A transport validates a big batch in a worker thread; the service's own check on the event loop
-    then finds nothing left to do.
+    then finds nothing left to do. Its columns go on to the ledger and the journal as they are.
     """
 
     __slots__ = ()
@@ -235,11 +237,10 @@ def deltas(batch: Sequence[Delta], limits: Limits) -> CheckedDeltas:
         return batch
     if len(batch) > limits.max_deltas_per_call:
         raise too_many_deltas(limits, len(batch))
-    if not batch:
-        return CheckedDeltas(batch)
-    task_ids, source_ids, values = zip(*batch, strict=True)
-    if _plain_ids(task_ids, limits) and _plain_ids(source_ids, limits) and _small_ints(values):
-        return CheckedDeltas(batch)
+    columns = DeltaBatch.of_rows(batch)
+    checked = _plain_columns(columns.task_ids, columns.source_ids, columns.values, limits, int64=False)
+    if checked is not None:
+        return checked
     # Something is off: find the first bad item, to name it.
     for i, (task_id, source_id, delta) in enumerate(batch):
         _id(f"deltas[{i}].task_id", task_id, limits)
@@ -249,13 +250,22 @@ def deltas(batch: Sequence[Delta], limits: Limits) -> CheckedDeltas:
                 f"deltas[{i}].delta {describe(delta)} is out of range; deltas are small integers",
                 field=f"deltas[{i}].delta",
             )
-    return CheckedDeltas(batch)
+    return CheckedDeltas(columns.task_ids, columns.source_ids, columns.values)
 
 
 def delta_columns(
-    task_ids: Sequence[str], source_ids: Sequence[str], values: Sequence[int], limits: Limits
+    task_ids: Sequence[str],
+    source_ids: Sequence[str],
+    values: Sequence[int],
+    limits: Limits,
+    *,
+    int64: bool = False,
 ) -> CheckedDeltas:
-    """Validate a batch sent as three parallel columns (delta i is the i-th of each), as :func:`deltas`."""
+    """Validate a batch sent as three parallel columns (delta i is the i-th of each), as :func:`deltas`.
+
+    ``int64``: the values are known to be 64-bit integers (a protobuf column), so only their range
+    is checked.
+    """
     count = len(task_ids)
     if count > limits.max_deltas_per_call:
         raise too_many_deltas(limits, count)
@@ -267,9 +277,42 @@ def delta_columns(
             f"{len(values)} deltas); send one task id, one source id and one delta per delta",
             field="columns",
         )
-    if _plain_ids(task_ids, limits) and _plain_ids(source_ids, limits) and _small_ints(values):
-        return CheckedDeltas(zip(task_ids, source_ids, values, strict=True))
+    checked = _plain_columns(task_ids, source_ids, values, limits, int64=int64)
+    if checked is not None:
+        return checked
     return deltas(list(zip(task_ids, source_ids, values, strict=True)), limits)  # names what is wrong
+
+
+def _plain_columns(
+    task_ids: list[str], source_ids: list[str], values: list[int], limits: Limits, *, int64: bool
+) -> CheckedDeltas | None:
+    """The batch, if C-speed checks find it surely valid (ASCII ids, small ints); else None."""
+    tasks = _ascii_column(task_ids, limits)
+    if tasks is None:
+        return None
+    sources = _ascii_column(source_ids, limits)
+    if sources is None or not (_small_range(values) if int64 else _small_ints(values)):
+        return None
+    return CheckedDeltas(task_ids, source_ids, values, (tasks, sources))
+
+
+def _ascii_column(ids: list[str], limits: Limits) -> AsciiColumn | None:
+    """``ids`` joined with their lengths, if every one is non-empty ASCII within the size limit; else None.
+
+    None says nothing is wrong yet, only that the careful per-item check must decide.
+    """
+    try:
+        text = "".join(ids)
+    except TypeError:  # not a str among them
+        return None
+    if not text.isascii():
+        return None
+    lengths = array("I", map(len, ids))  # ASCII: characters are bytes
+    if ids:
+        sizes = np.frombuffer(lengths, dtype=np.uint32)
+        if sizes.min() == 0 or sizes.max() > limits.max_id_bytes:
+            return None
+    return AsciiColumn(text, lengths)
 
 
 def _plain_ids(ids: Sequence[str], limits: Limits) -> bool:
@@ -289,11 +332,12 @@ def _plain_ids(ids: Sequence[str], limits: Limits) -> bool:
 
 def _small_ints(values: Sequence[int]) -> bool:
     """Whether every delta is surely valid: an int (not a bool) well inside the range."""
-    try:
-        ints = all(type(v) is int for v in values)
-        return ints and -(2**62) < min(values, default=0) and max(values, default=0) < 2**62
-    except TypeError:
-        return False
+    return set(map(type, values)) <= {int} and _small_range(values)  # type() at C speed
+
+
+def _small_range(values: Sequence[int]) -> bool:
+    """Whether every one of these integers is well inside the range of a delta."""
+    return -(2**62) < min(values, default=0) and max(values, default=0) < 2**62
 
 
 def pid(value: int) -> int:

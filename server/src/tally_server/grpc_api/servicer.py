@@ -92,7 +92,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise validation.too_many_deltas(limits, len(cols.task_ids))
             batch = await _unpack(
                 cols.task_ids,
-                lambda: validation.delta_columns(cols.task_ids, cols.source_ids, cols.deltas, limits),
+                lambda: validation.delta_columns(
+                    cols.task_ids, cols.source_ids, cols.deltas, limits, int64=True
+                ),
             )
         else:
             if len(request.deltas) > limits.max_deltas_per_call:  # before a tuple is built for any

@@ -126,7 +126,7 @@ class Writers:
             cp = self._checkpoints[session.checkpoint]
             if cp.claims:
                 kept = self._claims.refuse_held(cp, session, batch)
-                session.last_refused, batch = len(batch) - len(kept), validation.CheckedDeltas(kept)
+                session.last_refused, batch = len(batch) - len(kept), validation.CheckedDeltas.of_rows(kept)
             else:
                 session.last_refused = 0
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())

@@ -28,7 +28,7 @@ from tally_server.domain.journal import (
     Reverted,
     Snapshot,
 )
-from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
 from tally_server.store.disk import write_error
 
@@ -40,6 +40,7 @@ _ENTRIES = b"entries"
 _INDEX = struct.Struct(">Q")
 _COUNTS = struct.Struct("<5q")
 _SEQ = struct.Struct("<Q")
+_COUNT = struct.Struct("<I")
 
 
 class LmdbJournal:
@@ -162,11 +163,14 @@ def encode_entry(entry: Entry) -> bytes:
     out = bytearray()
     if isinstance(entry, Applied):
         out += b"A" + _SEQ.pack(entry.seq)
-        rows = entry.deltas
-        tasks, sources, deltas = [t for t, _, _ in rows], [s for _, s, _ in rows], [d for _, _, d in rows]
-        _pack_strs(out, tasks)
-        _pack_strs(out, sources)
-        _pack_ints(out, deltas)
+        columns = DeltaBatch.of_rows(entry.deltas)  # a checked batch is columns already
+        if columns.ascii is not None:  # joined and measured by validation already
+            for text, lengths in columns.ascii:
+                out += _COUNT.pack(len(lengths)) + lengths.tobytes() + text.encode("ascii")
+        else:
+            _pack_strs(out, columns.task_ids)
+            _pack_strs(out, columns.source_ids)
+        _pack_ints(out, columns.values)
         _pack_strs(out, entry.hits)
     elif isinstance(entry, Completing):
         out += b"C"
