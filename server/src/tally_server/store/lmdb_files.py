@@ -207,8 +207,9 @@ class LmdbCompletionStore(CompletionFolders):
 
         A missing file is created (atomically) only with ``create=True``. With ``create=False``
         a missing file, or one lacking the completed_sources database, is left untouched and None
-        is returned. Every id is read once on opening, so a damaged tree is found before
-        anything is written into it. The caller holds the file's lock.
+        is returned. Every id is read once on opening (from the checked pages, or by a
+        cursor walk), so a damaged tree is found before anything is written into it. The caller
+        holds the file's lock.
 
         Raises:
             DAMAGE_ERRORS: the file is damaged, a link, or not a regular file.
@@ -230,7 +231,7 @@ class LmdbCompletionStore(CompletionFolders):
             if db is None:
                 env.close()
                 return None
-            nemo_format.read_ids(env, db)
+            self._reads.check_tree(path, env, db)
         except BaseException:
             env.close()
             raise
