@@ -324,16 +324,18 @@ def _leaves(pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Chec
         return None
     node, in_page, header = found
     klen = (header >> np.uint64(48)).astype(np.int64)
-    node_flags = (header >> np.uint64(32)) & np.uint64(0xFFFF)
     dsize = (header & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    # A value on overflow pages keeps only its page number in the leaf.
-    dsize = np.where((node_flags & np.uint64(F_BIGDATA)) != 0, 8, dsize)
+    # Leaf nodes: flags 0 (the value in the page), a key of 1 byte or more.
+    node_flags = (header >> np.uint64(32)) & np.uint64(0xFFFF)
+    if node_flags.any():
+        check.cannot_read("a leaf node with flags")
+        # A value on overflow pages keeps only its page number in the leaf.
+        dsize = np.where((node_flags & np.uint64(F_BIGDATA)) != 0, 8, dsize)
+    if not klen.all():
+        check.cannot_read("an empty key")
     if (in_page + NODE_HEADER + klen + dsize > pages.psize).any():
         check.damaged("a leaf node's key or value runs past its page")
         return None
-    # Leaf nodes: flags 0 (the value in the page), a key of 1 byte or more.
-    if node_flags.any() or not klen.all():
-        check.cannot_read("a leaf node with flags or an empty key")
     words = bytes_hash.pack_words(data, node + NODE_HEADER, klen)
     if np.bitwise_or.reduce(words, axis=None) & np.uint64(0x8080808080808080):
         check.cannot_read("keys that are not ASCII")  # a cursor walk checks that they are UTF-8
