@@ -191,6 +191,27 @@ def test_a_leaf_of_the_wrong_type_is_damage_and_no_read_walks_it(tmp_path: Path)
         reads.close()
 
 
+def test_a_main_database_root_marked_as_a_branch_is_damage_before_lmdb_opens_the_database(
+    tmp_path: Path,
+) -> None:
+    """LMDB's search for the database record asserts (``NUMKEYS(mp) > 1``) on a one-node branch."""
+    path = tmp_path / "w.mdb"
+    nemo_write(path, [f"{i:012x}" for i in range(5_000)])
+    data = bytearray(path.read_bytes())
+    psize = lmdb_damage._page_size(data)
+    main_root, _ = lmdb_damage._meta(data, psize)
+    struct.pack_into("<H", data, main_root * psize + lmdb_damage.FLAGS_OFFSET, 0x01)  # P_BRANCH
+    path.write_bytes(data)
+    reads = FileReads(HandleCache(4), 4)
+    try:
+        with pytest.raises(nemo_format.DamagedFileError, match="main database page .* type flags 0x0001"):
+            reads.hash_keys(path, Hasher())
+        assert reads.contains(path, [b"000000000000"]) == [False]
+        assert reads.keys_after(path, b"", 10) == ([], False)
+    finally:
+        reads.close()
+
+
 def test_flags_besides_a_pages_type_are_left_to_lmdb(tmp_path: Path) -> None:
     """P_DIRTY never reaches the disk on a tree page; this reader leaves such a page to LMDB's
     walk (which reports it as damage, MDB_CORRUPTED, rather than asserting)."""

@@ -228,6 +228,58 @@ def _level(
     return node, ptr, pages.words[node]
 
 
+def main_root(path: Path, txnid: int, last_pgno: int, depth: int) -> Verdict:
+    """Whether the root page of the main database (which holds the database records) is sound.
+
+    Checked before LMDB opens a named database: its search trusts the root's type too (a root of
+    one node marked as a branch fails an assertion, ``NUMKEYS(mp) > 1``, and aborts the process).
+    ``txnid``, ``last_pgno`` and ``depth`` are what LMDB says of the environment and its main
+    database; only a main database of one page is checked (a NeMo completion file's).
+    """
+    if not SUPPORTED:
+        return Verdict("unsupported", "not an LMDB layout this reader knows")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        first = os.pread(fd, PAGE_HEADER + META_HEAD.size + 4, 0)
+        if len(first) < PAGE_HEADER + META_HEAD.size + 4:
+            return Verdict("unsupported", "shorter than a meta page")
+        psize = struct.unpack_from("<I", first, PAGE_HEADER + META_HEAD.size)[0]
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            return Verdict("unsupported", f"page size {psize}")
+        metas = np.frombuffer(os.pread(fd, 2 * psize, 0) + bytes(SPARE), dtype=np.uint8)
+        meta = _meta(metas, psize, txnid)
+        if meta is None or meta[2] != last_pgno or meta[1] != depth:
+            return Verdict("unsupported", "no meta page of the environment's transaction")
+        root, _, _ = meta
+        if root == P_INVALID or depth != 1:
+            return Verdict("unsupported", "no main database of one page")
+        if root < 2 or root > last_pgno:
+            return Verdict(
+                "damaged", f"main database root page {root} outside the file's pages 2..{last_pgno}"
+            )
+        page = os.pread(fd, psize, root * psize)
+    finally:
+        os.close(fd)
+    if len(page) < psize:
+        return Verdict("unsupported", f"file shorter than its page {root}")
+    flags, lower, upper = struct.unpack_from("<HHH", page, 10)
+    if flags & P_BRANCH:  # LMDB would search it as a branch
+        why = f"main database page {root} has type flags 0x{flags:04x}, not 0x{P_LEAF:04x}"
+        return Verdict("damaged", why)
+    if not flags & P_LEAF:  # neither: LMDB's search stops there and reports MDB_CORRUPTED itself
+        return Verdict("unsupported", f"main database page {root} is not a leaf")
+    if lower < PAGE_HEADER + 2 or lower & 1 or lower > upper or upper > psize:
+        return Verdict("damaged", f"main database page {root} has no nodes or a bad layout")
+    for at in range(PAGE_HEADER, lower, 2):
+        (ptr,) = struct.unpack_from("<H", page, at)
+        if ptr < upper or ptr > psize - NODE_HEADER or ptr & 1:
+            return Verdict("damaged", f"main database page {root} has a node outside its page")
+        ksize = struct.unpack_from("<H", page, ptr + 6)[0]
+        if ptr + NODE_HEADER + ksize > psize:
+            return Verdict("damaged", f"main database page {root} has a key past its page")
+    return WHOLE
+
+
 def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callable[[Keys], None]) -> Verdict:
     """Give ``each`` the keys of database ``name`` in ``data`` (from :func:`read_file`), a batch at a time.
 

@@ -63,6 +63,23 @@ def _read_pages(path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pa
     return verdict.kind == "whole"
 
 
+def open_db(path: Path, env: Any, *, create: bool = False) -> Any | None:
+    """``nemo_format.open_completed_db``, after checking the main database's root page.
+
+    LMDB's search for the database record trusts that page's type and can abort the process on a
+    damaged one (``lmdb_pages.main_root``).
+
+    Raises:
+        DamagedFileError: the main database's root page is damaged.
+        READ_ERRORS: as ``open_completed_db``.
+    """
+    info, main = env.info(), env.stat()
+    verdict = lmdb_pages.main_root(path, info["last_txnid"], info["last_pgno"], main["depth"])
+    if verdict.kind == "damaged":
+        raise DamagedFileError(f"{path}: damaged LMDB main database: {verdict.why}")
+    return nemo_format.open_completed_db(env, create=create)
+
+
 def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
     """The hashes of the file's keys read from its pages; None: walk it with a cursor.
 
@@ -102,7 +119,7 @@ class FileReads:
         self._readers = HandleCache(max_open_files, locks=writes)
         self._inodes: dict[Path, tuple[int, int]] = {}
         # Files read whole (from their checked pages, or by a cursor walk of every key), by inode:
-        # walked a few keys at a time (``keys_after``) without checking their pages again.
+        # a read handle opens on them (lookups, ``keys_after``) without checking their pages again.
         self._vouched: dict[Path, tuple[int, int]] = {}
 
     def close(self) -> None:
@@ -141,7 +158,7 @@ class FileReads:
             self.forget(path)
             env = nemo_format.open_env(path, write=False)
             try:
-                db = nemo_format.open_completed_db(env)
+                db = open_db(path, env)
                 if db is None:
                     yield None
                     return
@@ -179,7 +196,9 @@ class FileReads:
     def _txn(self, path: Path) -> Iterator[tuple[Any, Any, Any] | None]:
         """A read transaction on ``path`` and its database, under the file's lock.
 
-        None if the file is missing or holds no ``completed_sources`` database.
+        None if the file is missing or holds no ``completed_sources`` database. The handle was
+        opened on a file whose pages were checked (here, or by the writer that holds it open), so
+        a cursor may search and step through it.
 
         Raises:
             READ_ERRORS: the file cannot be read.
@@ -216,7 +235,13 @@ class FileReads:
         self._readers.forget(path)
         env = nemo_format.open_env(path, write=False, readahead=False)
         try:
-            db = nemo_format.open_completed_db(env)
+            db = open_db(path, env)
+            if db is not None and self._vouched.get(path) != (st.st_dev, st.st_ino):
+                # Not read whole at this inode (replaced since it was loaded): a lookup's search
+                # trusts page types too (LMDB asserts on a leaf marked as a branch), so check first.
+                with env.begin(db=db) as txn:
+                    if self._vouch(path, txn, db, env):
+                        self._vouched[path] = (st.st_dev, st.st_ino)
         except BaseException:
             env.close()
             raise
@@ -333,11 +358,7 @@ class FileReads:
             with self._txn(path) as opened:
                 if opened is None:
                     return [], False
-                txn, db, env = opened
-                inode = _inode(path)
-                # Going on to a sibling page trusts its type: check a file not yet read whole.
-                if self._vouched.get(path) != inode and self._vouch(path, txn, db, env):
-                    self._vouched[path] = inode
+                txn, db, _ = opened  # a handle opens on a checked file (``_reader``, the writer's)
                 with txn.cursor(db=db) as cursor:
                     if not cursor.set_range(after):
                         return [], False
