@@ -9,6 +9,9 @@ LMDB opens the file, and the damage shows up only when the page is used, as
   ``open_db(b"completed_sources")`` fails (NeMo Curator's loader then counts the file as empty).
 - ``"tree_root"``: the root of ``completed_sources`` itself, so ``open_db`` works and reading
   the ids with a cursor fails.
+- ``"leaf"``: the last leaf page of ``completed_sources`` (a tree of two levels or more), reached
+  by a cursor walk from its left sibling; LMDB 0.9 does not check its type there and aborts the
+  whole process on an assertion (``mdb_cursor_next: Assertion 'IS_LEAF(mp)' failed``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ DB_RECORD = struct.Struct("<IHHQQQQQ")  # md_pad, md_flags, md_depth, branch, le
 P_LEAF = 0x02
 F_SUBDATA = 0x02
 
-Damage = Literal["main_root", "tree_root"]
+Damage = Literal["main_root", "tree_root", "leaf"]
 
 
 def _page_size(data: bytes) -> int:
@@ -56,12 +59,27 @@ def _subdb_root(data: bytes, psize: int, main_root: int, name: bytes) -> int:
     raise AssertionError(f"no database {name!r} in the main database")
 
 
+def _last_leaf(data: bytes, psize: int, root: int) -> int:
+    page = root
+    while True:
+        base = page * psize
+        flags, lower = struct.unpack_from("<HH", data, base + FLAGS_OFFSET)
+        if flags & P_LEAF:
+            assert page != root, "the tree is one page; use a bigger file"
+            return page
+        (ptr,) = struct.unpack_from("<H", data, base + lower - 2)  # the last node
+        lo, hi, nflags = struct.unpack_from("<HHH", data, base + ptr)
+        page = lo | hi << 16 | nflags << 32
+
+
 def damage(path: Path, where: Damage) -> int:
     """Overwrite the flags of one page of ``path`` with 0; returns the page number damaged."""
     data = bytearray(path.read_bytes())
     psize = _page_size(data)
     main_root, _ = _meta(data, psize)
     page = main_root if where == "main_root" else _subdb_root(data, psize, main_root, b"completed_sources")
+    if where == "leaf":
+        page = _last_leaf(data, psize, page)
     struct.pack_into("<H", data, page * psize + FLAGS_OFFSET, 0)
     path.write_bytes(data)
     return page

@@ -1,8 +1,10 @@
 """A checkpoint folder with valid files and damaged ones, served by a real coordinator.
 
 Damaged: a truncated file, garbage bytes, an LMDB file whose main tree root page has the wrong
-type (LMDB opens it, then ``open_db`` fails with MDB_CORRUPTED), a symlink to a valid file outside
-the data dir, a dangling symlink pointing outside. The promise: each is skipped AND reported
+type (LMDB opens it, then ``open_db`` fails with MDB_CORRUPTED), an LMDB file with a leaf page of
+the wrong type (LMDB's cursor walk aborts the whole process on it: the coordinator must find it
+in the pages and never walk it), a symlink to a valid file outside the data dir, a dangling
+symlink pointing outside. The promise: each is skipped AND reported
 unreadable (never silently counted as empty), and the server never creates or writes a file
 outside its data dir, even when a writer whose id names a symlink completes sources.
 """
@@ -19,13 +21,14 @@ import httpx
 import lmdb
 
 import tally
+from tests import lmdb_damage
 from tests.nemo_format import METADATA_DIRNAME, nemo_write
 
 from .common import Row, events, scratch, serve
 
 CHECKPOINT = "fault/damaged"
 GOOD = {"good-a": 500, "good-b": 500}
-DAMAGED = ("truncated", "garbage", "corrupted", "outside-link", "dangling")
+DAMAGED = ("truncated", "garbage", "corrupted", "bad-leaf", "outside-link", "dangling")
 
 
 @dataclass
@@ -89,6 +92,10 @@ def build(data: Path, outside: Path) -> dict[str, list[str]]:
     nemo_write(folder / "corrupted.mdb", held["corrupted"])
     corrupt_main_root(folder / "corrupted.mdb")
 
+    held["bad-leaf"] = ids("bad-leaf", 3000)
+    nemo_write(folder / "bad-leaf.mdb", held["bad-leaf"])
+    lmdb_damage.damage(folder / "bad-leaf.mdb", "leaf")
+
     held["outside-link"] = ids("outside", 100)
     nemo_write(outside / "target.mdb", held["outside-link"])
     (folder / "outside-link.mdb").symlink_to(outside / "target.mdb")
@@ -117,8 +124,9 @@ def measure(base: Path) -> DamagedResult:
         with tally.Client(server.grpc_address, timeout=60) as client:
             answer = dict(zip(all_ids, client.are_completed(CHECKPOINT, all_ids), strict=True))
             # Writers whose ids name the symlinks complete a source each: their files are the links.
+            # So does the writer of the file with a bad leaf (its file is moved aside, not walked).
             blocked = {}
-            for writer_id in ("outside-link", "dangling"):
+            for writer_id in ("outside-link", "dangling", "bad-leaf"):
                 try:
                     with client.writer(CHECKPOINT, writer_id=writer_id) as w:
                         w.apply_deltas([(f"0_{writer_id}-new", f"{writer_id}-new", 1)])

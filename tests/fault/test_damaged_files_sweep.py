@@ -1,8 +1,9 @@
 """Damaged completion files served by a real coordinator (bench/faults.py damaged_files).
 
-The folder holds two valid files and five damaged ones: truncated, garbage, an LMDB file whose
-main tree root has the wrong page type (MDB_CORRUPTED on open_db), a symlink to a valid file
-outside the data dir and a dangling symlink pointing outside.
+The folder holds two valid files and six damaged ones: truncated, garbage, an LMDB file whose
+main tree root has the wrong page type (MDB_CORRUPTED on open_db), one whose last leaf page has
+its type zeroed (a cursor walk aborts the process), a symlink to a valid file outside the data dir
+and a dangling symlink pointing outside.
 """
 
 from __future__ import annotations
@@ -57,3 +58,27 @@ def test_the_corruption_is_the_one_lmdb_reports_as_corrupted(tmp_path: Path) -> 
             env.open_db(b"completed_sources")
     finally:
         env.close()
+
+
+def test_the_bad_leaf_aborts_a_cursor_walk(tmp_path: Path) -> None:
+    """The scenario's bad leaf really is the hazard: LMDB's own walk of it kills the process."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests import lmdb_damage
+    from tests.nemo_format import nemo_write
+
+    path = tmp_path / "leaf.mdb"
+    nemo_write(path, [f"bad-leaf-{i}" for i in range(3000)])
+    lmdb_damage.damage(path, "leaf")
+    walk = (
+        "import lmdb, sys; env = lmdb.open(sys.argv[1], subdir=False, readonly=True, lock=False, max_dbs=1); "
+        "db = env.open_db(b'completed_sources'); "
+        "print(sum(1 for _ in env.begin(db=db).cursor(db=db).iternext(values=False)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", walk, str(path)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == -signal.SIGABRT, done
+    assert "IS_LEAF" in done.stderr

@@ -39,9 +39,21 @@ def outside(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- reading (point 2)
 
 
-@pytest.mark.parametrize("where", ["main_root", "tree_root"])
+@pytest.mark.parametrize(
+    ("where", "reported"),
+    [
+        ("main_root", "MDB_CORRUPTED: Located page was wrong type"),  # LMDB's open_db finds it
+        # Found in the pages before any cursor walk (on a leaf, LMDB's walk would abort the process).
+        ("tree_root", "DamagedFileError: damaged LMDB tree in completed_sources: branch"),
+        ("leaf", "DamagedFileError: damaged LMDB tree in completed_sources: leaf page"),
+    ],
+)
 def test_a_damaged_file_lmdb_still_opens_is_unreadable_never_empty(
-    store: LmdbCompletionStore, data_dir: Path, nemo_write: NemoWrite, where: lmdb_damage.Damage
+    store: LmdbCompletionStore,
+    data_dir: Path,
+    nemo_write: NemoWrite,
+    where: lmdb_damage.Damage,
+    reported: str,
 ) -> None:
     folder = folder_of(data_dir, "run")
     store.commit([PutCompleted("run", "good", ["a"])])
@@ -53,7 +65,7 @@ def test_a_damaged_file_lmdb_still_opens_is_unreadable_never_empty(
     assert loaded.completed == {"a"}
     (bad,) = loaded.unreadable
     assert bad.path == str(folder / "big.mdb")
-    assert "MDB_CORRUPTED" in bad.error and "wrong type" in bad.error
+    assert reported in bad.error
 
 
 def test_only_a_missing_database_reads_as_empty(store: LmdbCompletionStore, data_dir: Path) -> None:
@@ -170,6 +182,11 @@ def _tree_root(path: Path, nemo_write: NemoWrite) -> None:
     lmdb_damage.damage(path, "tree_root")
 
 
+def _leaf(path: Path, nemo_write: NemoWrite) -> None:
+    nemo_write(path, MANY)
+    lmdb_damage.damage(path, "leaf")  # a cursor walk of every id would abort the process here
+
+
 @pytest.mark.parametrize(
     ("make", "error"),
     [
@@ -178,7 +195,8 @@ def _tree_root(path: Path, nemo_write: NemoWrite) -> None:
         (_one_meta_page, "MDB_INVALID"),
         (_empty, "empty file"),
         (_main_root, "MDB_CORRUPTED"),
-        (_tree_root, "MDB_CORRUPTED"),
+        (_tree_root, "DamagedFileError: damaged LMDB tree"),
+        (_leaf, "DamagedFileError: damaged LMDB tree"),
     ],
     ids=lambda v: getattr(v, "__name__", "")[1:] or None,
 )
@@ -228,13 +246,14 @@ def test_a_file_damaged_under_an_open_handle_is_quarantined_on_the_next_write(
     assert read_file(folder / "w1.mdb") == {"late"}
 
 
+@pytest.mark.parametrize("where", ["main_root", "leaf"])
 def test_other_writers_damaged_files_are_never_quarantined(
-    store: LmdbCompletionStore, data_dir: Path, nemo_write: NemoWrite
+    store: LmdbCompletionStore, data_dir: Path, nemo_write: NemoWrite, where: lmdb_damage.Damage
 ) -> None:
     folder = folder_of(data_dir, "run")
     store.commit([PutCompleted("run", "w1", ["a"])])
     nemo_write(folder / "w2.mdb", MANY)
-    lmdb_damage.damage(folder / "w2.mdb", "main_root")
+    lmdb_damage.damage(folder / "w2.mdb", where)  # the delete opens w2 to remove "a": never walked
     before = snapshot(folder / "w2.mdb")
 
     report = store.commit([PutCompleted("run", "w1", ["b"]), DeleteCompleted("run", ["a"])])

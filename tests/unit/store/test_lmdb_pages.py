@@ -40,17 +40,14 @@ def cursor_hashes(path: Path) -> list[int]:
         env.close()
 
 
-def page_keys(path: Path) -> list[int] | None:
-    """The lengths of the keys ``lmdb_pages.keys`` gives (None: it cannot vouch for the file).
-
-    Checked against the file's LMDB transaction as the store does.
-    """
+def tree_stat(path: Path) -> lmdb_pages.TreeStat:
+    """What the file's LMDB read transaction says of ``completed_sources``, as the store asks it."""
     env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
     try:
         db = env.open_db(nemo_format.COMPLETED_DB, create=False)
         with env.begin(db=db) as txn:
             stat = txn.stat(db)
-            tree = lmdb_pages.TreeStat(
+            return lmdb_pages.TreeStat(
                 txnid=txn.id(),
                 last_pgno=env.info()["last_pgno"],
                 depth=stat["depth"],
@@ -61,8 +58,19 @@ def page_keys(path: Path) -> list[int] | None:
             )
     finally:
         env.close()
+
+
+def verdict(path: Path, stat: lmdb_pages.TreeStat | None = None) -> lmdb_pages.Verdict:
+    """``lmdb_pages.keys``' verdict on the file, checked against its LMDB transaction."""
+    data = lmdb_pages.read_file(path)
+    return lmdb_pages.keys(data, nemo_format.COMPLETED_DB, stat or tree_stat(path), lambda _: None)
+
+
+def page_keys(path: Path) -> list[int] | None:
+    """The lengths of the keys ``lmdb_pages.keys`` gives (None: it cannot vouch for the file)."""
     batches: list[lmdb_pages.Keys] = []
-    if not lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, batches.append):
+    data = lmdb_pages.read_file(path)
+    if lmdb_pages.keys(data, nemo_format.COMPLETED_DB, tree_stat(path), batches.append).kind != "whole":
         return None
     return [n for batch in batches for n in batch.lengths.tolist()]
 
@@ -144,13 +152,99 @@ def _leaf_pages(path: Path) -> list[int]:
     ]
 
 
-def test_a_damaged_tree_is_walked_and_fails_as_lmdb_reports_it(tmp_path: Path) -> None:
+def test_a_tree_root_of_the_wrong_type_is_damage(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, [f"{i:012x}" for i in range(5_000)])
     lmdb_damage.damage(path, "tree_root")
-    assert page_keys(path) is None
+    assert verdict(path).kind == "damaged"
+    with pytest.raises(nemo_format.DamagedFileError, match="branch .* type flags 0x0000, not 0x0001"):
+        store_hashes(path)
+
+
+def test_a_leaf_of_the_wrong_type_is_damage_and_no_read_walks_it(tmp_path: Path) -> None:
+    """LMDB's cursor steps onto a sibling page without checking its type and aborts the process."""
+    path = tmp_path / "w.mdb"
+    ids = [f"{i:012x}" for i in range(5_000)]
+    nemo_write(path, ids)
+    page = lmdb_damage.damage(path, "leaf")
+    assert verdict(path) == lmdb_pages.Verdict(
+        "damaged", f"leaf page {page} has type flags 0x0000, not 0x0002"
+    )
+    reads = FileReads(HandleCache(4), 4)
+    try:
+        with pytest.raises(nemo_format.DamagedFileError, match=f"{path}: damaged LMDB tree"):
+            reads.hash_keys(path, Hasher())
+        with pytest.raises(nemo_format.DamagedFileError):
+            reads.hash_keys(path, Hasher(lambda k: len(k)))  # a hash the pages cannot compute: checked too
+        # Every other read of the file reads nothing, rather than walking it (and aborting).
+        assert reads.keys_matching(path, lambda _: True) == []
+        assert reads.keys_after(path, b"", 10) == ([], False)
+        assert reads.merged_keys_after([path], ids[-2].encode(), 10) == ([], True)
+        reads.forget(path)  # LMDB opens a file once per process
+        env = nemo_format.open_env(path, write=True)  # as a writer opens its own file
+        try:
+            with pytest.raises(nemo_format.DamagedFileError):
+                reads.check_tree(path, env, nemo_format.open_completed_db(env))
+        finally:
+            env.close()
+    finally:
+        reads.close()
+
+
+def test_a_main_database_root_marked_as_a_branch_is_damage_before_lmdb_opens_the_database(
+    tmp_path: Path,
+) -> None:
+    """LMDB's search for the database record asserts (``NUMKEYS(mp) > 1``) on a one-node branch."""
+    path = tmp_path / "w.mdb"
+    nemo_write(path, [f"{i:012x}" for i in range(5_000)])
+    data = bytearray(path.read_bytes())
+    psize = lmdb_damage._page_size(data)
+    main_root, _ = lmdb_damage._meta(data, psize)
+    struct.pack_into("<H", data, main_root * psize + lmdb_damage.FLAGS_OFFSET, 0x01)  # P_BRANCH
+    path.write_bytes(data)
+    reads = FileReads(HandleCache(4), 4)
+    try:
+        with pytest.raises(nemo_format.DamagedFileError, match="main database page .* type flags 0x0001"):
+            reads.hash_keys(path, Hasher())
+        assert reads.contains(path, [b"000000000000"]) == [False]
+        assert reads.keys_after(path, b"", 10) == ([], False)
+    finally:
+        reads.close()
+
+
+def test_flags_besides_a_pages_type_are_left_to_lmdb(tmp_path: Path) -> None:
+    """P_DIRTY never reaches the disk on a tree page; this reader leaves such a page to LMDB's
+    walk (which reports it as damage, MDB_CORRUPTED, rather than asserting)."""
+    path = tmp_path / "w.mdb"
+    nemo_write(path, [f"{i:012x}" for i in range(5_000)])
+    data = bytearray(path.read_bytes())
+    psize = lmdb_damage._page_size(data)
+    page = _leaf_pages(path)[3]
+    struct.pack_into("<H", data, page * psize + lmdb_damage.FLAGS_OFFSET, lmdb_damage.P_LEAF | 0x10)
+    path.write_bytes(data)
+    assert verdict(path) == lmdb_pages.Verdict("unsupported", "a leaf page has flags besides its type")
     with pytest.raises(lmdb.CorruptedError):
         store_hashes(path)
+
+
+def test_a_meta_page_no_longer_the_transactions_is_not_damage(tmp_path: Path) -> None:
+    """A file written after the read transaction began: its meta pages alternate, so a page
+    reader can no longer tell the snapshot's tree; it must say "walk", never "damaged"."""
+    path = tmp_path / "w.mdb"
+    nemo_write(path, [f"{i:012x}" for i in range(5_000)])
+    before = tree_stat(path)
+    for n in range(2):  # two commits: both meta pages now belong to later transactions
+        env = lmdb.open(str(path), subdir=False, max_dbs=1, lock=False)
+        db = env.open_db(nemo_format.COMPLETED_DB)
+        with env.begin(write=True, db=db) as txn:
+            for i in range(3_000):
+                txn.delete(f"{i:012x}".encode())
+            txn.put(f"new-{n}".encode(), b"1")
+        env.close()
+    assert verdict(path, before) == lmdb_pages.Verdict(
+        "unsupported", "no meta page of the reading transaction"
+    )
+    assert verdict(path).kind == "whole"
 
 
 def test_a_page_that_is_not_where_it_says_is_walked_with_a_cursor(tmp_path: Path) -> None:
@@ -161,11 +255,11 @@ def test_a_page_that_is_not_where_it_says_is_walked_with_a_cursor(tmp_path: Path
     page = _leaf_pages(path)[3]  # a leaf in the middle of the tree
     struct.pack_into("<Q", data, page * psize, page + 1)  # its own page number, wrong
     path.write_bytes(data)
-    assert page_keys(path) is None
+    assert verdict(path) == lmdb_pages.Verdict("unsupported", "a leaf page does not carry its own number")
     assert store_hashes(path) == cursor_hashes(path)  # LMDB does not look at it; neither does the load
 
 
-def test_a_tree_unlike_what_lmdb_says_is_walked_with_a_cursor(tmp_path: Path) -> None:
+def test_a_tree_unlike_what_lmdb_says_is_damage(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, [f"{i:012x}" for i in range(5_000)])
     data = bytearray(path.read_bytes())
@@ -175,8 +269,10 @@ def test_a_tree_unlike_what_lmdb_says_is_walked_with_a_cursor(tmp_path: Path) ->
     (lower,) = struct.unpack_from("<H", data, lower_at)
     struct.pack_into("<H", data, lower_at, lower - 2)  # one node fewer on that page
     path.write_bytes(data)
-    assert page_keys(path) is None  # the entries no longer add up to LMDB's count
-    assert store_hashes(path) == cursor_hashes(path)
+    # The entries no longer add up to LMDB's count: a walk would lose an id without a word.
+    assert verdict(path) == lmdb_pages.Verdict("damaged", "4999 entries in the leaf pages, LMDB counts 5000")
+    with pytest.raises(nemo_format.DamagedFileError):
+        store_hashes(path)
 
 
 @settings(max_examples=60, deadline=None)

@@ -38,6 +38,7 @@ from tally_server.domain.ports import (
 from tally_server.store.disk import make_dirs, move_to_trash, quarantine, write_error
 from tally_server.store.file_handles import OpenFile
 from tally_server.store.lmdb_queries import CompletionFolders
+from tally_server.store.lmdb_reads import open_db
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +208,9 @@ class LmdbCompletionStore(CompletionFolders):
 
         A missing file is created (atomically) only with ``create=True``. With ``create=False``
         a missing file, or one lacking the completed_sources database, is left untouched and None
-        is returned. Every id is read once on opening, so a damaged tree is found before
-        anything is written into it. The caller holds the file's lock.
+        is returned. Every id is read once on opening (from the checked pages, or by a
+        cursor walk), so a damaged tree is found before anything is written into it. The caller
+        holds the file's lock.
 
         Raises:
             DAMAGE_ERRORS: the file is damaged, a link, or not a regular file.
@@ -226,11 +228,11 @@ class LmdbCompletionStore(CompletionFolders):
         self._reads.forget(path)
         env = nemo_format.open_env(path, write=True, map_size=self._map_size)
         try:
-            db = nemo_format.open_completed_db(env, create=create)
+            db = open_db(path, env, create=create)
             if db is None:
                 env.close()
                 return None
-            nemo_format.read_ids(env, db)
+            self._reads.check_tree(path, env, db)
         except BaseException:
             env.close()
             raise

@@ -16,7 +16,7 @@ from tally.integrations.nemo_format import FILE_SUFFIX, METADATA_DIRNAME, READ_E
 from tally_server.domain.compact import Hasher
 from tally_server.domain.ports import LoadedCheckpoint, LoadedIndex, UnreadableFile
 from tally_server.store.file_handles import HandleCache
-from tally_server.store.lmdb_reads import FileReads
+from tally_server.store.lmdb_reads import FileReads, open_db
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,19 @@ class CompletionFolders:
         cached = self._handles.get(path)
         if cached is not None:
             # Never open a second handle on a file this process holds open for writing.
+            self._reads.check_tree(path, cached.env, cached.db)
             return nemo_format.read_ids(cached.env, cached.db)
         self._reads.forget(path)  # LMDB opens a file once per process
-        return nemo_format.read_file(path)
+        env = nemo_format.open_env(path, write=False)
+        try:
+            db = open_db(path, env)
+            if db is None:
+                return set()
+            # A cursor walk of a damaged tree can abort the process: its pages are checked first.
+            self._reads.check_tree(path, env, db)
+            return nemo_format.read_ids(env, db)
+        finally:
+            env.close()
 
     def load_index(self, checkpoint: str, hasher: Hasher) -> LoadedIndex:
         """The sorted hashes of the ids in each readable ``*.mdb`` of the checkpoint (see ``load``).

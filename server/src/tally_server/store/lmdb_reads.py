@@ -23,7 +23,7 @@ import lmdb
 import numpy as np
 
 from tally.integrations import nemo_format
-from tally.integrations.nemo_format import READ_ERRORS, describe_error
+from tally.integrations.nemo_format import READ_ERRORS, DamagedFileError, describe_error
 from tally_server.domain.compact import U64, Hasher
 from tally_server.store import lmdb_pages
 from tally_server.store.file_handles import HandleCache, OpenFile
@@ -36,12 +36,15 @@ _LOAD_CHUNK = 1 << 15
 _HASH_CHUNK = 1 << 15
 
 
-def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
-    """The hashes of the file's keys read from its pages (``lmdb_pages``); None: walk it with a cursor."""
-    if not lmdb_pages.SUPPORTED or not hasher.spans_supported:
-        return None
-    if os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
-        return None
+def _read_pages(path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pages.Keys], None]) -> bool:
+    """Give ``each`` the file's keys read from its pages (``lmdb_pages``); False: walk it with a cursor.
+
+    Raises:
+        DamagedFileError: the tree of the transaction's snapshot is broken (a page of the wrong
+            type, ...): a cursor walk could abort the process (LMDB asserts), so nothing may walk it.
+    """
+    if not lmdb_pages.SUPPORTED or os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
+        return False
     stat = txn.stat(db)
     tree = lmdb_pages.TreeStat(
         txnid=txn.id(),
@@ -52,22 +55,60 @@ def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 
         overflow_pages=stat["overflow_pages"],
         entries=stat["entries"],
     )
+    verdict = lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, each)
+    if verdict.kind == "damaged":
+        raise DamagedFileError(
+            f"{path}: damaged LMDB tree in {nemo_format.COMPLETED_DB.decode()}: {verdict.why}"
+        )
+    return verdict.kind == "whole"
+
+
+def open_db(path: Path, env: Any, *, create: bool = False) -> Any | None:
+    """``nemo_format.open_completed_db``, after checking the main database's root page.
+
+    LMDB's search for the database record trusts that page's type and can abort the process on a
+    damaged one (``lmdb_pages.main_root``).
+
+    Raises:
+        DamagedFileError: the main database's root page is damaged.
+        READ_ERRORS: as ``open_completed_db``.
+    """
+    info, main = env.info(), env.stat()
+    verdict = lmdb_pages.main_root(path, info["last_txnid"], info["last_pgno"], main["depth"])
+    if verdict.kind == "damaged":
+        raise DamagedFileError(f"{path}: damaged LMDB main database: {verdict.why}")
+    return nemo_format.open_completed_db(env, create=create)
+
+
+def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
+    """The hashes of the file's keys read from its pages; None: walk it with a cursor.
+
+    The pages are checked even when the hash cannot be computed from them (a custom hash).
+
+    Raises:
+        DamagedFileError: see ``_read_pages``.
+    """
     parts: list[U64] = []
-    usable = True
+    usable = hasher.spans_supported
 
     def hash_batch(keys: lmdb_pages.Keys) -> None:
         nonlocal usable
         for i in range(0, len(keys.lengths), _HASH_CHUNK):
+            if not usable:
+                return
             part = hasher.of_words(keys.words[i : i + _HASH_CHUNK], keys.lengths[i : i + _HASH_CHUNK])
             if part is None:
                 usable = False
                 return
             parts.append(part)
 
-    whole = lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, hash_batch)
-    if not whole or not usable:
+    if not _read_pages(path, txn, db, env, hash_batch) or not usable:
         return None
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+
+
+def _ignore(keys: lmdb_pages.Keys) -> None:
+    """A batch of keys read only to check the pages."""
 
 
 class FileReads:
@@ -77,6 +118,9 @@ class FileReads:
         self._writes = writes
         self._readers = HandleCache(max_open_files, locks=writes)
         self._inodes: dict[Path, tuple[int, int]] = {}
+        # Files read whole (from their checked pages, or by a cursor walk of every key), by inode:
+        # a read handle opens on them (lookups, ``keys_after``) without checking their pages again.
+        self._vouched: dict[Path, tuple[int, int]] = {}
 
     def close(self) -> None:
         """Close every read handle."""
@@ -114,7 +158,7 @@ class FileReads:
             self.forget(path)
             env = nemo_format.open_env(path, write=False)
             try:
-                db = nemo_format.open_completed_db(env)
+                db = open_db(path, env)
                 if db is None:
                     yield None
                     return
@@ -123,11 +167,38 @@ class FileReads:
             finally:
                 env.close()
 
+    def _vouch(self, path: Path, txn: Any, db: Any, env: Any) -> bool:
+        """Check the file's pages before a cursor walk; True: its keys were read from them (whole).
+
+        Raises:
+            DamagedFileError: the file is damaged (see ``_read_pages``); nothing may walk it.
+        """
+        return _read_pages(path, txn, db, env, _ignore)
+
+    def check_tree(self, path: Path, env: Any, db: Any) -> None:
+        """Raise if the file is damaged: checked from its pages, or by a cursor walk of every key.
+
+        What a write handle (or a load of every id) does before using a file; the caller holds
+        the file's lock.
+
+        Raises:
+            READ_ERRORS: the file is damaged (a key that is not UTF-8 counts as damage).
+        """
+        inode = _inode(path)
+        with env.begin(db=db) as txn:
+            if not self._vouch(path, txn, db, env):
+                with txn.cursor(db=db) as cursor:
+                    for key in cursor.iternext(keys=True, values=False):
+                        key.decode()
+        self._vouched[path] = inode
+
     @contextlib.contextmanager
-    def _txn(self, path: Path) -> Iterator[tuple[Any, Any] | None]:
+    def _txn(self, path: Path) -> Iterator[tuple[Any, Any, Any] | None]:
         """A read transaction on ``path`` and its database, under the file's lock.
 
-        None if the file is missing or holds no ``completed_sources`` database.
+        None if the file is missing or holds no ``completed_sources`` database. The handle was
+        opened on a file whose pages were checked (here, or by the writer that holds it open), so
+        a cursor may search and step through it.
 
         Raises:
             READ_ERRORS: the file cannot be read.
@@ -149,7 +220,7 @@ class FileReads:
                     return
                 txn = handle.env.begin(db=handle.db)
             with txn:
-                yield txn, handle.db
+                yield txn, handle.db, handle.env
 
     def _reader(self, path: Path) -> OpenFile | None:
         """The read-only handle of ``path`` (the caller holds its lock), opened if needed."""
@@ -164,7 +235,13 @@ class FileReads:
         self._readers.forget(path)
         env = nemo_format.open_env(path, write=False, readahead=False)
         try:
-            db = nemo_format.open_completed_db(env)
+            db = open_db(path, env)
+            if db is not None and self._vouched.get(path) != (st.st_dev, st.st_ino):
+                # Not read whole at this inode (replaced since it was loaded): a lookup's search
+                # trusts page types too (LMDB asserts on a leaf marked as a branch), so check first.
+                with env.begin(db=db) as txn:
+                    if self._vouch(path, txn, db, env):
+                        self._vouched[path] = (st.st_dev, st.st_ino)
         except BaseException:
             env.close()
             raise
@@ -180,8 +257,8 @@ class FileReads:
         """The hash of every key in the file, in no particular order.
 
         Read from the file's pages with array operations where ``lmdb_pages`` can vouch for the
-        whole tree against what LMDB says of it; otherwise a full cursor walk, so damaged pages
-        raise here as LMDB reports them.
+        whole tree against what LMDB says of it. A tree it finds damaged raises without being
+        walked; otherwise a full cursor walk, so other damage raises here as LMDB reports it.
 
         Raises:
             READ_ERRORS: the file cannot be read (a key that is not UTF-8 counts as damage).
@@ -191,8 +268,10 @@ class FileReads:
             if opened is None:
                 return np.empty(0, dtype=np.uint64)
             txn, db, env = opened
+            inode = _inode(path)
             fast = _hash_pages(path, txn, db, env, hasher)
             if fast is not None:
+                self._vouched[path] = inode
                 return fast
             with txn.cursor(db=db) as cursor:
                 keys = cursor.iternext(keys=True, values=False)
@@ -201,6 +280,7 @@ class FileReads:
                         for key in chunk:
                             key.decode()
                     parts.append(hasher.of_keys(chunk, len(chunk)))
+            self._vouched[path] = inode
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
     def hash_files(self, paths: Sequence[Path], hasher: Hasher) -> list[U64 | BaseException]:
@@ -246,9 +326,14 @@ class FileReads:
             with self._walk(path) as opened:
                 if opened is None:
                     return []
-                txn, db, _ = opened
+                txn, db, env = opened
+                inode = _inode(path)
+                if self._vouched.get(path) != inode:  # read whole by the load just before, mostly
+                    self._vouch(path, txn, db, env)
                 with txn.cursor(db=db) as cursor:
-                    return [k for k in cursor.iternext(keys=True, values=False) if wanted(k)]
+                    found = [k for k in cursor.iternext(keys=True, values=False) if wanted(k)]
+                self._vouched[path] = inode
+                return found
         except READ_ERRORS as exc:
             logger.warning("cannot read completion file %s: %s", path, describe_error(exc, path))
             return []
@@ -259,7 +344,8 @@ class FileReads:
             with self._txn(path) as opened:
                 if opened is None:
                     return [False] * len(keys)
-                txn, db = opened
+                txn, db, _ = opened
+                # A lookup searches from the root: LMDB checks each page's type on that path.
                 with txn.cursor(db=db) as cursor:  # one cursor: no value copied out, no Python loop
                     return list(map(cursor.set_key, keys))
         except READ_ERRORS as exc:
@@ -272,7 +358,7 @@ class FileReads:
             with self._txn(path) as opened:
                 if opened is None:
                     return [], False
-                txn, db = opened
+                txn, db, _ = opened  # a handle opens on a checked file (``_reader``, the writer's)
                 with txn.cursor(db=db) as cursor:
                     if not cursor.set_range(after):
                         return [], False
@@ -284,3 +370,8 @@ class FileReads:
         if out and out[0] == after:
             del out[0]
         return out[:limit], len(out) > limit
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
