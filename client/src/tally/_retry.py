@@ -64,10 +64,16 @@ class Deadline:
         return max(0.0, self._at - time.monotonic())
 
 
-def _timed_out(err: Unavailable, what: str, deadline: Deadline) -> Unavailable:
-    return Unavailable(
-        f"{what}: no answer within {deadline.timeout:g}s; last error: {err.message}", err.code, err.details
-    )
+def _timed_out(err: Unavailable, first: Unavailable, what: str, deadline: Deadline) -> Unavailable:
+    """The error of a call out of time: the last attempt's, and the first one's when it differs.
+
+    The last attempt often fails only because the time ran out (a connect or handshake cut short),
+    while the first says what is wrong (a refused certificate, a coordinator that went away).
+    """
+    message = f"{what}: no answer within {deadline.timeout:g}s; last error: {err.message}"
+    if first.message != err.message:
+        message += f"; first error: {first.message}"
+    return Unavailable(message, err.code, err.details)
 
 
 def _retrying(err: Unavailable, what: str, deadline: Deadline) -> None:
@@ -85,6 +91,7 @@ def call_with_retry(fn: Callable[[float], T], policy: RetryPolicy, deadline: Dea
         Unavailable: The deadline passed; the message names the operation and the last error.
     """
     attempt = 0
+    first: Unavailable | None = None
     while True:
         try:
             return fn(max(deadline.remaining(), _MIN_ATTEMPT_S))
@@ -92,9 +99,10 @@ def call_with_retry(fn: Callable[[float], T], policy: RetryPolicy, deadline: Dea
             raise
         except Unavailable as err:
             attempt += 1
+            first = first or err
             delay = policy.delay(attempt)
             if deadline.remaining() <= delay:
-                raise _timed_out(err, what, deadline) from None
+                raise _timed_out(err, first, what, deadline) from None
             if attempt == 1:
                 _retrying(err, what, deadline)
             time.sleep(delay)
@@ -105,6 +113,7 @@ async def async_call_with_retry(
 ) -> T:
     """asyncio twin of :func:`call_with_retry`."""
     attempt = 0
+    first: Unavailable | None = None
     while True:
         try:
             return await fn(max(deadline.remaining(), _MIN_ATTEMPT_S))
@@ -112,9 +121,10 @@ async def async_call_with_retry(
             raise
         except Unavailable as err:
             attempt += 1
+            first = first or err
             delay = policy.delay(attempt)
             if deadline.remaining() <= delay:
-                raise _timed_out(err, what, deadline) from None
+                raise _timed_out(err, first, what, deadline) from None
             if attempt == 1:
                 _retrying(err, what, deadline)
             await asyncio.sleep(delay)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import tally
 from tally._calls import ARE_COMPLETED_CHUNK
 from tally._config import ClientConfig
-from tally._retry import RetryPolicy
+from tally._retry import Deadline, RetryPolicy, async_call_with_retry
 from tally._transport.base import Endpoint, parse_address
 from tally.errors import StatusCode, error_for_code
 from tests.unit.client.tally_fakes import FakeTransport, make_client, make_status
@@ -135,6 +136,17 @@ def test_are_completed_retries_then_raises_unavailable_after_the_timeout(fake: F
     client.close()
 
 
+def test_out_of_time_names_the_first_error_when_the_last_differs(fake: FakeTransport) -> None:
+    # The last attempt fails only because the time ran out; the first said what is wrong.
+    cause = tally.Unavailable("handshake refused (if the coordinator requires client certificates, ...)")
+    fake.fail("are_completed", cause, *[tally.Unavailable("timed out")] * 100_000)
+    client = make_client(fake, timeout=0.1, retry_initial_s=0.01, retry_max_s=0.02)
+    with pytest.raises(tally.Unavailable) as info:
+        client.are_completed("cp", ["a"])
+    assert info.value.message.endswith(f"last error: timed out; first error: {cause.message}")
+    client.close()
+
+
 def test_non_retryable_errors_are_raised_at_once(fake: FakeTransport) -> None:
     client = make_client(fake)
     with pytest.raises(tally.NotFound, match="does not exist"):
@@ -170,3 +182,15 @@ def test_writer_arguments_are_checked_locally(fake: FakeTransport, kwargs: dict[
     with pytest.raises(tally.InvalidArgument):
         client.writer(**kwargs)  # type: ignore[arg-type]
     client.close()
+
+
+def test_the_async_retry_loop_names_the_first_error_too() -> None:
+    errors = iter([tally.Unavailable("certificate refused"), *[tally.Unavailable("timed out")] * 100_000])
+
+    async def attempt(_timeout: float) -> None:
+        raise next(errors)
+
+    policy = RetryPolicy(initial_s=0.01, max_s=0.02)
+    with pytest.raises(tally.Unavailable) as info:
+        asyncio.run(async_call_with_retry(attempt, policy, Deadline(0.1), "a call"))
+    assert info.value.message.endswith("last error: timed out; first error: certificate refused")
