@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 
 from tally_server.errors import STORAGE_ERRORS, InvalidArgument, TallyServerError, storage_unavailable
 from tally_server.grpc_api.status_details import refusal
+from tally_server.grpc_api.wrapping import WrappingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ async def _refuse_undecodable(context: Any, method: str, request: _Undecodable) 
     await _abort(context, refused)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class ErrorInterceptor(WrappingInterceptor):
     """Maps ``TallyServerError`` to its status code and a storage error to UNAVAILABLE.
 
     Anything else is logged and becomes INTERNAL.
@@ -87,26 +88,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     Client-streaming methods (none in tally.v1) pass through untouched. A method's handler is
     wrapped once and the wrapper reused while the handler inside stays the same.
     """
-
-    def __init__(self) -> None:
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        """Wrap unary and server-streaming handlers so every failure becomes a status with a message."""
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        method = details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
 
     def _wrap(self, method: str, handler: Any) -> Any:
         if handler.unary_unary is not None:

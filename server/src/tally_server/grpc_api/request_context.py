@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from prometheus_client import Histogram
 
 from tally_server import logs
+from tally_server.grpc_api.wrapping import WrappingInterceptor
 
 REQUEST_ID_KEY = "x-request-id"
 # Sent by every writer every few seconds, or by health checkers: access lines at DEBUG.
@@ -74,33 +75,15 @@ def _caller_id(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
     return _incoming_id(context.invocation_metadata())
 
 
-class RequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class RequestInterceptor(WrappingInterceptor):
     """Request ids for all calls; ``tally_grpc_request_duration_seconds{method, code}`` for unary ones.
 
     Put it first in the interceptor list so it wraps the error interceptor and sees the final code.
     """
 
     def __init__(self, latency: Histogram) -> None:
+        super().__init__()
         self._latency = latency
-        # Per method: the handler wrapped last and its wrapper, reused while the handler is the same.
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        """Wrap each handler to bind a request id and time the call."""
-        handler = await continuation(details)
-        if handler is None:
-            return None  # unknown method: grpc answers UNIMPLEMENTED; no label for arbitrary names
-        method = details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
 
     def _wrap(self, method: str, handler: Any) -> Any:
         latency = self._latency
