@@ -46,16 +46,7 @@ def tree_stat(path: Path) -> lmdb_pages.TreeStat:
     try:
         db = env.open_db(nemo_format.COMPLETED_DB, create=False)
         with env.begin(db=db) as txn:
-            stat = txn.stat(db)
-            return lmdb_pages.TreeStat(
-                txnid=txn.id(),
-                last_pgno=env.info()["last_pgno"],
-                depth=stat["depth"],
-                branch_pages=stat["branch_pages"],
-                leaf_pages=stat["leaf_pages"],
-                overflow_pages=stat["overflow_pages"],
-                entries=stat["entries"],
-            )
+            return lmdb_pages.TreeStat.of(txn, db, env)
     finally:
         env.close()
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,20 @@ class TreeStat:
     leaf_pages: int
     overflow_pages: int
     entries: int
+
+    @classmethod
+    def of(cls, txn: Any, db: Any, env: Any) -> TreeStat:
+        """What LMDB says of ``db`` in the read transaction ``txn`` of ``env`` (py-lmdb objects)."""
+        stat = txn.stat(db)
+        return cls(
+            txnid=txn.id(),
+            last_pgno=env.info()["last_pgno"],
+            depth=stat["depth"],
+            branch_pages=stat["branch_pages"],
+            leaf_pages=stat["leaf_pages"],
+            overflow_pages=stat["overflow_pages"],
+            entries=stat["entries"],
+        )
 
 
 @dataclass(frozen=True)

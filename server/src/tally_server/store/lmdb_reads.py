@@ -45,16 +45,7 @@ def _read_pages(path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pa
     """
     if not lmdb_pages.SUPPORTED or os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
         return False
-    stat = txn.stat(db)
-    tree = lmdb_pages.TreeStat(
-        txnid=txn.id(),
-        last_pgno=env.info()["last_pgno"],
-        depth=stat["depth"],
-        branch_pages=stat["branch_pages"],
-        leaf_pages=stat["leaf_pages"],
-        overflow_pages=stat["overflow_pages"],
-        entries=stat["entries"],
-    )
+    tree = lmdb_pages.TreeStat.of(txn, db, env)
     verdict = lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, each)
     if verdict.kind == "damaged":
         raise DamagedFileError(
