@@ -564,3 +564,67 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
             assert missing.value.details() == missing_at_owner.value.details()
             assert http.get("/v1/events?checkpoint=no/such").status_code == 404
             live.__exit__(None, None, None)
+
+
+def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_owner_shares(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A replica logs each call as the owner does (request id, access line, latency histogram), for
+    the reads it answers and the calls it forwards; a forwarded call reaches the owner with the same
+    request id (made up by the replica when the caller sent none), so the two lines tie together."""
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0, args=["--log-format", "json"]) as (owner, replica):
+        with grpc.insecure_channel(replica.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            _, local = stub.AreCompleted.with_call(
+                pb.AreCompletedRequest(checkpoint="ids/run", source_ids=["a"]),
+                metadata=[("x-request-id", "local-1")],
+            )
+            _, forwarded = stub.OpenWriter.with_call(
+                pb.OpenWriterRequest(checkpoint="ids/run", writer_id="w1"),
+                metadata=[("x-request-id", "fwd-1")],
+            )
+            _, anonymous = stub.ListFailures.with_call(pb.ListFailuresRequest(checkpoint="ids/run"))
+        assert dict(local.trailing_metadata())["x-request-id"] == "local-1"
+        assert [v for k, v in forwarded.trailing_metadata() if k == "x-request-id"] == ["fwd-1"]
+        made_up = [v for k, v in anonymous.trailing_metadata() if k == "x-request-id"]
+        assert len(made_up) == 1 and made_up[0] not in ("", "-")
+        http_local = httpx.get(
+            f"http://{replica.http_address}/v1/checkpoints", headers={"X-Request-ID": "local-2"}
+        )
+        http_forwarded = httpx.get(
+            f"http://{replica.http_address}/v1/failures",
+            params={"checkpoint": "ids/run"},
+            headers={"X-Request-ID": "fwd-2"},
+        )
+        assert http_local.status_code == http_forwarded.status_code == 200, http_forwarded.text
+        assert http_local.headers.get_list("x-request-id") == ["local-2"]
+        assert http_forwarded.headers.get_list("x-request-id") == ["fwd-2"]  # once, not twice
+
+        def access(server: RunningServer, ids: set[str]) -> dict[str, dict[str, object]]:
+            found: dict[str, dict[str, object]] = {}
+
+            def logged() -> bool:
+                for line in server.log().splitlines():
+                    entry = json.loads(line) if line.startswith("{") else {}
+                    if entry.get("logger") == "tally_server.access" and entry["request_id"] in ids:
+                        found[entry["request_id"]] = entry
+                return set(found) == ids
+
+            wait_until(logged, timeout=10, what=f"access lines {sorted(ids)}")
+            return found
+
+        at_replica = access(replica, {"local-1", "fwd-1", made_up[0], "local-2", "fwd-2"})
+        assert at_replica["local-1"]["method"] == "/tally.v1.Coordinator/AreCompleted"
+        assert at_replica["fwd-2"]["path"] == "/v1/failures" and at_replica["fwd-2"]["status"] == 200
+        # The owner saw the forwarded calls only, under the replica's ids.
+        at_owner = access(owner, {"fwd-1", made_up[0], "fwd-2"})
+        assert at_owner["fwd-1"]["method"] == "/tally.v1.Coordinator/OpenWriter"
+        owner_ids = {json.loads(x).get("request_id") for x in owner.log().splitlines() if x.startswith("{")}
+        assert not {"local-1", "local-2"} & owner_ids
+        # Timed on the replica under its own names (the owner's series count the forwarded calls).
+        timed = samples_of(
+            httpx.get(f"http://{replica.http_address}/metrics").text,
+            "tally_replica_grpc_request_duration_seconds_count",
+        )
+        assert timed['{code="OK",method="/tally.v1.Coordinator/AreCompleted"}'] == 1.0
+        assert timed['{code="OK",method="/tally.v1.Coordinator/OpenWriter"}'] == 1.0

@@ -48,7 +48,7 @@ from fastapi.routing import APIRoute
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, Gauge, generate_latest
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter
 from sqlalchemy.dialects import postgresql
 from starlette.requests import Request
@@ -56,6 +56,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tally.v1 import coordinator_pb2 as pb
+from tally_server import logs
 from tally_server.auth import Authorizer
 from tally_server.domain import validation
 from tally_server.domain.ports import Registry
@@ -63,14 +64,16 @@ from tally_server.domain.validation import Limits
 from tally_server.errors import ErrorCode, Unavailable
 from tally_server.grpc_api.auth import AuthInterceptor
 from tally_server.grpc_api.errors import ErrorInterceptor
+from tally_server.grpc_api.request_context import REQUEST_ID_KEY, RequestInterceptor
 from tally_server.grpc_api.server import SERVICE_NAME
 from tally_server.grpc_api.servicer import CoordinatorServicer
 from tally_server.http_api.auth import Guard, declared_operation
 from tally_server.http_api.body_limit import BodyLimit
 from tally_server.http_api.errors import error_response, install_handlers
+from tally_server.http_api.request_context import RequestMiddleware
 from tally_server.http_api.routes import admin, checkpoints, status
 from tally_server.listen import add_grpc_port
-from tally_server.metrics import CONTENT_TYPE, new_registry
+from tally_server.metrics import CONTENT_TYPE, LATENCY_BUCKETS, new_registry
 from tally_server.service import CoordinatorService
 from tally_server.service.status import (
     completed_limit,
@@ -118,6 +121,8 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# ... and the request id: each side's middleware sets it (the same one: the replica sends its own on).
+_SET_ANEW = _HOP_BY_HOP | {REQUEST_ID_KEY}
 # The tally.v1 calls a replica answers itself (over HTTP too: the routes that serve them); every
 # other one is forwarded to the store's owner.
 LOCAL_CALLS = frozenset(
@@ -377,6 +382,24 @@ class ReplicaMetrics:
             ["call"],
             registry=self.registry,
         )
+        # Named apart from the owner's tally_*_request_duration_seconds: a forwarded call is timed
+        # here and at the owner, and sums over instances must not count it twice.
+        self.grpc_request_duration = Histogram(
+            "tally_replica_grpc_request_duration_seconds",
+            "Time for this replica to answer a unary gRPC call (itself or through the owner), by full "
+            "method name and status code.",
+            ["method", "code"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.http_request_duration = Histogram(
+            "tally_replica_http_request_duration_seconds",
+            "Time for this replica to answer an HTTP request (itself or through the owner), by method, "
+            "route template (/{path:path} for forwarded requests) and status.",
+            ["method", "route", "status"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         info = Gauge(
             "tally_replica_up",
             "1 on a replica of a PostgreSQL store that does not own it (0 series on the owner), with "
@@ -395,7 +418,9 @@ class ReplicaMetrics:
 
 
 def _forwarded_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
-    return [(k, v) for k, v in metadata or () if not k.startswith(_NOT_FORWARDED)]
+    """The caller's metadata to send on, with this call's request id (so the owner logs the same one)."""
+    kept = [(k, v) for k, v in metadata or () if not k.startswith(_NOT_FORWARDED) and k != REQUEST_ID_KEY]
+    return [*kept, (REQUEST_ID_KEY, logs.request_id.get())]
 
 
 class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
@@ -412,7 +437,7 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     ) -> None:
         self._name = name
         self._route = route
-        self._metrics = metrics
+        self._metrics = self.metrics = metrics
         self._channel_for = channel_for
         # The owner's servicer and token checks, over this replica's reads.
         self._servicer = CoordinatorServicer(cast(CoordinatorService, reads))
@@ -572,6 +597,8 @@ def http_app(
     """
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=max_message_bytes)
+    # Outermost, as at the owner: a request id, an access line and timing for every request.
+    app.add_middleware(RequestMiddleware, latency=metrics.http_request_duration)
     install_handlers(app)
     guard = Guard(authorizer, reads.checkpoint_of, metrics_auth=False)
     service = cast(CoordinatorService, reads)
@@ -612,8 +639,8 @@ def http_app(
         url = httpx.URL(
             f"{scheme}://{owner.http_address}{request.url.path}", query=request.url.query.encode()
         )
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
-        headers.append((FORWARDED_BY, name))
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _SET_ANEW]
+        headers += [(FORWARDED_BY, name), (REQUEST_ID_KEY, logs.request_id.get())]
         outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
         try:
             answer = await client.send(outgoing, stream=True)
@@ -627,7 +654,7 @@ def http_app(
                 "when its owner is gone)",
             )
         metrics.forwarded.labels("http", "ok" if answer.status_code < 400 else "refused").inc()
-        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _SET_ANEW}
         return StreamingResponse(
             answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=_closing(answer)
         )
@@ -669,7 +696,8 @@ def grpc_server(
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """The replica's gRPC server (not started), its bound port and its health servicer."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        # As at the owner: request ids, access lines and timing outermost (forwarded calls too).
+        interceptors=[RequestInterceptor(forwarder.metrics.grpc_request_duration), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
