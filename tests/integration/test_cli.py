@@ -277,11 +277,17 @@ def test_inspect_never_counts_a_damaged_file_lmdb_still_opens_or_a_link(
     lmdb_damage.damage(meta / "host-4.mdb", "main_root")  # NeMo Curator's own loader reads 0 here
     write_nemo_file(tmp_path / "outside.mdb", ["elsewhere"])
     (meta / "host-5.mdb").symlink_to(tmp_path / "outside.mdb")
+    # A leaf page of the wrong type: LMDB's cursor walk would abort the whole command
+    # (``Assertion 'IS_LEAF(mp)'``), so its pages are checked before anything walks them.
+    write_nemo_file(meta / "host-6.mdb", [f"leaf-{i:05d}" for i in range(3000)])
+    lmdb_damage.damage(meta / "host-6.mdb", "leaf")
 
     out = ok("inspect", str(nemo_folder))
 
     assert "completed sources: 4 (union of 2 readable files)" in out
-    assert "files: 5, unreadable: 3" in out
+    assert "files: 6, unreadable: 4" in out
+    leaf = row(out, "host-6.mdb")
+    assert leaf[1] == "-" and "damaged LMDB tree" in " ".join(leaf[2:]), out
     damaged = row(out, "host-4.mdb")
     assert (
         damaged[1] == "-"
@@ -293,9 +299,13 @@ def test_inspect_never_counts_a_damaged_file_lmdb_still_opens_or_a_link(
 
 
 def test_import_skips_unreadable_files_with_a_warning(server: RunningServer, nemo_folder: Path) -> None:
+    damaged = nemo_folder / ".nemo_curator_metadata" / "host-6.mdb"
+    write_nemo_file(damaged, [f"leaf-{i:05d}" for i in range(3000)])
+    lmdb_damage.damage(damaged, "leaf")  # a cursor walk would abort the command: never walked
     result = run("import", str(nemo_folder), "--as", "cli/adopted", address=server.grpc_address)
     assert result.returncode == 0, result.stderr
     assert "warning: skipping unreadable" in result.stderr and "host-3.mdb" in result.stderr
+    assert "host-6.mdb" in result.stderr and "damaged LMDB tree" in result.stderr, result.stderr
     assert "imported 4 new of 4" in result.stdout
     with tally.Client(server.grpc_address) as client:
         assert sorted(client.completed("cli/adopted")) == ["s1", "s2", "s3", "s4"]

@@ -14,10 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tally.integrations import nemo_format
+from tally.integrations import lmdb_pages, nemo_format
 from tally_server.domain import bytes_hash
 from tally_server.domain.compact import Hasher
-from tally_server.store import lmdb_pages
 from tally_server.store.file_handles import HandleCache
 from tally_server.store.lmdb_reads import FileReads
 from tests import lmdb_damage
@@ -175,7 +174,7 @@ def test_a_leaf_of_the_wrong_type_is_damage_and_no_read_walks_it(tmp_path: Path)
         env = nemo_format.open_env(path, write=True)  # as a writer opens its own file
         try:
             with pytest.raises(nemo_format.DamagedFileError):
-                reads.check_tree(path, env, nemo_format.open_completed_db(env))
+                reads.check_tree(path, env, nemo_format.open_completed_db(path, env))
         finally:
             env.close()
     finally:
@@ -274,9 +273,16 @@ def test_the_array_hash_is_pythons_hash(keys: list[bytes]) -> None:
     data = np.frombuffer(b"".join(keys) + bytes(96), dtype=np.uint8)  # room for a whole key past the last
     lengths = np.array([len(k) for k in keys], dtype=np.int64)
     offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
-    got = python_hash.of_words(bytes_hash.pack_words(data, offsets, lengths), lengths)
+    got = python_hash.of_words(lmdb_pages.pack_words(data, offsets, lengths), lengths)
     assert got.tolist() == [hash(k) & (2**64 - 1) for k in keys]
     same = np.full(len(keys), len(keys[0]), dtype=np.int64)  # one length for all
-    got = python_hash.of_words(bytes_hash.pack_words(data, offsets, same), same)
+    got = python_hash.of_words(lmdb_pages.pack_words(data, offsets, same), same)
     want = [hash(data[o : o + len(keys[0])].tobytes()) & (2**64 - 1) for o in offsets.tolist()]
     assert got.tolist() == want
+
+
+def test_the_hash_is_used_only_once_it_gives_what_hash_gives() -> None:
+    """The import-time self-check would catch a hasher keyed differently from this process."""
+    assert bytes_hash.PYTHON_HASH is not None
+    assert bytes_hash._check(bytes_hash.PYTHON_HASH)
+    assert not bytes_hash._check(bytes_hash.SipHash13(1, 2))

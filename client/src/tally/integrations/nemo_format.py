@@ -26,11 +26,13 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lmdb
+
+from tally.integrations import lmdb_pages
 
 METADATA_DIRNAME = ".nemo_curator_metadata"
 COMPLETED_DB = b"completed_sources"
@@ -195,19 +197,55 @@ def check_whole(env: Any, path: Path) -> None:
         raise DamagedFileError(f"{path}: truncated: {size} bytes, but its LMDB header needs {needed}")
 
 
-def open_completed_db(env: Any, *, create: bool = False) -> Any | None:
+def open_completed_db(path: Path, env: Any, *, create: bool = False) -> Any | None:
     """The ``completed_sources`` database handle; None only when the database does not exist.
 
+    The main database's root page is checked first: LMDB's search for the database record trusts
+    that page's type and can abort the whole process on a damaged one (``lmdb_pages.main_root``).
     Every other error propagates: a damaged main database must never read as "no completions".
+
+    Raises:
+        DamagedFileError: the main database's root page is damaged.
+        lmdb.Error: LMDB refused (a damaged page it detects itself, ...).
     """
+    info, main = env.info(), env.stat()
+    verdict = lmdb_pages.main_root(path, info["last_txnid"], info["last_pgno"], main["depth"])
+    if verdict.kind == "damaged":
+        raise DamagedFileError(f"{path}: damaged LMDB main database: {verdict.why}")
     try:
         return env.open_db(COMPLETED_DB, create=create)
     except lmdb.NotFoundError:
         return None
 
 
+def _ignore(keys: lmdb_pages.Keys) -> None:
+    """A batch of keys read only to check the pages."""
+
+
+def check_pages(
+    path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pages.Keys], None] = _ignore
+) -> bool:
+    """Check the tree of ``db`` in ``txn`` from the file's pages, giving ``each`` its keys.
+
+    Returns True when every key was read from the pages (given to ``each``), False when this reader
+    cannot vouch for them (another layout, keys that are not ASCII, a file over
+    ``lmdb_pages.MAX_FILE_BYTES``): a cursor walk must read them, and may.
+
+    Raises:
+        DamagedFileError: the tree of the transaction's snapshot is broken (a page of the wrong
+            type, ...): a cursor walk could abort the process (LMDB asserts), so nothing may walk it.
+    """
+    if not lmdb_pages.SUPPORTED or os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
+        return False
+    tree = lmdb_pages.TreeStat.of(txn, db, env)
+    verdict = lmdb_pages.keys(lmdb_pages.read_file(path), COMPLETED_DB, tree, each)
+    if verdict.kind == "damaged":
+        raise DamagedFileError(f"{path}: damaged LMDB tree in {COMPLETED_DB.decode()}: {verdict.why}")
+    return verdict.kind == "whole"
+
+
 def read_ids(env: Any, db: Any) -> set[str]:
-    """Every source id in the database (a full cursor walk, so damaged pages raise here)."""
+    """Every source id in the database (a full cursor walk: check its pages first, ``check_pages``)."""
     with env.begin(db=db) as txn, txn.cursor(db=db) as cursor:
         return {key.decode() for key in cursor.iternext(keys=True, values=False)}
 
@@ -215,14 +253,22 @@ def read_ids(env: Any, db: Any) -> set[str]:
 def read_file(path: Path) -> set[str]:
     """Completed ids of one file, read as NeMo Curator 1.4.0 reads it, but strictly.
 
+    Its pages are checked before LMDB walks them (``open_completed_db``, ``check_pages``): a
+    damaged file raises here instead of aborting the process.
+
     Raises:
         DamagedFileError, lmdb.Error, OSError, UnicodeDecodeError (see ``READ_ERRORS``): the file
             cannot be read; its contents must not be counted.
     """
     env = open_env(path, write=False)
     try:
-        db = open_completed_db(env)
-        return set() if db is None else read_ids(env, db)
+        db = open_completed_db(path, env)
+        if db is None:
+            return set()
+        with env.begin(db=db) as txn:
+            check_pages(path, txn, db, env)
+            with txn.cursor(db=db) as cursor:
+                return {key.decode() for key in cursor.iternext(keys=True, values=False)}
     finally:
         env.close()
 

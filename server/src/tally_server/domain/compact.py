@@ -70,7 +70,7 @@ class Hasher:
         return np.fromiter(map(self.of_key, keys), dtype=np.uint64, count=count)
 
     def of_words(self, words: U64, lengths: npt.NDArray[np.int64]) -> U64 | None:
-        """``of_keys`` of keys packed as rows of words (``bytes_hash.pack_words``), over arrays.
+        """``of_keys`` of keys packed as rows of words (``lmdb_pages.pack_words``), over arrays.
 
         None with a custom hash, or where Python's own cannot be reproduced (see
         :mod:`tally_server.domain.bytes_hash`). Every length is at least 1.

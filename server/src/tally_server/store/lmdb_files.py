@@ -38,7 +38,6 @@ from tally_server.domain.ports import (
 from tally_server.store.disk import make_dirs, move_to_trash, quarantine, write_error
 from tally_server.store.file_handles import OpenFile
 from tally_server.store.lmdb_queries import CompletionFolders
-from tally_server.store.lmdb_reads import open_db
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +227,7 @@ class LmdbCompletionStore(CompletionFolders):
         self._reads.forget(path)
         env = nemo_format.open_env(path, write=True, map_size=self._map_size)
         try:
-            db = open_db(path, env, create=create)
+            db = nemo_format.open_completed_db(path, env, create=create)
             if db is None:
                 env.close()
                 return None

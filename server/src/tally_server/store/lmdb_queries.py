@@ -16,7 +16,7 @@ from tally.integrations.nemo_format import FILE_SUFFIX, METADATA_DIRNAME, READ_E
 from tally_server.domain.compact import Hasher
 from tally_server.domain.ports import LoadedCheckpoint, LoadedIndex, UnreadableFile
 from tally_server.store.file_handles import HandleCache
-from tally_server.store.lmdb_reads import FileReads, open_db
+from tally_server.store.lmdb_reads import FileReads
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class CompletionFolders:
         self._reads.forget(path)  # LMDB opens a file once per process
         env = nemo_format.open_env(path, write=False)
         try:
-            db = open_db(path, env)
+            db = nemo_format.open_completed_db(path, env)
             if db is None:
                 return set()
             # A cursor walk of a damaged tree can abort the process: its pages are checked first.

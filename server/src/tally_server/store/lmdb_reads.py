@@ -22,10 +22,9 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from tally.integrations import nemo_format
-from tally.integrations.nemo_format import READ_ERRORS, DamagedFileError, describe_error
+from tally.integrations import lmdb_pages, nemo_format
+from tally.integrations.nemo_format import READ_ERRORS, describe_error
 from tally_server.domain.compact import U64, Hasher
-from tally_server.store import lmdb_pages
 from tally_server.store.file_handles import HandleCache, OpenFile
 
 logger = logging.getLogger(__name__)
@@ -36,48 +35,13 @@ _LOAD_CHUNK = 1 << 15
 _HASH_CHUNK = 1 << 15
 
 
-def _read_pages(path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pages.Keys], None]) -> bool:
-    """Give ``each`` the file's keys read from its pages (``lmdb_pages``); False: walk it with a cursor.
-
-    Raises:
-        DamagedFileError: the tree of the transaction's snapshot is broken (a page of the wrong
-            type, ...): a cursor walk could abort the process (LMDB asserts), so nothing may walk it.
-    """
-    if not lmdb_pages.SUPPORTED or os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
-        return False
-    tree = lmdb_pages.TreeStat.of(txn, db, env)
-    verdict = lmdb_pages.keys(lmdb_pages.read_file(path), nemo_format.COMPLETED_DB, tree, each)
-    if verdict.kind == "damaged":
-        raise DamagedFileError(
-            f"{path}: damaged LMDB tree in {nemo_format.COMPLETED_DB.decode()}: {verdict.why}"
-        )
-    return verdict.kind == "whole"
-
-
-def open_db(path: Path, env: Any, *, create: bool = False) -> Any | None:
-    """``nemo_format.open_completed_db``, after checking the main database's root page.
-
-    LMDB's search for the database record trusts that page's type and can abort the process on a
-    damaged one (``lmdb_pages.main_root``).
-
-    Raises:
-        DamagedFileError: the main database's root page is damaged.
-        READ_ERRORS: as ``open_completed_db``.
-    """
-    info, main = env.info(), env.stat()
-    verdict = lmdb_pages.main_root(path, info["last_txnid"], info["last_pgno"], main["depth"])
-    if verdict.kind == "damaged":
-        raise DamagedFileError(f"{path}: damaged LMDB main database: {verdict.why}")
-    return nemo_format.open_completed_db(env, create=create)
-
-
 def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
     """The hashes of the file's keys read from its pages; None: walk it with a cursor.
 
     The pages are checked even when the hash cannot be computed from them (a custom hash).
 
     Raises:
-        DamagedFileError: see ``_read_pages``.
+        DamagedFileError: see ``nemo_format.check_pages``.
     """
     parts: list[U64] = []
     usable = hasher.spans_supported
@@ -93,13 +57,9 @@ def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 
                 return
             parts.append(part)
 
-    if not _read_pages(path, txn, db, env, hash_batch) or not usable:
+    if not nemo_format.check_pages(path, txn, db, env, hash_batch) or not usable:
         return None
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
-
-
-def _ignore(keys: lmdb_pages.Keys) -> None:
-    """A batch of keys read only to check the pages."""
 
 
 class FileReads:
@@ -149,7 +109,7 @@ class FileReads:
             self.forget(path)
             env = nemo_format.open_env(path, write=False)
             try:
-                db = open_db(path, env)
+                db = nemo_format.open_completed_db(path, env)
                 if db is None:
                     yield None
                     return
@@ -162,9 +122,9 @@ class FileReads:
         """Check the file's pages before a cursor walk; True: its keys were read from them (whole).
 
         Raises:
-            DamagedFileError: the file is damaged (see ``_read_pages``); nothing may walk it.
+            DamagedFileError: the file is damaged (see ``nemo_format.check_pages``); nothing may walk it.
         """
-        return _read_pages(path, txn, db, env, _ignore)
+        return nemo_format.check_pages(path, txn, db, env)
 
     def check_tree(self, path: Path, env: Any, db: Any) -> None:
         """Raise if the file is damaged: checked from its pages, or by a cursor walk of every key.
@@ -226,7 +186,7 @@ class FileReads:
         self._readers.forget(path)
         env = nemo_format.open_env(path, write=False, readahead=False)
         try:
-            db = open_db(path, env)
+            db = nemo_format.open_completed_db(path, env)
             if db is not None and self._vouched.get(path) != (st.st_dev, st.st_ino):
                 # Not read whole at this inode (replaced since it was loaded): a lookup's search
                 # trusts page types too (LMDB asserts on a leaf marked as a branch), so check first.

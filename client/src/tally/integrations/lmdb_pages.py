@@ -36,9 +36,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from tally_server.domain import bytes_hash
-
 I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+_U64 = np.uint64
 
 PAGE_HEADER = 16  # mp_pgno u64, mp_pad u16, mp_flags u16, mp_lower u16, mp_upper u16
 NODE_HEADER = 8  # mn_lo u16, mn_hi u16, mn_flags u16, mn_ksize u16, then the key
@@ -113,7 +113,7 @@ WHOLE = Verdict("whole")
 
 @dataclass
 class Keys:
-    """The keys of a database, each a row of little-endian words (``bytes_hash.pack_words``)."""
+    """The keys of a database, each a row of little-endian words (:func:`pack_words`)."""
 
     words: npt.NDArray[np.uint64]
     lengths: I64
@@ -135,6 +135,51 @@ def read_file(path: Path) -> npt.NDArray[np.uint8]:
     finally:
         os.close(fd)
     return data[: got + SPARE] if got < size else data
+
+
+def words_at(data: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], width: int) -> U64:
+    """The ``width`` little-endian words from each offset on, as rows (``data`` ends in 16 spare bytes).
+
+    Two aligned reads and two shifts per word: numpy reads unaligned words about twice as slowly.
+    """
+    aligned = data[: len(data) // 8 * 8].view("<u8")
+    q = offsets >> 3
+    right = ((offsets & 7) << 3).astype(np.uint64)
+    left = _U64(64) - right  # a shift by 64 gives 0 here, which is what an aligned offset needs
+    out = np.empty((len(offsets), width), dtype=np.uint64)
+    low = aligned.take(q)
+    for j in range(width):
+        high = aligned.take(q + (j + 1))
+        column = out[:, j]
+        np.right_shift(low, right, out=column)
+        high_part = np.left_shift(high, left)
+        column |= high_part
+        low = high
+    return out
+
+
+def pack_words(
+    data: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> U64:
+    """The keys ``data[o : o + n]`` as rows of little-endian words, zero past each key's end.
+
+    ``data`` must end in at least 16 spare bytes (whole words are read, then masked). A row has
+    ``max(lengths) // 8 + 1`` words: every key's last, partial (possibly empty) word is inside it.
+    """
+    n = len(offsets)
+    width = int(lengths.max(initial=0)) // 8 + 1
+    if n and int(lengths.min()) == int(lengths.max()):  # one length: scalar masks
+        out = words_at(data, offsets, width)
+        out[:, width - 1] &= _U64((1 << 8 * (int(lengths[0]) % 8)) - 1)
+        return out
+    out = np.empty((n, width), dtype=np.uint64)
+    words = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+    limit = len(data) - 16
+    for j in range(width):
+        keep = np.clip(lengths - 8 * j, 0, 8).astype(np.uint64)  # bytes of each key in word j
+        mask = np.left_shift(_U64(1), keep << _U64(3)) - _U64(1)  # 1 << 64 is 0 here: all ones
+        out[:, j] = words[np.minimum(offsets + 8 * j, limit)] & mask
+    return out
 
 
 class _Pages:
@@ -402,7 +447,7 @@ def _leaves(pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Chec
     if (in_page + NODE_HEADER + klen + dsize > pages.psize).any():
         check.damaged("a leaf node's key or value runs past its page")
         return None
-    words = bytes_hash.pack_words(data, node + NODE_HEADER, klen)
+    words = pack_words(data, node + NODE_HEADER, klen)
     if np.bitwise_or.reduce(words, axis=None) & np.uint64(0x8080808080808080):
         check.cannot_read("keys that are not ASCII")  # a cursor walk checks that they are UTF-8
     return Keys(words, klen)
