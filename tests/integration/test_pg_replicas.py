@@ -539,6 +539,14 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 assert are.json() == {"completed": [True, False]}
                 bad = http.get(f"/v1/events?checkpoint={name}&limit=5000")
                 assert (bad.status_code, bad.json()) == (owner_bad.status_code, owner_bad.json())
+                # Watching: the published status now (gRPC stream, HTTP Server-Sent Events).
+                watch = stub.WatchCheckpoint(pb.WatchCheckpointRequest(checkpoint=name, interval_ms=50))
+                seen = next(watch)
+                watch.cancel()
+                assert (seen.completed_count, seen.pending_sources, seen.live_writers) == (4, 1, 1)
+                with http.stream("GET", "/v1/watch", params={"checkpoint": name}) as events:
+                    line = next(x for x in events.iter_lines() if x.startswith("data: "))
+                assert json.loads(line[len("data: ") :])["completed_count"] == 4
                 # A write through the same replica goes to the stopped owner: it cannot be answered.
                 with pytest.raises(grpc.RpcError) as write:
                     stub.OpenWriter(pb.OpenWriterRequest(checkpoint=name, writer_id="w2"), timeout=2)
@@ -555,6 +563,7 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 assert local[f'{{call="{call}"}}'] >= 2, call  # one over gRPC, one over HTTP
             assert local['{call="ListCompleted"}'] >= 3 and local['{call="AreCompleted"}'] >= 2
             assert local['{call="GetCursor"}'] >= 4
+            assert local['{call="WatchCheckpoint"}'] >= 2
             # A checkpoint the owner has not published (here: none) is asked of the owner.
             with pytest.raises(grpc.RpcError) as missing:
                 stub.GetCheckpoint(pb.GetCheckpointRequest(name="no/such"))
@@ -628,3 +637,48 @@ def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_ow
         )
         assert timed['{code="OK",method="/tally.v1.Coordinator/AreCompleted"}'] == 1.0
         assert timed['{code="OK",method="/tally.v1.Coordinator/OpenWriter"}'] == 1.0
+
+
+def test_a_watch_through_a_replica_follows_the_owners_changes(tmp_path: Path, postgres_url: str) -> None:
+    """WatchCheckpoint through a replica streams the owner's published status as it changes; a
+    checkpoint not published yet is watched at the owner instead (the stream is forwarded)."""
+    name = "watch/run"
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
+        with (
+            tally.Client(owner.grpc_address) as client,
+            grpc.insecure_channel(replica.grpc_address) as channel,
+            client.writer(name, writer_id="w1") as writer,
+        ):
+            stub = pb_grpc.CoordinatorStub(channel)
+            # Opened a moment ago: not published yet, so the first watch is the owner's own stream.
+            early = stub.WatchCheckpoint(pb.WatchCheckpointRequest(checkpoint=name, interval_ms=50))
+            assert next(early).live_writers == 1
+            early.cancel()
+            writer.apply_deltas(tree("a"))
+            writer.flush()
+
+            def published() -> bool:
+                """Answered by the replica itself (not forwarded), with the first completion."""
+                before = local_calls(replica).get('{call="GetCheckpoint"}', 0.0)
+                status = stub.GetCheckpoint(pb.GetCheckpointRequest(name=name))
+                return (
+                    status.completed_count == 1
+                    and local_calls(replica).get('{call="GetCheckpoint"}', 0.0) > before
+                )
+
+            wait_until(published, timeout=30, what="the owner to publish the first completion")
+            watch = stub.WatchCheckpoint(pb.WatchCheckpointRequest(checkpoint=name, interval_ms=50))
+            assert next(watch).completed_count == 1
+            writer.apply_deltas(tree("b"))
+            writer.flush()
+            # The next snapshot sent is a change: the second completion, once published.
+            assert next(watch).completed_count == 2
+            watch.cancel()
+        assert local_calls(replica).get('{call="WatchCheckpoint"}') == 1.0  # the second; the first went on
+
+
+def local_calls(replica: RunningServer) -> dict[str, float]:
+    """The reads a replica answered itself, by call (``tally_replica_local_calls_total``)."""
+    return samples_of(
+        httpx.get(f"http://{replica.http_address}/metrics").text, "tally_replica_local_calls_total"
+    )

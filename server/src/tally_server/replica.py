@@ -79,6 +79,7 @@ from tally_server.service.status import (
     completed_limit,
     event_page,
     events_limit,
+    watching,
     writer_page,
     writer_position,
 )
@@ -136,6 +137,7 @@ LOCAL_CALLS = frozenset(
         "ListEvents",
         "GetProgress",
         "ListReplicas",
+        "WatchCheckpoint",
     }
 )
 _SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
@@ -306,6 +308,28 @@ class ReplicaReads:
         self._answered("GetCheckpoint")
         return view
 
+    async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
+        """The published status now and whenever it changes (polled every ``interval_s``).
+
+        Raises :class:`ForwardToOwner` before the first snapshot if the checkpoint has no published
+        status; ends once its status is no longer published (the checkpoint was deleted).
+        """
+        first: CheckpointView | None = await self._view(checkpoint)
+        self._answered("WatchCheckpoint")
+
+        async def read() -> CheckpointView | None:
+            nonlocal first
+            if first is not None:
+                view, first = first, None
+                return view
+            try:
+                return await self._view(checkpoint)
+            except ForwardToOwner:
+                return None
+
+        async for view in watching(read, interval_s, lambda: True):
+            yield view
+
     async def list_checkpoints(
         self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
     ) -> CheckpointPage:
@@ -455,7 +479,8 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             header = dict(handler_call_details.invocation_metadata or ()).get("authorization")
             if isinstance(header, bytes):
                 header = header.decode("latin-1")
-            return self._auth.guard(name, header, self._local(name))
+            local = self._local_stream(name) if name in _STREAMS else self._local(name)
+            return self._auth.guard(name, header, local)
         if name in _STREAMS:
             return grpc.unary_stream_rpc_method_handler(self._stream(method))
         return grpc.unary_unary_rpc_method_handler(self._unary(method))
@@ -474,6 +499,33 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
                 return response_type.FromString(await forward(request.SerializeToString(), context))
 
         return grpc.unary_unary_rpc_method_handler(
+            local,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
+    def _local_stream(self, name: str) -> Any:
+        """``_local`` of a streaming call: the owner's stream if the first answer is not known here."""
+        rpc = _SERVICE.methods_by_name[name]
+        request_type, response_type = getattr(pb, rpc.input_type.name), getattr(pb, rpc.output_type.name)
+        answer = getattr(self._servicer, name)
+        forward = self._stream(_PREFIX + name)
+
+        async def local(request: Any, context: Any) -> AsyncIterator[Any]:
+            stream = answer(request, context)
+            try:
+                first = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except ForwardToOwner:
+                async for item in forward(request.SerializeToString(), context):
+                    yield response_type.FromString(item)
+                return
+            yield first
+            async for item in stream:
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
             local,
             request_deserializer=request_type.FromString,
             response_serializer=response_type.SerializeToString,

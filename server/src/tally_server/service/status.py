@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,26 +191,12 @@ class Status:
     async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
         """A status snapshot now and then whenever it changes, checked every ``interval_s``."""
         cp = await self._checkpoints.existing(checkpoint)
-        interval_s = min(max(interval_s, 0.05), 60.0)
-        last: tuple[Any, ...] | None = None
-        # Re-send an unchanged snapshot now and then, so idle streams are not cut by proxies.
-        heartbeat_every = max(1, round(15.0 / interval_s))
-        quiet = 0
-        while self._accepting():
-            view = self.view(cp)
-            key = (
-                view.completed_count,
-                view.pending_sources,
-                view.settling_sources,
-                view.live_writers,
-                view.anomalies,
-                view.unreadable_files,
-            )
-            quiet += 1
-            if key != last or quiet >= heartbeat_every:
-                last, quiet = key, 0
-                yield view
-            await asyncio.sleep(interval_s)
+
+        async def view() -> CheckpointView | None:
+            return self.view(cp)
+
+        async for snapshot in watching(view, interval_s, self._accepting):
+            yield snapshot
 
     async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
         """The cursor last saved for a source; none once the source is completed (then it is deleted)."""
@@ -377,3 +363,34 @@ def writer_position(after: str) -> _Position:
         "or '' for the first page",
         field="after",
     )
+
+
+async def watching(
+    read: Callable[[], Awaitable[CheckpointView | None]], interval_s: float, running: Callable[[], bool]
+) -> AsyncIterator[CheckpointView]:
+    """Snapshots from ``read`` every ``interval_s`` (clamped to 0.05..60 s), each one that changed.
+
+    An unchanged snapshot is sent again every ~15 s, so proxies do not cut idle streams. Ends when
+    ``running`` says so or ``read`` finds the checkpoint no longer there (None).
+    """
+    interval_s = min(max(interval_s, 0.05), 60.0)
+    last: tuple[Any, ...] | None = None
+    heartbeat_every = max(1, round(15.0 / interval_s))
+    quiet = 0
+    while running():
+        view = await read()
+        if view is None:
+            return
+        key = (
+            view.completed_count,
+            view.pending_sources,
+            view.settling_sources,
+            view.live_writers,
+            view.anomalies,
+            view.unreadable_files,
+        )
+        quiet += 1
+        if key != last or quiet >= heartbeat_every:
+            last, quiet = key, 0
+            yield view
+        await asyncio.sleep(interval_s)
