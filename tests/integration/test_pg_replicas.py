@@ -126,8 +126,11 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
         assert listed.status_code == 200, listed.text
         assert listed.json()["completed_count"] == 3
         # Other HTTP requests are forwarded as they came: the owner's JSON answer, through the replica.
-        failures = httpx.get(f"http://{replica.http_address}/v1/failures", params={"checkpoint": "rep/run"})
-        assert failures.status_code == 200 and failures.json()["sources"] == [], failures.text
+        fenced = httpx.get(
+            f"http://{replica.http_address}/v1/claims/current",
+            params={"checkpoint": "rep/run", "source_id": "a", "token": 1},
+        )
+        assert fenced.status_code == 200 and fenced.json()["current"] is False, fenced.text
         assert "tally_replica_up" not in httpx.get(f"http://{owner.http_address}/metrics").text
 
 
@@ -592,7 +595,9 @@ def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_ow
                 pb.OpenWriterRequest(checkpoint="ids/run", writer_id="w1"),
                 metadata=[("x-request-id", "fwd-1")],
             )
-            _, anonymous = stub.ListFailures.with_call(pb.ListFailuresRequest(checkpoint="ids/run"))
+            _, anonymous = stub.TokenIsCurrent.with_call(
+                pb.TokenIsCurrentRequest(checkpoint="ids/run", source_id="a", token=1)
+            )
         assert dict(local.trailing_metadata())["x-request-id"] == "local-1"
         assert [v for k, v in forwarded.trailing_metadata() if k == "x-request-id"] == ["fwd-1"]
         made_up = [v for k, v in anonymous.trailing_metadata() if k == "x-request-id"]
@@ -601,8 +606,8 @@ def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_ow
             f"http://{replica.http_address}/v1/checkpoints", headers={"X-Request-ID": "local-2"}
         )
         http_forwarded = httpx.get(
-            f"http://{replica.http_address}/v1/failures",
-            params={"checkpoint": "ids/run"},
+            f"http://{replica.http_address}/v1/claims/current",
+            params={"checkpoint": "ids/run", "source_id": "a", "token": 1},
             headers={"X-Request-ID": "fwd-2"},
         )
         assert http_local.status_code == http_forwarded.status_code == 200, http_forwarded.text
@@ -624,7 +629,7 @@ def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_ow
 
         at_replica = access(replica, {"local-1", "fwd-1", made_up[0], "local-2", "fwd-2"})
         assert at_replica["local-1"]["method"] == "/tally.v1.Coordinator/AreCompleted"
-        assert at_replica["fwd-2"]["path"] == "/v1/failures" and at_replica["fwd-2"]["status"] == 200
+        assert at_replica["fwd-2"]["path"] == "/v1/claims/current" and at_replica["fwd-2"]["status"] == 200
         # The owner saw the forwarded calls only, under the replica's ids.
         at_owner = access(owner, {"fwd-1", made_up[0], "fwd-2"})
         assert at_owner["fwd-1"]["method"] == "/tally.v1.Coordinator/OpenWriter"
@@ -641,7 +646,7 @@ def test_every_call_through_a_replica_has_a_request_id_and_an_access_line_the_ow
 
 def test_a_watch_through_a_replica_follows_the_owners_changes(tmp_path: Path, postgres_url: str) -> None:
     """WatchCheckpoint through a replica streams the owner's published status as it changes; a
-    checkpoint not published yet is watched at the owner instead (the stream is forwarded)."""
+    checkpoint with no published status is watched at the owner instead (the stream forwarded)."""
     name = "watch/run"
     with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
         with (
@@ -650,10 +655,16 @@ def test_a_watch_through_a_replica_follows_the_owners_changes(tmp_path: Path, po
             client.writer(name, writer_id="w1") as writer,
         ):
             stub = pb_grpc.CoordinatorStub(channel)
-            # Opened a moment ago: not published yet, so the first watch is the owner's own stream.
-            early = stub.WatchCheckpoint(pb.WatchCheckpointRequest(checkpoint=name, interval_ms=50))
-            assert next(early).live_writers == 1
-            early.cancel()
+            # A checkpoint with no published status is watched at the owner (here: one that does
+            # not exist, so the owner's refusal comes back through the replica).
+            with pytest.raises(grpc.RpcError) as unknown:
+                next(stub.WatchCheckpoint(pb.WatchCheckpointRequest(checkpoint="no/such", interval_ms=50)))
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "no/such" in unknown.value.details()
+            refused = samples_of(
+                httpx.get(f"http://{replica.http_address}/metrics").text,
+                "tally_replica_forwarded_calls_total",
+            )
+            assert refused['{outcome="refused",transport="grpc"}'] == 1.0
             writer.apply_deltas(tree("a"))
             writer.flush()
 
@@ -674,7 +685,7 @@ def test_a_watch_through_a_replica_follows_the_owners_changes(tmp_path: Path, po
             # The next snapshot sent is a change: the second completion, once published.
             assert next(watch).completed_count == 2
             watch.cancel()
-        assert local_calls(replica).get('{call="WatchCheckpoint"}') == 1.0  # the second; the first went on
+        assert local_calls(replica).get('{call="WatchCheckpoint"}') == 1.0  # the unknown one went on
 
 
 def local_calls(replica: RunningServer) -> dict[str, float]:
@@ -682,3 +693,58 @@ def local_calls(replica: RunningServer) -> dict[str, float]:
     return samples_of(
         httpx.get(f"http://{replica.http_address}/metrics").text, "tally_replica_local_calls_total"
     )
+
+
+def test_a_replica_lists_failures_and_remaining_sources_as_the_owner_does(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """ListFailures and ListRemaining answered by the replica itself (from the registry and the
+    committed completions): page for page the owner's answers, ids in code point order whatever the
+    database's collation, a completed source dropped from both, and answered while the owner is
+    stopped (SIGSTOP)."""
+    name = "lists/run"
+    ids = ["z", "Z", "é-1", "e-2", "ä", "a", "b", "c", "日本"]
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
+        with (
+            tally.Client(owner.grpc_address) as at_owner,
+            tally.Client(replica.grpc_address) as here,
+            tally.Client(f"http://{replica.http_address}") as here_http,
+        ):
+            with at_owner.writer(name, writer_id="w1") as w:
+                w.declare(ids)
+                for i, sid in enumerate(ids):
+                    for _ in range(1 + i % 3):  # 1, 2 or 3 failed attempts
+                        w.report_failure(sid, f"boom {sid}")
+                w.apply_deltas(tree("b"))  # completed: no longer failed, nor remaining
+            at_owner.set_max_attempts(name, 2)
+
+            def failures(client: tally.Client, **options: object) -> list[tuple[str, int, bool]]:
+                return [(f.source_id, f.attempts, f.failed) for f in client.failures(name, **options)]  # type: ignore[arg-type]
+
+            def answers(client: tally.Client) -> dict[str, object]:
+                return {
+                    "all": failures(client, page_size=2),
+                    "failed": failures(client, failed_only=True, page_size=1),
+                    "asked": failures(client, source_ids=["ä", "b", "nope", "Z"]),
+                    "remaining": list(client.remaining(name, page_size=2)),
+                }
+
+            expected = answers(at_owner)
+            assert [s for s, _, _ in expected["all"]] == sorted(set(ids) - {"b"})  # type: ignore[union-attr]
+            assert expected["remaining"] == sorted(set(ids) - {"b"})
+            wait_until(lambda: published_here(here, replica, name), timeout=30, what="a published status")
+            owner.process.send_signal(signal.SIGSTOP)
+            try:
+                assert answers(here) == expected
+                assert answers(here_http) == expected
+            finally:
+                owner.process.send_signal(signal.SIGCONT)
+        local = local_calls(replica)
+        assert local['{call="ListFailures"}'] >= 6 and local['{call="ListRemaining"}'] >= 2
+
+
+def published_here(client: tally.Client, replica: RunningServer, name: str) -> bool:
+    """Whether the replica answers ``name``'s status itself (the owner published it)."""
+    before = local_calls(replica).get('{call="GetCheckpoint"}', 0.0)
+    client.checkpoint(name)
+    return local_calls(replica).get('{call="GetCheckpoint"}', 0.0) > before

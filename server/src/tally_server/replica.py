@@ -59,7 +59,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally_server import logs
 from tally_server.auth import Authorizer
 from tally_server.domain import validation
-from tally_server.domain.ports import Registry
+from tally_server.domain.ports import Registry, SourceFailuresRecord
 from tally_server.domain.validation import Limits
 from tally_server.errors import ErrorCode, Unavailable
 from tally_server.grpc_api.auth import AuthInterceptor
@@ -71,10 +71,11 @@ from tally_server.http_api.auth import Guard, declared_operation
 from tally_server.http_api.body_limit import BodyLimit
 from tally_server.http_api.errors import error_response, install_handlers
 from tally_server.http_api.request_context import RequestMiddleware
-from tally_server.http_api.routes import admin, checkpoints, status
+from tally_server.http_api.routes import admin, checkpoints, failures, status, totals
 from tally_server.listen import add_grpc_port
 from tally_server.metrics import CONTENT_TYPE, LATENCY_BUCKETS, new_registry
 from tally_server.service import CoordinatorService
+from tally_server.service.failures import failures_limit
 from tally_server.service.status import (
     completed_limit,
     event_page,
@@ -83,15 +84,18 @@ from tally_server.service.status import (
     writer_page,
     writer_position,
 )
+from tally_server.service.totals import DEFAULT_PAGE as REMAINING_PAGE
 from tally_server.service.views import (
     CheckpointPage,
     CheckpointView,
     CompletedPage,
     CursorView,
     EventPage,
+    FailurePage,
     ProgressSample,
     ReplicasView,
     ReplicaView,
+    SourceFailuresView,
     WriterPage,
 )
 from tally_server.store.pg_status import StatusBoard
@@ -138,6 +142,8 @@ LOCAL_CALLS = frozenset(
         "GetProgress",
         "ListReplicas",
         "WatchCheckpoint",
+        "ListFailures",
+        "ListRemaining",
     }
 )
 _SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
@@ -307,6 +313,79 @@ class ReplicaReads:
         view = await self._view(name)
         self._answered("GetCheckpoint")
         return view
+
+    async def list_failures(
+        self,
+        checkpoint: str,
+        *,
+        source_ids: Sequence[str] = (),
+        failed_only: bool = False,
+        after: str = "",
+        limit: int = 0,
+    ) -> FailurePage:
+        """Sources with failed attempts, from the registry, less those whose completion is committed.
+
+        The registry holds every failure before its ``ReportFailure`` is answered; the owner clears
+        a source's failures when it completes, which a replica sees as the committed completion.
+        """
+        validation.checkpoint_name(checkpoint, self.limits)
+        limit = failures_limit(limit, self.limits)
+        asked = validation.source_ids(list(source_ids), self.limits) if source_ids else None
+        await self._view(checkpoint)
+        budget = await asyncio.to_thread(self._registry.budget_of, checkpoint)
+        page: list[SourceFailuresRecord] = []
+        more = False
+        if failed_only and not budget:
+            pass  # no budget: no source is failed
+        elif asked is not None:
+            records = await asyncio.to_thread(self._registry.list_failures, checkpoint, sorted(set(asked)))
+            kept = [r for r in records if not failed_only or r.attempts >= budget]
+            page = sorted(await self._not_completed(checkpoint, kept), key=lambda r: r.source_id)
+        else:
+            cursor, least = after, budget if failed_only else 0
+            while len(page) <= limit:  # one more than asked: is there a next page
+                batch = await asyncio.to_thread(
+                    self._registry.failures_after, checkpoint, cursor, limit + 1, least
+                )
+                if batch:
+                    cursor = batch[-1].source_id
+                    page += await self._not_completed(checkpoint, batch)
+                if len(batch) <= limit:
+                    break
+            more, page = len(page) > limit, page[:limit]
+        views = [
+            SourceFailuresView(r.source_id, r.attempts, bool(budget) and r.attempts >= budget, list(r.recent))
+            for r in page
+        ]
+        self._answered("ListFailures")
+        return FailurePage(views, page[-1].source_id if more and page else "", budget)
+
+    async def list_remaining(self, checkpoint: str, *, after: str = "", limit: int = 0) -> CompletedPage:
+        """A page of declared sources (the registry's) not completed (committed), by code point."""
+        limit = limit or REMAINING_PAGE
+        completed_limit(limit, self.limits)
+        await self._view(checkpoint)
+        page: list[str] = []
+        cursor = after
+        while len(page) <= limit:  # one more than asked: is there a next page
+            chunk = await asyncio.to_thread(self._registry.declared_after, checkpoint, cursor, limit + 1)
+            if chunk:
+                cursor = chunk[-1]
+                done = await asyncio.to_thread(self._reader.are_completed, checkpoint, chunk)
+                page += [sid for sid, completed in zip(chunk, done, strict=True) if not completed]
+            if len(chunk) <= limit:
+                break
+        more, page = len(page) > limit, page[:limit]
+        self._answered("ListRemaining")
+        return CompletedPage(page, page[-1] if more else "")
+
+    async def _not_completed(
+        self, checkpoint: str, records: list[SourceFailuresRecord]
+    ) -> list[SourceFailuresRecord]:
+        if not records:
+            return []
+        done = await asyncio.to_thread(self._reader.are_completed, checkpoint, [r.source_id for r in records])
+        return [r for r, completed in zip(records, done, strict=True) if not completed]
 
     async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
         """The published status now and whenever it changes (polled every ``interval_s``).
@@ -654,7 +733,7 @@ def http_app(
     install_handlers(app)
     guard = Guard(authorizer, reads.checkpoint_of, metrics_auth=False)
     service = cast(CoordinatorService, reads)
-    for resource in (checkpoints, status, admin):
+    for resource in (checkpoints, status, admin, failures, totals):
         resource.add_routes(app, service, guard)
     # Only the routes of the reads answered here: the others fall through to ``forward`` below.
     app.router.routes[:] = [

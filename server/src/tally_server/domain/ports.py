@@ -350,11 +350,25 @@ class Registry(Protocol):
     def list_budgets(self) -> dict[str, int]:
         """Every checkpoint's failure budget that is set."""
 
+    def failures_after(
+        self, checkpoint: str, after: str, limit: int, min_attempts: int = 0
+    ) -> list[SourceFailuresRecord]:
+        """A page of ``list_failures``: up to ``limit`` sources after ``after`` in code point order.
+
+        Only sources with ``min_attempts`` failed attempts or more.
+        """
+
+    def budget_of(self, checkpoint: str) -> int:
+        """A checkpoint's failure budget (0: none set, unlimited)."""
+
     def add_declared(self, checkpoint: str, source_ids: Sequence[str], count: int) -> None:
         """Add declared sources (those declared already are left as they are) and raise the count."""
 
     def list_declared(self) -> tuple[dict[str, set[str]], dict[str, int]]:
         """Every checkpoint's declared sources and declared count."""
+
+    def declared_after(self, checkpoint: str, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` declared sources of a checkpoint after ``after``, in code point order."""
 
     def take_claims(
         self, checkpoint: str, source_ids: Sequence[str], holder: str, writer_id: str, at: float

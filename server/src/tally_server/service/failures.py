@@ -92,13 +92,7 @@ class Failures:
         """Sources with failed attempts by source id: those asked about, or a page of all."""
         core = self._core
         validation.checkpoint_name(checkpoint, core.limits)
-        limit = limit or DEFAULT_PAGE
-        if not 0 < limit <= core.limits.max_ids_per_query:
-            raise InvalidArgument(
-                f"limit {limit} is out of range; ask for 1 to {core.limits.max_ids_per_query} sources per "
-                "page (setting max_ids_per_query)",
-                field="limit",
-            )
+        limit = failures_limit(limit, core.limits)
         asked = validation.source_ids(list(source_ids), core.limits) if source_ids else None
         cp = await self._checkpoints.existing(checkpoint)
         if cp.failures:
@@ -170,3 +164,15 @@ class Failures:
             cp.name,
             done,
         )
+
+
+def failures_limit(limit: int, limits: validation.Limits) -> int:
+    """A page size of failures (0: the default), refused out of 1 to ``max_ids_per_query``."""
+    limit = limit or DEFAULT_PAGE
+    if not 0 < limit <= limits.max_ids_per_query:
+        raise InvalidArgument(
+            f"limit {limit} is out of range; ask for 1 to {limits.max_ids_per_query} sources per "
+            "page (setting max_ids_per_query)",
+            field="limit",
+        )
+    return limit

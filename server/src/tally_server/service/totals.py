@@ -16,6 +16,7 @@ from tally_server.domain import validation
 from tally_server.errors import InvalidArgument
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
+from tally_server.service.status import completed_limit
 from tally_server.service.views import CompletedPage
 
 MAX_DECLARED_COUNT = 10**12
@@ -74,12 +75,7 @@ class Totals:
         """A page of declared sources not completed, in byte order after ``after``."""
         core = self._core
         limit = limit or DEFAULT_PAGE
-        if not 0 < limit <= core.limits.max_ids_per_query:
-            raise InvalidArgument(
-                f"limit {limit} is out of range; ask for 1 to {core.limits.max_ids_per_query} ids per page "
-                "(setting max_ids_per_query)",
-                field="limit",
-            )
+        completed_limit(limit, core.limits)
         cp = await self._checkpoints.existing(checkpoint)
         completed = await self._checkpoints.completed(cp)
         ordered = self._ordered.get(checkpoint)

@@ -354,21 +354,26 @@ class SqlRegistry:
         if source_ids is not None:
             query = query.where(c.source_id.in_(list(source_ids)))
         with self._engine.connect() as conn:
-            rows = conn.execute(query).all()
-        return [
-            SourceFailuresRecord(
-                row.checkpoint,
-                row.source_id,
-                int(row.attempts),
-                [
-                    FailedAttemptRecord(
-                        str(a["reason"]), float(a["at"]), str(a["writer_id"]), str(a.get("attempt_id", ""))
-                    )
-                    for a in row.recent
-                ],
-            )
-            for row in rows
-        ]
+            return [_failures_record(row) for row in conn.execute(query)]
+
+    @_transient_as_unavailable
+    def failures_after(
+        self, checkpoint: str, after: str, limit: int, min_attempts: int = 0
+    ) -> list[SourceFailuresRecord]:
+        """A page of ``list_failures``: up to ``limit`` sources after ``after`` in code point order.
+
+        Only sources with ``min_attempts`` failed attempts or more.
+        """
+        c = failures_table.c
+        source_id = self._code_points(c.source_id)
+        query = (
+            sa.select(failures_table)
+            .where(c.checkpoint == checkpoint, source_id > after, c.attempts >= min_attempts)
+            .order_by(source_id)
+            .limit(limit)
+        )
+        with self._engine.connect() as conn:
+            return [_failures_record(row) for row in conn.execute(query)]
 
     @_transient_as_unavailable
     def clear_failures(self, checkpoint: str, source_ids: Sequence[str] | None = None) -> None:
@@ -396,6 +401,14 @@ class SqlRegistry:
         """Every checkpoint's failure budget that is set."""
         with self._engine.connect() as conn:
             return {row.checkpoint: int(row.max_attempts) for row in conn.execute(sa.select(budgets_table))}
+
+    @_transient_as_unavailable
+    def budget_of(self, checkpoint: str) -> int:
+        """A checkpoint's failure budget (0: none set, unlimited)."""
+        c = budgets_table.c
+        with self._engine.connect() as conn:
+            found = conn.execute(sa.select(c.max_attempts).where(c.checkpoint == checkpoint)).scalar()
+        return int(found or 0)
 
     # ---------------------------------------------------------------- claims
 
@@ -490,6 +503,28 @@ class SqlRegistry:
             counts = {row.checkpoint: int(row.declared) for row in conn.execute(query)}
         return declared, counts
 
+    @_transient_as_unavailable
+    def declared_after(self, checkpoint: str, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` declared sources of a checkpoint after ``after``, in code point order."""
+        c = declared_table.c
+        source_id = self._code_points(c.source_id)
+        query = (
+            sa.select(c.source_id)
+            .where(c.checkpoint == checkpoint, source_id > after)
+            .order_by(source_id)
+            .limit(limit)
+        )
+        with self._engine.connect() as conn:
+            return list(conn.execute(query).scalars())
+
+    def _code_points(self, column: sa.ColumnElement[str]) -> sa.ColumnElement[str]:
+        """``column`` compared and sorted by code point, as Python sorts ``str`` (the owner's order).
+
+        SQLite's default collation is that already (UTF-8 bytes); PostgreSQL's follows the
+        database's locale unless told "C" (UTF-8 bytes again).
+        """
+        return column.collate("C") if self._engine.dialect.name == "postgresql" else column
+
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
@@ -552,3 +587,17 @@ def _create_engine(url: sa.URL) -> Engine:
             cursor.close()
 
     return engine
+
+
+def _failures_record(row: Any) -> SourceFailuresRecord:
+    return SourceFailuresRecord(
+        row.checkpoint,
+        row.source_id,
+        int(row.attempts),
+        [
+            FailedAttemptRecord(
+                str(a["reason"]), float(a["at"]), str(a["writer_id"]), str(a.get("attempt_id", ""))
+            )
+            for a in row.recent
+        ],
+    )
