@@ -243,8 +243,10 @@ class FileReads:
             except READ_ERRORS as exc:
                 return exc
 
-        # One thread: two gain about 10 % at 10 M ids on two cores (numpy lets go of the GIL while
-        # hashing) but leave about 17 MB more resident (the second thread's malloc arena; measured).
+        # One thread: two gained about 10 % at 10 M ids on two quiet cores (numpy lets go of the GIL
+        # while hashing) but leave a second malloc arena resident: 5-11 MB more at 10 M ids, and no
+        # faster at loads of 3.5-6 (2026-12-05; with MALLOC_MMAP_THRESHOLD_ at 1 MiB, 0.6 MB more
+        # but 25 % more CPU). Measured, see bench/README.md ("Loading ids").
         return [read(path) for path in paths]
 
     def merged_keys_after(self, paths: Sequence[Path], after: bytes, limit: int) -> tuple[list[bytes], bool]:
