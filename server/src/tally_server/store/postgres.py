@@ -117,18 +117,23 @@ def application_name() -> str:
     return f"tally serve pid {os.getpid()} on {socket.gethostname()}"[:63]
 
 
-def create_engine(url: sa.URL, *, pooled: bool = True, pre_ping: bool = True) -> Engine:
+def create_engine(
+    url: sa.URL, *, pooled: bool = True, pre_ping: bool = True, autocommit: bool = False
+) -> Engine:
     """An engine on the store's database whose sessions commit synchronously (durable on return).
 
     ``pre_ping``: check each pooled connection with a round trip before lending it, as a database
     restart may have cut it; without, the first statement on such a connection fails with
     ``connection_invalidated`` set (see :func:`stale_connection`) and the caller tries again.
+    ``autocommit``: every statement its own transaction (for reads of one statement: no ``BEGIN``
+    and ``ROLLBACK`` round trips around it).
     """
     engine = sa.create_engine(
         url,
         pool_pre_ping=pre_ping,  # a pooled connection may have been cut by a database restart
         poolclass=None if pooled else NullPool,
         connect_args={"connect_timeout": _CONNECT_TIMEOUT_S, "application_name": application_name()},
+        **({"isolation_level": "AUTOCOMMIT"} if autocommit else {}),
     )
 
     @sa.event.listens_for(engine, "connect")
