@@ -6,13 +6,22 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 import pytest
 
 import tally
 from tally import Client
 from tally.errors import StatusCode
-from tests.unit.client.tally_fakes import FakeTransport, deltas, make_client, no_tally_threads, wait_state
+from tests.polling import wait_until
+from tests.unit.client.tally_fakes import (
+    WAIT_S,
+    FakeTransport,
+    deltas,
+    make_client,
+    no_tally_threads,
+    wait_state,
+)
 
 
 def test_deltas_arrive_in_order_in_batches_of_at_most_max_batch(client: Client, fake: FakeTransport) -> None:
@@ -103,6 +112,45 @@ def test_flush_sends_no_call_when_the_last_answer_said_settled(client: Client, f
         w.apply_deltas(deltas(2))
         w.flush()
         assert fake.count("flush") == 1
+
+
+def test_small_apply_and_flush_wake_no_background_thread_needlessly(
+    fake: FakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each wake-up of a background thread is a thread switch, as long as the small call itself.
+    fake.settled = True
+    client = make_client(fake, flush_interval_s=30.0)
+    woken = {"sender": 0, "heartbeat": 0}
+    with client.writer("cp") as w:
+        for name, condition in (("sender", w._sending), ("heartbeat", w._beating)):
+            notify_all = condition.notify_all
+
+            def counted(name: str = name, notify_all: Callable[[], None] = notify_all) -> None:
+                woken[name] += 1
+                notify_all()
+
+            monkeypatch.setattr(condition, "notify_all", counted)
+        # The sender lingers (up to the flush interval) before it sends a delta, and after
+        # deltas came it looks again within a flush interval before it waits to be woken: all
+        # that time it looks at the buffer in time on its own.
+        w.apply_deltas([("first", "s", 1)])
+        wait_until(lambda: w._core.sender_looks_soon, timeout=WAIT_S, what="the sender lingers")
+        assert woken["sender"] <= 1 and woken["heartbeat"] == 0
+        before = dict(woken)
+        w.flush()
+        rounds = 50
+        for i in range(rounds):
+            w.apply_deltas([(f"t{i}", f"s{i}", 1)])
+            w.flush()
+        assert fake.count("apply_deltas") == rounds + 1 and fake.count("flush") == 0
+        # Each flush sent its batch itself, and its answer concerns no background thread: the
+        # sender is not woken while it lingers, nor by an answer that leaves it nothing to send;
+        # the heartbeat only to stop.
+        assert woken == before
+    client.close()
+    assert woken["heartbeat"] == 1  # close stopped it
+    assert fake.applied == [("first", "s", 1), *((f"t{i}", f"s{i}", 1) for i in range(rounds))]
+    assert no_tally_threads()
 
 
 def test_flush_barrier_covers_only_deltas_given_before_it(client: Client, fake: FakeTransport) -> None:

@@ -114,6 +114,10 @@ class WriterCore:
         self._next_seq = 1
         self._accepting = True
         self.stopping = False  # background loops must stop
+        # The sender waits for a time that ends within flush_interval_s (set by a sender that
+        # waits so): it looks at the buffer by then on its own, so a delta put in an empty buffer
+        # need not wake it, as it must when the sender waits for a wake-up only.
+        self.sender_looks_soon = False
         self.stop_error: TallyError | None = None
         self.lease_lost = False
         self.last_error: str | None = None
@@ -182,8 +186,13 @@ class WriterCore:
             self.pending.extend(chunk)
             self.accepted += len(chunk)
             i += len(chunk)
-            # Wake the sender only when it has something new to decide about.
-            wake = wake or was_empty or len(self.pending) >= self.config.max_batch
+            # Wake the sender only when it has something new to decide about, and would not
+            # look in time on its own.
+            wake = (
+                wake
+                or (was_empty and not self.sender_looks_soon)
+                or len(self.pending) >= self.config.max_batch
+            )
         return n, wake
 
     def refuse_call(self, err: InvalidArgument) -> None:

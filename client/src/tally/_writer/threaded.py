@@ -41,9 +41,19 @@ class Writer(WriterBase):
         super().__init__(spec, config, trace=trace)
         self._transport = transport
         self._threads: list[threading.Thread] = []
+        # The background threads wait on conditions of their own (on the same lock), so that a
+        # change only they care about wakes only them, and flush waiters do not wake them: each
+        # wake-up is a thread switch, as long as a small call's own work.
+        self._sending = threading.Condition(self._lock)  # the sender: something to send or stop
+        self._beating = threading.Condition(self._lock)  # the heartbeat: only to stop
         self._lifecycle = threading.Lock()  # serializes open() and close()
         # One SaveCursors at a time: an older value must never land after a newer one.
         self._cursor_send = threading.Lock()
+
+    def _wake(self) -> None:
+        self._sending.notify_all()
+        if self._core.stopping:  # the heartbeat's schedule changes only when it renews or stops
+            self._beating.notify_all()
 
     def __enter__(self) -> Self:
         self.open()
@@ -390,13 +400,28 @@ class Writer(WriterBase):
         self._threads.clear()
 
     def _send_loop(self) -> None:
+        core, interval = self._core, self._config.flush_interval_s
+        idle_at = -1  # deltas accepted when the sender last looked and found nothing to do
         while True:
             with self._lock:
-                step = self._core.next_send()
+                step = core.next_send()
                 if step is None:
                     return
                 if isinstance(step, Wait):
-                    self._changed.wait(step.seconds)
+                    seconds = step.seconds
+                    if seconds is None and core.accepted != idle_at:
+                        # Nothing to do, but deltas came since it last found nothing: look again
+                        # within a flush interval rather than be woken by the next delta. In a run
+                        # of small apply_deltas + flush, where each flush sends its own batch, the
+                        # sender then wakes once per flush interval instead of once per call; once
+                        # deltas stop coming, it waits to be woken.
+                        idle_at, seconds = core.accepted, interval
+                    # While it looks within a flush interval on its own, no delta need wake it.
+                    core.sender_looks_soon = seconds is not None and seconds <= interval
+                    try:
+                        self._sending.wait(seconds)
+                    finally:
+                        core.sender_looks_soon = False
                     continue
                 self._took_batch_locked()
             self._send(step)
@@ -414,7 +439,12 @@ class Writer(WriterBase):
         else:
             with self._lock:
                 self._batch_ok_locked(batch, answer)
-                self._notify_locked()
+                self._changed.notify_all()
+                core = self._core
+                # A flush that sent the batch itself leaves the sender nothing to do when nothing
+                # else is buffered: it would only wake to wait again.
+                if core.pending or core.inflight is not None or core.stopping:
+                    self._wake()
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -423,7 +453,7 @@ class Writer(WriterBase):
                 if wait is None:
                     return
                 if wait > 0:
-                    self._changed.wait(wait)
+                    self._beating.wait(wait)
                     continue
                 handle, timeout = self._core.handle, self._core.lease.timeout()
             assert handle is not None

@@ -296,6 +296,10 @@ def _plain_columns(
     return CheckedDeltas(task_ids, source_ids, values, (tasks, sources))
 
 
+# Up to this many ids, min() and max() over the lengths cost less than a numpy view's set-up.
+_SMALL_COLUMN = 32
+
+
 def _ascii_column(ids: list[str], limits: Limits) -> AsciiColumn | None:
     """``ids`` joined with their lengths, if every one is non-empty ASCII within the size limit; else None.
 
@@ -308,10 +312,12 @@ def _ascii_column(ids: list[str], limits: Limits) -> AsciiColumn | None:
     if not text.isascii():
         return None
     lengths = array("I", map(len, ids))  # ASCII: characters are bytes
-    if ids:
+    if len(ids) > _SMALL_COLUMN:
         sizes = np.frombuffer(lengths, dtype=np.uint32)
         if sizes.min() == 0 or sizes.max() > limits.max_id_bytes:
             return None
+    elif ids and (min(lengths) == 0 or max(lengths) > limits.max_id_bytes):
+        return None
     return AsciiColumn(text, lengths)
 
 
