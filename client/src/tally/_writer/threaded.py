@@ -82,7 +82,9 @@ class Writer(WriterBase):
             with self._lock:
                 self._opened_locked(opened)
                 self._notify_locked()
-            for name, loop in (("sender", self._send_loop), ("heartbeat", self._heartbeat_loop)):
+            # One sender thread per batch allowed on the wire at once.
+            senders = [(f"sender{i or ''}", self._send_loop) for i in range(self._core.in_flight_limit())]
+            for name, loop in (*senders, ("heartbeat", self._heartbeat_loop)):
                 thread = threading.Thread(
                     target=self._guarded,
                     args=(name, loop),
