@@ -47,6 +47,7 @@ class _WriterLog:
     finished: bool = False  # reached the end of its stream and closed cleanly
     ended_by: str = ""
     rounds: int = 0  # rounds acknowledged
+    opened: bool = False  # the coordinator answered its open
     in_flight_at_kill: bool = False
 
 
@@ -75,6 +76,7 @@ def _run_writer(log: _WriterLog, plan: list[tuple[str, int]]) -> None:
         carry: list[tuple[str, int]] = []  # sources whose tails go out this round
         try:
             writer.open()
+            log.opened = True
             for start in range(0, len(plan) + ROUND, ROUND):
                 heads = plan[start : start + ROUND]
                 # Heads of this round's sources interleaved with tails of the last round's.
@@ -107,6 +109,9 @@ def run_trial(
 ) -> TrialResult:
     """One kill -9 trial in ``base`` (a fresh directory), at least ``min_rounds`` acknowledged rounds in.
 
+    With ``min_rounds``, every writer has opened too before the stop (fast writers can ack that
+    many rounds while a slow one is still opening, whose first contact the stop would then refuse).
+
     ``stop="term"``: the coordinator is stopped gracefully (SIGTERM, as for an upgrade) instead.
     """
     data = base / "data"
@@ -127,7 +132,14 @@ def run_trial(
         # rounds (0 included), then a random fraction of a round later.
         target = rng.randint(min_rounds, max(min_rounds, WRITERS * (SOURCES_PER_WRITER // ROUND) // 2))
         started = time.monotonic()
-        wait_for(lambda: sum(log.rounds for log in logs) >= target, 120, interval=0.01)
+        wait_for(
+            lambda: (
+                sum(log.rounds for log in logs) >= target
+                and (not min_rounds or all(log.opened for log in logs))
+            ),
+            120,
+            interval=0.01,
+        )
         time.sleep(rng.uniform(0, 0.3))  # the random moment itself, not a synchronisation
         kill_after = time.monotonic() - started
         for log in logs:

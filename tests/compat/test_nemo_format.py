@@ -108,3 +108,39 @@ def test_tally_writes_into_a_nemo_curator_folder_that_nemo_curator_resumes(data_
     nemo.persist_completed(["s5"])
     nemo.close()
     assert nemo_read(base) == {"s2", "s3", "s5"}
+
+
+def test_applying_changes_writes_the_bytes_of_one_put_or_delete_per_key(tmp_path: Path) -> None:
+    """``apply_changes`` writes runs of puts in one call: the file is byte for byte the one that one
+    ``txn.put`` / ``txn.delete`` per key, in the same order (NeMo Curator's way), writes."""
+    from tally.integrations import nemo_format
+
+    keys = [f"{(i * 0x9E3779B97F4B) & ((1 << 48) - 1):012x}".encode() for i in range(6000)]
+    groups: list[dict[bytes, bool]] = [
+        dict.fromkeys(keys[:2500], True),
+        dict.fromkeys(keys[2500:5000], True),
+        # puts and deletes interleaved, some of them of keys absent or present already
+        {k: i % 3 != 0 for i, k in enumerate(keys[1000:1300] + keys[5000:5400])},
+        dict.fromkeys(keys[5400:], True) | dict.fromkeys(keys[:700:7], False),
+    ]
+    paths = [tmp_path / "by_call.mdb", tmp_path / "by_key.mdb"]
+    for path in paths:
+        nemo_format.create_file(path)
+    env = nemo_format.open_env(paths[0], write=True)
+    db = nemo_format.open_completed_db(env)
+    for changes in groups:
+        nemo_format.apply_changes(env, db, changes)
+    env.close()
+    env = nemo_format.open_env(paths[1], write=True)
+    db = nemo_format.open_completed_db(env)
+    for changes in groups:
+        with env.begin(write=True) as txn:
+            for key, present in changes.items():
+                if present:
+                    txn.put(key, b"1", db=db, overwrite=True)
+                else:
+                    txn.delete(key, db=db)
+        env.sync(True)
+    env.close()
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert len(raw_entries(paths[0])[1]) > 5000

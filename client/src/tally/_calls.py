@@ -125,6 +125,9 @@ class ApplyDeltas(Call[BatchAnswer]):
     batch_seq: int
     # Send the batch as columns (the coordinator said it reads them).
     columns: bool = False
+    # The batch follows batch ``batch_seq - 1``, which may still be on the wire (the coordinator
+    # said it allows several batches in flight): it applies them in order.
+    ordered: bool = False
 
     @property
     def what(self) -> str:

@@ -57,6 +57,9 @@ class ClientConfig:
             writer sends what has accumulated while its previous batch was out, up to this many:
             fewer, larger calls cost the coordinator less CPU per delta.
         max_buffered: Deltas a writer buffers before ``apply_deltas`` blocks for room.
+        max_batches_in_flight: Most batches a writer has on the wire at once, when the
+            coordinator allows as many (over gRPC; one at a time otherwise): the next batch
+            travels while the coordinator applies the one before it, which still applies first.
         flush_interval_s: Longest time a buffered delta waits before it is sent. Must stay well
             below the server's settle window (250 ms by default).
         retry_initial_s: First backoff delay after a retryable failure.
@@ -76,6 +79,7 @@ class ClientConfig:
     timeout: float = DEFAULT_TIMEOUT
     max_batch: int = 10_000
     max_buffered: int = 100_000
+    max_batches_in_flight: int = 2
     flush_interval_s: float = 0.05
     retry_initial_s: float = 0.05
     retry_max_s: float = 5.0
@@ -95,6 +99,8 @@ class ClientConfig:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.max_buffered < 1:
             raise ValueError(f"max_buffered must be at least 1, got {self.max_buffered}")
+        if self.max_batches_in_flight < 1:
+            raise ValueError(f"max_batches_in_flight must be at least 1, got {self.max_batches_in_flight}")
         if self.flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be positive, got {self.flush_interval_s}")
         if self.retry_initial_s < 0 or self.retry_max_s < self.retry_initial_s:

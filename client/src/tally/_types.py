@@ -499,6 +499,8 @@ class OpenedWriter:
     settle_ms: int
     # The coordinator reads a batch sent as columns (gRPC and HTTP); an older one does not.
     delta_columns: bool = False
+    # Batches the coordinator lets this writer have on the wire at once (sent as ``ordered``).
+    max_batches_in_flight: int = 1
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,14 @@ CONFIG = ClientConfig(
 )
 
 
-def open_core(clock: Clock, ttl: float = 30.0, **overrides: object) -> WriterCore:
+def open_core(clock: Clock, ttl: float = 30.0, allowed: int = 1, **overrides: object) -> WriterCore:
+    """An open core; ``allowed``: the batches the coordinator lets it have on the wire at once."""
     config = ClientConfig(**{**CONFIG.__dict__, **overrides})  # type: ignore[arg-type]
     core = WriterCore(
         "w1", "cp", config, clock, RetryPolicy(config.retry_initial_s, config.retry_max_s, jitter=0)
     )
     assert core.begin_open()
-    core.open_done(OpenedWriter("h1", "w1", ttl, 0, 250))
+    core.open_done(OpenedWriter("h1", "w1", ttl, 0, 250, max_batches_in_flight=allowed))
     return core
 
 
@@ -140,6 +141,84 @@ def test_a_flush_needs_no_call_only_when_the_latest_answer_covers_its_barrier() 
     # Deltas accepted after that answer are not covered until their own answer says so.
     core.accept(deltas(1), 0, may_wait=True)
     assert not core.settled_through(core.begin_flush())
+
+
+def test_one_batch_at_a_time_unless_the_coordinator_allows_more() -> None:
+    for allowed, config_allows, expected in [(1, 2, 1), (2, 2, 2), (4, 2, 2), (2, 1, 1)]:
+        core = open_core(Clock(), allowed=allowed, max_batches_in_flight=config_allows, max_buffered=50)
+        core.accept(deltas(50), 0, may_wait=True)
+        out = [take(core) for _ in range(expected)]
+        assert core.next_send() == Wait(None)  # the rest wait for an answer
+        assert [b.seq for b in out] == list(range(1, expected + 1))
+        assert all(b.ordered == (expected > 1) for b in out)  # ordered only when several may travel
+        assert core.apply_call("h1", out[0]).ordered == (expected > 1)
+
+
+def test_batches_in_flight_are_done_in_their_order_whatever_order_their_answers_come_in() -> None:
+    core = open_core(Clock(), allowed=2)
+    core.accept(deltas(25), 0, may_wait=True)
+    target = core.begin_flush()
+    first, second = take(core), take(core)
+    core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10), settled=True))
+    assert core.done == 0 and core.health().buffered == 15  # not done until the first one is
+    assert core.health().batches_sent == 1
+    third = take(core)  # one slot is free again
+    assert third.seq == 3 and len(third.deltas) == 5
+    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10), settled=False))
+    # Both done now; the later answer (the second's) says whether the writer was settled.
+    assert core.done == 20 and core.settled_through(20)
+    core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5), settled=True))
+    assert core.barrier_reached(target) and core.settled_through(target)
+    assert core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5))) is False  # answered already
+
+
+def test_a_failed_batch_goes_again_alone_once_the_batches_after_it_are_answered() -> None:
+    clock = Clock()
+    core = open_core(clock, allowed=2)
+    core.accept(deltas(25), 0, may_wait=True)
+    first, second = take(core), take(core)
+    core.batch_failed(first, tally.Unavailable("connection reset"))
+    assert core.next_send() == Wait(None)  # the second is still out: nothing may pass it
+    core.batch_failed(second, tally.Unavailable("connection reset"))
+    assert core.next_send() == Wait(pytest.approx(0.1))  # the first's own backoff
+    clock.now += 0.1
+    assert take(core) is first
+    assert core.next_send() == Wait(None)  # alone: the second waits for the first's answer
+    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10)))
+    assert core.done == 10
+    clock.now += 0.2
+    assert take(core) is second and second.seq == 2
+    third = take(core)  # no failed batch left: two at a time again
+    assert third.seq == 3 and core.next_send() == Wait(None)
+    core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10)))
+    assert core.done == 20 and core.retries == 2
+
+
+def test_a_batch_answered_after_one_before_it_failed_waits_for_that_ones_resend() -> None:
+    clock = Clock()
+    core = open_core(clock, allowed=2)
+    core.accept(deltas(20), 0, may_wait=True)
+    target = core.begin_flush()
+    first, second = take(core), take(core)
+    core.batch_failed(first, tally.Unavailable("answer lost"))
+    # The coordinator applied the second, so it applied the first too; its answer was lost.
+    core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10)))
+    assert core.done == 0 and core.health().buffered == 10
+    clock.now += 0.1
+    assert take(core) is first  # answered again by the coordinator, not applied twice
+    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10)))
+    assert core.barrier_reached(target) and core.done == 20
+
+
+def test_a_refused_batch_with_another_in_flight_stops_the_writer_and_drops_the_rest() -> None:
+    core = open_core(Clock(), allowed=2)
+    core.accept(deltas(25), 0, may_wait=True)
+    first, second = take(core), take(core)
+    core.batch_failed(first, tally.InvalidArgument("bad batch"))
+    assert core.done == 25 and core.dropped == 25 and core.health().buffered == 0
+    assert core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10))) is False  # discarded
+    with pytest.raises(tally.InvalidArgument):
+        core.raise_if_stopped()
 
 
 def test_not_found_on_a_batch_loses_the_lease_and_stops_everything() -> None:

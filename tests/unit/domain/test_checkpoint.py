@@ -27,6 +27,19 @@ def test_a_view_does_not_see_later_additions_but_the_live_set_does() -> None:
     assert completed.as_of_now()("b")
 
 
+@pytest.mark.parametrize("first", [[], ["a"]])
+def test_a_view_of_a_set_then_empty_sees_nothing_added_later(first: list[str]) -> None:
+    completed = CompletedSet(first)
+    completed.discard("a")  # empty now, whether it never held anything or held "a"
+    view = completed.as_of_now()
+    completed.add(["a", "b"], "w1")
+    completed.add(["c"])
+    assert len(completed) == 3
+    assert not any(view(sid) for sid in "abcd")
+    assert view.many(["a", "b", "c", "d"]) == [False] * 4  # type: ignore[attr-defined]
+    assert completed.as_of_now().many(["a", "b", "c", "d"]) == [True, True, True, False]  # type: ignore[attr-defined]
+
+
 def test_a_view_sees_discards_at_once() -> None:
     completed = CompletedSet(["a"])
     view = completed.as_of_now()

@@ -97,7 +97,7 @@ def apply_deltas_request(call: calls.ApplyDeltas) -> pb.ApplyDeltasRequest:
     if call.columns and call.deltas:
         # Three parallel columns: no message object per delta, on either side. Filled in place:
         # a DeltaColumns built apart would be copied whole into the request.
-        request = pb.ApplyDeltasRequest(handle=call.handle, batch_seq=call.batch_seq)
+        request = pb.ApplyDeltasRequest(handle=call.handle, batch_seq=call.batch_seq, ordered=call.ordered)
         columns = request.columns
         columns.task_ids.extend(map(_TASK_ID, call.deltas))
         columns.source_ids.extend(map(_SOURCE_ID, call.deltas))
@@ -107,6 +107,7 @@ def apply_deltas_request(call: calls.ApplyDeltas) -> pb.ApplyDeltasRequest:
         handle=call.handle,
         deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in call.deltas],
         batch_seq=call.batch_seq,
+        ordered=call.ordered,
     )
 
 
@@ -121,6 +122,7 @@ def opened_from_pb(msg: pb.OpenWriterResponse) -> OpenedWriter:
         completed_count=msg.completed_count,
         settle_ms=msg.settle_ms,
         delta_columns=msg.accepts_delta_columns,
+        max_batches_in_flight=max(1, msg.max_batches_in_flight),
     )
 
 

@@ -143,8 +143,12 @@ class AsyncWriter(WriterBase):
             with self._lock:
                 self._opened_locked(opened)
                 self._notify_locked()
+            # One sender task per batch allowed on the wire at once.
             self._tasks = [
-                asyncio.create_task(self._send_loop(), name=f"tally-sender-{self.writer_id}"),
+                *(
+                    asyncio.create_task(self._send_loop(), name=f"tally-sender{i or ''}-{self.writer_id}")
+                    for i in range(self._core.in_flight_limit())
+                ),
                 asyncio.create_task(self._heartbeat_loop(), name=f"tally-heartbeat-{self.writer_id}"),
             ]
             for task in self._tasks:

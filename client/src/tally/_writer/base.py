@@ -233,8 +233,7 @@ class WriterBase:
         )
 
     def _batch_ok_locked(self, batch: Batch, answer: calls.BatchAnswer) -> None:
-        current = self._core.inflight is batch
-        self._core.batch_ok(batch, answer)
+        current = self._core.batch_ok(batch, answer)
         if current and self._trace is not None:
             # What the coordinator reported for the batch: it applies batches, not calls, and
             # names no sources, so this (not a per-call newly_completed) is its side of the trace.

@@ -6,8 +6,11 @@ ask: what to send next and when, what a failure means, whether a barrier is reac
 heartbeat is due. The drivers (``threaded.Writer``, ``aio.AsyncWriter``) own the lock, the waiting
 and the transport; they call the core under their lock and wake their waiters afterwards.
 
-Ordering: one batch is in flight at a time and a failed batch is resent unchanged, under its first
-``batch_seq``, before any later delta, so the coordinator sees deltas in exactly the order
+Ordering: batches are numbered in the order ``apply_deltas`` accepted their deltas. One is on the
+wire at a time, or up to ``max_batches_in_flight`` when the coordinator allows it: each is then
+sent as ``ordered``, and the coordinator applies it only after the one numbered before it, in
+whatever order they arrive. A failed batch is resent unchanged, under its first ``batch_seq``,
+alone and before any later batch, so the coordinator sees deltas in exactly the order
 ``apply_deltas`` accepted them. Any prefix of that stream is a state the coordinator could have
 seen anyway, which is why it is always safe to stop sending at a batch boundary but never safe to
 skip a batch and go on: a lost ``+1`` can make a count reach zero early, a false completion.
@@ -57,12 +60,17 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
     """Deltas sent in one ApplyDeltas call; ``seq`` stays the same however often it is resent."""
 
     seq: int
     deltas: list[Delta]
+    # Sent as ordered: it may be on the wire together with the batch before it.
+    ordered: bool = False
+    sending: bool = False  # out on the wire: its answer will wake the sender
+    resend_at: float | None = None  # failed: resend it (alone, once those before it are answered)
+    answer: calls.BatchAnswer | None = None  # answered while one before it was not yet
 
 
 @dataclass(frozen=True)
@@ -100,8 +108,9 @@ class WriterCore:
         self.opened: OpenedWriter | None = None
         self.lease = Lease(lambda: self.writer_id, config.timeout, clock, self.policy)
         self.pending: deque[Delta] = deque()
-        self.inflight: Batch | None = None
-        self._resend_at: float | None = None  # set while the batch in flight waits for its resend
+        # Batches taken from ``pending`` and not yet answered in order, lowest ``seq`` first (one
+        # answered while one before it was not stays here until that one is answered).
+        self.window: deque[Batch] = deque()
         self._oldest_at: float | None = None  # when the oldest pending delta was accepted
         self.accepted = 0  # deltas accepted so far
         self._taken = 0  # deltas moved into batches
@@ -143,7 +152,12 @@ class WriterCore:
         return self.opened.handle if self.opened else None
 
     def buffered(self) -> int:
-        return len(self.pending) + (len(self.inflight.deltas) if self.inflight else 0)
+        return len(self.pending) + sum(len(b.deltas) for b in self.window if b.answer is None)
+
+    def in_flight_limit(self) -> int:
+        """How many batches may be on the wire at once: the config's, within the coordinator's."""
+        allowed = self.opened.max_batches_in_flight if self.opened is not None else 1
+        return max(1, min(self.config.max_batches_in_flight, allowed))
 
     def health(self) -> WriterHealth:
         return WriterHealth(
@@ -224,11 +238,11 @@ class WriterCore:
         self._accepting = False
         if discard:
             lost = self.buffered()
+            # Batches answered while one before them was not are applied: not dropped, but done.
+            self.done += lost + sum(len(b.deltas) for b in self.window if b.answer is not None)
             self.pending.clear()
-            self.inflight = None
-            self._resend_at = None
+            self.window.clear()
             self._oldest_at = None
-            self.done += lost
             self.dropped += lost
         # Everything after this is an exit: background loops stop at their next question.
 
@@ -239,15 +253,23 @@ class WriterCore:
         if self.stopping:
             return None
         now = self.clock()
-        if self.inflight is not None:
-            if self._resend_at is None:
-                return Wait(None)  # out on the wire: its answer will wake us
-            if now < self._resend_at:
-                return Wait(self._resend_at - now)
-            self._resend_at = None
-            return self.inflight  # the same batch, the same seq
-        if not self.pending:
-            return Wait(None)
+        window = self.window
+        on_wire = sum(1 for b in window if b.sending)
+        if any(b.resend_at is not None for b in window):
+            # A failed batch goes again alone, once every batch out has its answer: then the first
+            # one not answered is a failed one, and nothing sent after it can pass it.
+            if on_wire:
+                return Wait(None)
+            first = next(b for b in window if b.answer is None)
+            assert first.resend_at is not None
+            if now < first.resend_at:
+                return Wait(first.resend_at - now)
+            first.resend_at = None
+            first.sending = True
+            return first  # the same batch, the same seq
+        limit = self.in_flight_limit()
+        if on_wire >= limit or not self.pending:
+            return Wait(None)  # an answer will wake us
         oldest = self._oldest_at if self._oldest_at is not None else now
         ready = (
             len(self.pending) >= self.config.max_batch
@@ -257,22 +279,34 @@ class WriterCore:
         if not ready:
             return Wait(oldest + self.config.flush_interval_s - now)
         count = min(self.config.max_batch, len(self.pending))
-        batch = Batch(self._next_seq, [self.pending.popleft() for _ in range(count)])
+        batch = Batch(self._next_seq, [self.pending.popleft() for _ in range(count)], ordered=limit > 1)
+        batch.sending = True
         self._next_seq += 1
         self._taken += count
-        self.inflight = batch
+        window.append(batch)
         if not self.pending:
             self._oldest_at = None
         # Leftovers keep the old timestamp: they are at least that old, so they go out next.
         return batch
 
-    def batch_ok(self, batch: Batch, answer: calls.BatchAnswer) -> None:
-        if self.inflight is not batch:  # discarded meanwhile (lease lost)
-            return
-        self.inflight = None
-        self.done += len(batch.deltas)
-        self._settled_done = self.done if answer.settled else -1
+    def _current(self, batch: Batch) -> bool:
+        """Whether ``batch`` is still waiting for its answer (not discarded meanwhile)."""
+        return batch.answer is None and any(b is batch for b in self.window)
+
+    def batch_ok(self, batch: Batch, answer: calls.BatchAnswer) -> bool:
+        """Its answer came; returns False if the batch was discarded meanwhile (lease lost)."""
+        if not self._current(batch):
+            return False
+        batch.sending = False
+        batch.answer = answer
         self.batches_sent += 1
+        window = self.window
+        # Batches apply in order: an answered batch is done once every one before it is, and the
+        # latest of those says whether the writer was settled when it applied.
+        while window and window[0].answer is not None:
+            done = window.popleft()
+            self.done += len(done.deltas)
+            self._settled_done = self.done if done.answer is not None and done.answer.settled else -1
         if answer.refused:
             self.refused += answer.refused
             logger.warning(
@@ -291,16 +325,19 @@ class WriterCore:
                 _words.count(self._send_failures, "retry", "retries"),
             )
             self._send_failures = 0
+        return True
 
     def batch_interrupted(self, batch: Batch) -> None:
         """The thread sending ``batch`` was interrupted before its answer: send it again now."""
-        if self.inflight is batch:
-            self._resend_at = self.clock()
+        if self._current(batch):
+            batch.sending = False
+            batch.resend_at = self.clock()
 
     def batch_failed(self, batch: Batch, err: TallyError) -> None:
         """A failed batch: resent after a backoff (Unavailable), a lost lease, or a stop."""
-        if self.inflight is not batch:
+        if not self._current(batch):
             return
+        batch.sending = False
         self.last_error = describe(err)
         if isinstance(err, Unavailable):
             if self.stopping:
@@ -308,7 +345,7 @@ class WriterCore:
             self.retries += 1
             self._send_failures += 1
             delay = self.policy.delay(self._send_failures)
-            self._resend_at = self.clock() + delay
+            batch.resend_at = self.clock() + delay
             log_retry(self.writer_id, batch.seq, len(batch.deltas), self._send_failures, delay, err)
             return
         if isinstance(err, NotFound):
@@ -420,7 +457,7 @@ class WriterCore:
     def apply_call(self, handle: str, batch: Batch) -> calls.ApplyDeltas:
         """The call that sends ``batch``: as columns when the coordinator said it reads them."""
         columns = self.opened is not None and self.opened.delta_columns
-        return calls.ApplyDeltas(handle, batch.deltas, batch.seq, columns=columns)
+        return calls.ApplyDeltas(handle, batch.deltas, batch.seq, columns=columns, ordered=batch.ordered)
 
     def require_handle(self, operation: str) -> str:
         if self.phase is Phase.NEW or self.opened is None:

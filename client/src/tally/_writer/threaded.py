@@ -92,7 +92,9 @@ class Writer(WriterBase):
             with self._lock:
                 self._opened_locked(opened)
                 self._notify_locked()
-            for name, loop in (("sender", self._send_loop), ("heartbeat", self._heartbeat_loop)):
+            # One sender thread per batch allowed on the wire at once.
+            senders = [(f"sender{i or ''}", self._send_loop) for i in range(self._core.in_flight_limit())]
+            for name, loop in (*senders, ("heartbeat", self._heartbeat_loop)):
                 thread = threading.Thread(
                     target=self._guarded,
                     args=(name, loop),
@@ -441,9 +443,10 @@ class Writer(WriterBase):
                 self._batch_ok_locked(batch, answer)
                 self._changed.notify_all()
                 core = self._core
-                # A flush that sent the batch itself leaves the sender nothing to do when nothing
-                # else is buffered: it would only wake to wait again.
-                if core.pending or core.inflight is not None or core.stopping:
+                # A flush that sent the batch itself leaves the senders nothing to do when nothing
+                # else is buffered or waits to be resent: they would only wake to wait again. (An
+                # answer frees a place on the wire, or lets a failed batch go again alone.)
+                if core.pending or core.stopping or any(b.resend_at is not None for b in core.window):
                     self._wake()
 
     def _heartbeat_loop(self) -> None:

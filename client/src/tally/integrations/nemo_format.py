@@ -27,6 +27,7 @@ import os
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Mapping
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -282,12 +283,17 @@ def apply_changes(env: Any, db: Any, changes: Mapping[bytes, bool]) -> bool:
         changed = False
         try:
             with env.begin(write=True) as txn:
+                puts: list[bytes] = []  # a run of puts, written in one C loop (the same puts in order)
                 for key, present in changes.items():
                     if present:
-                        txn.put(key, COMPLETED_VALUE, db=db, overwrite=True)
-                        changed = True
-                    else:
-                        changed = txn.delete(key, db=db) or changed
+                        puts.append(key)
+                        continue
+                    if puts:
+                        changed = _put_all(txn, db, puts) or changed
+                        puts = []
+                    changed = txn.delete(key, db=db) or changed
+                if puts:
+                    changed = _put_all(txn, db, puts) or changed
         except lmdb.MapFullError:
             # The aborted transaction left the file untouched; a bigger map keeps it readable
             # by NeMo Curator, whose readers size their map from the file.
@@ -300,6 +306,13 @@ def apply_changes(env: Any, db: Any, changes: Mapping[bytes, bool]) -> bool:
             env.sync(True)
         return changed
     raise lmdb.MapFullError(f"map still full after {MAX_MAP_GROWTHS} doublings")
+
+
+def _put_all(txn: Any, db: Any, keys: list[bytes]) -> bool:
+    """``txn.put(key, COMPLETED_VALUE, db=db)`` for each key in order, in one call (the same tree)."""
+    with txn.cursor(db=db) as cursor:
+        cursor.putmulti(zip(keys, repeat(COMPLETED_VALUE)), overwrite=True)
+    return bool(keys)
 
 
 def temp_name(path: Path, tag: str | None = None) -> Path:

@@ -52,20 +52,22 @@ class OpenWriterRequest(_message.Message):
     def __init__(self, checkpoint: _Optional[str] = ..., writer_id: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., on_mismatch: _Optional[_Union[OnMismatch, str]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class OpenWriterResponse(_message.Message):
-    __slots__ = ("handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms", "accepts_delta_columns")
+    __slots__ = ("handle", "writer_id", "lease_ttl_s", "completed_count", "settle_ms", "accepts_delta_columns", "max_batches_in_flight")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_COUNT_FIELD_NUMBER: _ClassVar[int]
     SETTLE_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DELTA_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     handle: str
     writer_id: str
     lease_ttl_s: float
     completed_count: int
     settle_ms: int
     accepts_delta_columns: bool
-    def __init__(self, handle: _Optional[str] = ..., writer_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., completed_count: _Optional[int] = ..., settle_ms: _Optional[int] = ..., accepts_delta_columns: _Optional[bool] = ...) -> None: ...
+    max_batches_in_flight: int
+    def __init__(self, handle: _Optional[str] = ..., writer_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., completed_count: _Optional[int] = ..., settle_ms: _Optional[int] = ..., accepts_delta_columns: _Optional[bool] = ..., max_batches_in_flight: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("handle",)
@@ -100,16 +102,18 @@ class DeltaColumns(_message.Message):
     def __init__(self, task_ids: _Optional[_Iterable[str]] = ..., source_ids: _Optional[_Iterable[str]] = ..., deltas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ApplyDeltasRequest(_message.Message):
-    __slots__ = ("handle", "deltas", "columns", "batch_seq")
+    __slots__ = ("handle", "deltas", "columns", "batch_seq", "ordered")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ORDERED_FIELD_NUMBER: _ClassVar[int]
     handle: str
     deltas: _containers.RepeatedCompositeFieldContainer[Delta]
     columns: DeltaColumns
     batch_seq: int
-    def __init__(self, handle: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., columns: _Optional[_Union[DeltaColumns, _Mapping]] = ..., batch_seq: _Optional[int] = ...) -> None: ...
+    ordered: bool
+    def __init__(self, handle: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., columns: _Optional[_Union[DeltaColumns, _Mapping]] = ..., batch_seq: _Optional[int] = ..., ordered: _Optional[bool] = ...) -> None: ...
 
 class ApplyCounts(_message.Message):
     __slots__ = ("applied", "skipped", "rewritten", "anomalies", "completed")

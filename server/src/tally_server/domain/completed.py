@@ -334,7 +334,7 @@ class CompletedSet:
     def as_of_now(self) -> Callable[[str], bool]:
         """A view of the set frozen at this moment (later additions are invisible to it)."""
         self._viewed = True
-        view = _View(self, self._seq)
+        view = _View(self, self._seq, empty=not len(self))
         self._views.add(view)
         return view
 
@@ -381,13 +381,18 @@ class MergePlan:
 class _View:
     """``CompletedSet.as_of_now()``: what counted as completed at ``cutoff``."""
 
-    __slots__ = ("__weakref__", "_set", "cutoff")
+    __slots__ = ("__weakref__", "_set", "cutoff", "empty")
 
-    def __init__(self, completed: CompletedSet, cutoff: int) -> None:
+    def __init__(self, completed: CompletedSet, cutoff: int, *, empty: bool = False) -> None:
         self._set = completed
         self.cutoff = cutoff
+        # The set was empty at ``cutoff`` (a writer opened on a fresh checkpoint): whatever is added
+        # later comes after it, so nothing ever counted; no lookup needed.
+        self.empty = empty
 
     def __call__(self, source_id: str) -> bool:
+        if self.empty:
+            return False
         s = self._set
         value = s._overlay.get(source_id)
         if value is not None:
@@ -404,6 +409,8 @@ class _View:
         view), so the set's vectorised membership test decides the rest; the few members are asked
         one by one for their sequence.
         """
+        if self.empty:
+            return [False] * len(source_ids)
         members = self._set.contains_many(source_ids)
         if not any(members):
             return members

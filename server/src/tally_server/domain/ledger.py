@@ -199,7 +199,12 @@ class WriterLedger:
         # does not count for them (is_completed). While a batch applies, the writer's own
         # completions only shrink, and a source leaving them is un-completed for good, so these
         # answers stay right for the whole batch.
-        asked = list(touched.keys() - own_completed - uncompleted)
+        # (Usually the batch touches none of them: then no set is built to find out.)
+        untouched = own_completed.isdisjoint(touched)
+        if untouched and (not uncompleted or uncompleted.isdisjoint(touched)):
+            asked = list(touched)
+        else:
+            asked = list(touched.keys() - own_completed - uncompleted)
         view = self._completed_before_open
         many = getattr(view, "many", None)
         before_open = set(compress(asked, many(asked) if many is not None else map(view, asked)))
@@ -208,7 +213,7 @@ class WriterLedger:
         recheck: dict[str, None]
         if (
             not before_open
-            and own_completed.isdisjoint(touched)
+            and untouched
             and (not settling or settling.keys().isdisjoint(touched))
             and len(fresh) == len(tasks)
             and applied.keys().isdisjoint(fresh)

@@ -105,7 +105,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     [(d.task_id, d.source_id, d.delta) for d in request.deltas], limits
                 ),
             )
-        applied = await self._service.apply_deltas(request.handle, batch, request.batch_seq)
+        applied = await self._service.apply_deltas(
+            request.handle, batch, request.batch_seq, ordered=request.ordered
+        )
         return pb.ApplyDeltasResponse(
             counts=convert.counts(applied.counts), settled=applied.settled, refused=applied.refused
         )

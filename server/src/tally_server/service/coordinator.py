@@ -374,13 +374,16 @@ class CoordinatorService:
         """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
         return await self._writers.keep_alive(handle)
 
-    async def apply_deltas(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> AppliedBatch:
+    async def apply_deltas(
+        self, handle: str, batch: Sequence[Delta], batch_seq: int = 0, *, ordered: bool = False
+    ) -> AppliedBatch:
         """Apply ``(task_id, source_id, delta)`` in order under the counting rules.
 
         A batch resent with the ``batch_seq`` of the last one applied is recognised and answered
-        again. The answer says whether the writer is settled (a flush would return at once).
+        again. ``ordered``: the batch follows batch ``batch_seq - 1`` (see ``Writers.apply``). The
+        answer says whether the writer is settled (a flush would return at once).
         """
-        counts, refused = await self._writers.apply(handle, batch, batch_seq)
+        counts, refused = await self._writers.apply(handle, batch, batch_seq, ordered=ordered)
         return AppliedBatch(counts, self._writers.settled(handle), refused)
 
     async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:

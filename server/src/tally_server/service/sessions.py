@@ -41,6 +41,9 @@ class Session(WriterSession):
     applied_seq: int = 0
     last_counts: ApplyCounts = field(default_factory=ApplyCounts)
     last_refused: int = 0
+    # The answers of the latest batches applied, by batch_seq: an ordered batch sent again after a
+    # later one was applied gets its own answer again (memory only; a restart forgets them).
+    answers: dict[int, tuple[ApplyCounts, int]] = field(default_factory=dict)
     # Sources this writer holds a claim on (their Claim is in the checkpoint's ``claims``).
     claimed: set[str] = field(default_factory=set)
 

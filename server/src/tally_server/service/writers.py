@@ -7,6 +7,7 @@ closes writers that went quiet (opening one is in ``opening``, the commit path i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -35,6 +36,12 @@ from tally_server.service.views import ClosedWriter, SavedCursors
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
+# Batches of one writer that may be on the wire at once, each sent as ``ordered`` (told to gRPC
+# clients at open): the next batch travels and is read while the one before it is applied.
+MAX_BATCHES_IN_FLIGHT = 2
+# How long an ordered batch waits for the one before it to be applied; then it is refused as
+# UNAVAILABLE and sent again (the one before it was lost on the way, or is being resent).
+PREVIOUS_BATCH_WAIT_S = 1.0
 
 
 class Writers:
@@ -88,7 +95,9 @@ class Writers:
         self.renew(self.session(handle))
         return self._core.lease_ttl_s
 
-    async def apply(self, handle: str, batch: Sequence[Delta], batch_seq: int = 0) -> tuple[ApplyCounts, int]:
+    async def apply(
+        self, handle: str, batch: Sequence[Delta], batch_seq: int = 0, *, ordered: bool = False
+    ) -> tuple[ApplyCounts, int]:
         """Apply a batch under the rules: its counts, and how many of its deltas were refused.
 
         Answered once it is in the journal (and, at settle 0, once what it completed is in the
@@ -98,6 +107,12 @@ class Writers:
         the answer) is recognised and not applied twice; it gets the same answer. A numbered batch
         below that is refused (FAILED_PRECONDITION): it was resent out of turn or overtaken.
 
+        ``ordered`` (with ``batch_seq``): the batch follows batch ``batch_seq - 1``, which may still be
+        on its way (a client with several batches in flight). It waits for that one to be applied
+        (UNAVAILABLE after ``PREVIOUS_BATCH_WAIT_S``), so batches apply in their order whatever
+        order they arrive in; and a number below the last one applied then names a batch applied
+        already, answered again instead of refused.
+
         Deltas for a source another live writer holds a claim on are left out (neither applied nor
         journaled) and counted as refused.
         """
@@ -106,10 +121,19 @@ class Writers:
         # Transports check big batches off the event loop already; then this returns at once.
         batch = validation.deltas(batch, core.limits)
         validation.batch_seq(batch_seq)
+        ordered = ordered and batch_seq > 0
         session = self.session(handle)
+        if ordered and session.applied_seq < batch_seq - 1:
+            await self._wait_for_previous(session, batch_seq - 1)
         async with session.lock:
             session = self.session(handle)  # may have closed while we waited
             self.renew(session)
+            if ordered and batch_seq < session.applied_seq:
+                # Batches apply in order, so this one was applied before the later one was.
+                core.stats.batches_resent += 1
+                await self.durability.commit(session)  # applied already; make sure it is durable
+                counts, refused = session.answers.get(batch_seq, (ApplyCounts(), 0))
+                return replace(counts), refused
             if batch_seq and batch_seq < session.applied_seq:
                 # Either an old batch sent again or one overtaken by a later one: no way to tell,
                 # and applying it could count it twice. Say so rather than answer as if applied.
@@ -137,6 +161,11 @@ class Writers:
                 self.durability.completing(session, effects.complete)
             session.applied_seq = batch_seq or session.applied_seq
             session.last_counts = effects.counts
+            if batch_seq:  # the same object: it gets its completed count below
+                answers = session.answers
+                answers[batch_seq] = (effects.counts, session.last_refused)
+                while len(answers) > MAX_BATCHES_IN_FLIGHT:
+                    del answers[next(iter(answers))]  # the oldest
             self.durability.maybe_snapshot(session, len(batch))
             changes: list[CompletionOp] = []
             if effects.anomalies:
@@ -231,6 +260,22 @@ class Writers:
             and all(isinstance(entry, Persisted) for entry in session.journal_queue)
             and not session.journal_lock.locked()
         )
+
+    async def _wait_for_previous(self, session: Session, previous: int) -> None:
+        """Wait until batch ``previous`` of the session is applied (or the session ends)."""
+
+        def arrived() -> bool:
+            return session.applied_seq >= previous or session.state != WriterState.OPEN
+
+        try:
+            async with session.changed:
+                await asyncio.wait_for(session.changed.wait_for(arrived), PREVIOUS_BATCH_WAIT_S)
+        except TimeoutError:
+            raise Unavailable(
+                f"batch {previous + 1} of writer {session.writer_id!r} came before batch {previous}, "
+                f"which was not applied within {PREVIOUS_BATCH_WAIT_S:g}s; nothing was applied: send "
+                f"batch {previous + 1} again once batch {previous} is answered"
+            ) from None
 
     async def flush(self, handle: str) -> int:
         """Return once every completion resulting from deltas applied so far is durable.

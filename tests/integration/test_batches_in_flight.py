@@ -1,0 +1,108 @@
+"""Several batches of one writer on the wire at once (issue #10): each sent as ``ordered``, the
+coordinator applies them in their numbers' order whatever order they arrive in, and a batch sent
+again after a later one was applied is answered again, never applied twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+import tally
+from tally.v1 import coordinator_pb2 as pb
+from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.testing import RunningServer
+
+
+def open_writer(stub: pb_grpc.CoordinatorStub, checkpoint: str) -> pb.OpenWriterResponse:
+    reply: pb.OpenWriterResponse = stub.OpenWriter(pb.OpenWriterRequest(checkpoint=checkpoint, writer_id="w"))
+    return reply
+
+
+def batch(
+    handle: str, seq: int, deltas: list[tuple[str, str, int]], ordered: bool = True
+) -> pb.ApplyDeltasRequest:
+    return pb.ApplyDeltasRequest(
+        handle=handle,
+        batch_seq=seq,
+        ordered=ordered,
+        columns=pb.DeltaColumns(
+            task_ids=[t for t, _, _ in deltas],
+            source_ids=[s for _, s, _ in deltas],
+            deltas=[d for *_, d in deltas],
+        ),
+    )
+
+
+def test_the_coordinator_says_how_many_batches_may_be_in_flight(stub: pb_grpc.CoordinatorStub) -> None:
+    assert open_writer(stub, "fly/open").max_batches_in_flight == 2
+
+
+def test_a_batch_that_overtook_the_one_before_it_waits_for_it(stub: pb_grpc.CoordinatorStub) -> None:
+    handle = open_writer(stub, "fly/overtaken").handle
+    # Batch 2 takes "a" from 1 to 0 (it completes); applied before batch 1, it would take it to -1.
+    first = batch(handle, 1, [("0_a", "a", 1)])
+    second = batch(handle, 2, [("0_a_0", "a", -1)])
+    with ThreadPoolExecutor(1) as pool:
+        early = pool.submit(stub.ApplyDeltas, second)
+        time.sleep(0.2)  # batch 2 is waiting on the coordinator (not a synchronisation: it must wait)
+        assert not early.done()
+        assert stub.ApplyDeltas(first).counts.applied == 1
+        assert early.result(timeout=30).counts == pb.ApplyCounts(applied=1, completed=1)
+    done = stub.AreCompleted(pb.AreCompletedRequest(checkpoint="fly/overtaken", source_ids=["a"]))
+    assert list(done.completed) == [True]
+
+
+def test_a_batch_whose_previous_one_never_comes_is_refused_unapplied(stub: pb_grpc.CoordinatorStub) -> None:
+    handle = open_writer(stub, "fly/lost").handle
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ApplyDeltas(batch(handle, 2, [("0_a", "a", 1)]))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "batch 2" in (info.value.details() or "") and "nothing was applied" in (info.value.details() or "")
+    # Sent again after batch 1, it applies.
+    assert stub.ApplyDeltas(batch(handle, 1, [("0_b", "b", 1)])).counts.applied == 1
+    assert stub.ApplyDeltas(batch(handle, 2, [("0_a", "a", 1)])).counts.applied == 1
+    status = stub.GetCheckpoint(pb.GetCheckpointRequest(name="fly/lost"))
+    assert status.pending_sources == 2
+
+
+def test_an_ordered_batch_sent_again_after_a_later_one_gets_its_answer_again(
+    stub: pb_grpc.CoordinatorStub,
+) -> None:
+    handle = open_writer(stub, "fly/again").handle
+    first = batch(handle, 1, [("0_a", "a", 1), ("0_a_0", "a", -1)])
+    assert stub.ApplyDeltas(first).counts == pb.ApplyCounts(applied=2, completed=1)
+    assert stub.ApplyDeltas(batch(handle, 2, [("0_b", "b", 1)])).counts.applied == 1
+    # The first one's answer was lost: sent again, it is answered as before and not applied twice.
+    assert stub.ApplyDeltas(first).counts == pb.ApplyCounts(applied=2, completed=1)
+    # Not ordered (a client sending one batch at a time), a number below the last is refused.
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ApplyDeltas(batch(handle, 1, [("0_a", "a", 1), ("0_a_0", "a", -1)], ordered=False))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    status = stub.GetCheckpoint(pb.GetCheckpointRequest(name="fly/again"))
+    assert (status.completed_count, status.pending_sources) == (1, 1)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_the_sdk_counts_the_same_with_one_or_two_batches_in_flight(
+    server: RunningServer, in_flight: int
+) -> None:
+    checkpoint = f"fly/sdk-{in_flight}"
+    sources = [f"s{i:04d}" for i in range(2000)]
+    with tally.Client(server.grpc_address) as client:
+        client._config = dataclasses.replace(client._config, max_batch=500, max_batches_in_flight=in_flight)
+        with client.writer(checkpoint, writer_id="w") as w:
+            for sid in sources:
+                w.apply_deltas([(f"0_{sid}", sid, 1), (f"0_{sid}_0", sid, 1)])
+            for sid in sources[::2]:
+                w.apply_deltas([(f"0_{sid}_0_0", sid, -1), (f"0_{sid}_0_1", sid, -1)])
+            w.flush()
+            health = w.health()
+            senders = [t for t in threading.enumerate() if t.name.startswith("tally-sender")]
+        assert len(senders) == in_flight  # one sender thread per batch on the wire
+        assert health.batches_sent == 12 and health.buffered == 0 and health.retries == 0
+        assert client.are_completed(checkpoint, sources) == [i % 2 == 0 for i in range(len(sources))]
