@@ -127,12 +127,12 @@ def test_applying_changes_writes_the_bytes_of_one_put_or_delete_per_key(tmp_path
     for path in paths:
         nemo_format.create_file(path)
     env = nemo_format.open_env(paths[0], write=True)
-    db = nemo_format.open_completed_db(env)
+    db = nemo_format.open_completed_db(paths[0], env)
     for changes in groups:
         nemo_format.apply_changes(env, db, changes)
     env.close()
     env = nemo_format.open_env(paths[1], write=True)
-    db = nemo_format.open_completed_db(env)
+    db = nemo_format.open_completed_db(paths[1], env)
     for changes in groups:
         with env.begin(write=True) as txn:
             for key, present in changes.items():
