@@ -380,28 +380,36 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             log.info("taking over store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
     http_sock = bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
-    idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
-    service = build_service(settings, idle, store_lock)
-    # The HTTP transport runs on its own loop and sees the service through the bridge.
-    bridged = cast(CoordinatorService, ServiceBridge(service, loop))
-    metrics = Metrics(bridged, settings.data_dir)  # one registry, fed by both transports and the store
-    await service.start()
-    grpc_server, grpc_port, health = build_server(
-        service,
-        settings.grpc_listen,
-        settings.max_message_bytes,
-        metrics=metrics,
-        authorizer=authorizer,
-        credentials=credentials,
-    )
-    config = uvicorn.Config(
-        create_app(bridged, settings, metrics=metrics, authorizer=authorizer),
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
-        **ssl_options,
-    )
+    try:
+        idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
+        service = build_service(settings, idle, store_lock)
+        # The HTTP transport runs on its own loop and sees the service through the bridge.
+        bridged = cast(CoordinatorService, ServiceBridge(service, loop))
+        metrics = Metrics(bridged, settings.data_dir)  # one registry, fed by both transports and the store
+        await service.start()
+        grpc_server, grpc_port, health = build_server(
+            service,
+            settings.grpc_listen,
+            settings.max_message_bytes,
+            metrics=metrics,
+            authorizer=authorizer,
+            credentials=credentials,
+        )
+        config = uvicorn.Config(
+            create_app(bridged, settings, metrics=metrics, authorizer=authorizer),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+            **ssl_options,
+        )
+    except BaseException:
+        # Until the HTTP thread owns them: a start that fails (the registry cannot be reached, a
+        # port is taken, ...) closes them, so the exit prints one line, not an event loop's
+        # teardown errors.
+        http_loop.close()
+        http_sock.close()
+        raise
     http = _HttpThread(_Uvicorn(config), http_sock, http_loop)
 
     grpc_host, _ = split_listen(settings.grpc_listen)
