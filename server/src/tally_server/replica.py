@@ -278,6 +278,10 @@ class CompletedReader:
         self._engine.dispose()
 
 
+def _failure_source(record: SourceFailuresRecord) -> str:
+    return record.source_id
+
+
 class ForwardToOwner(Exception):
     """A read this replica leaves to the owner: the checkpoint has no published status (yet)."""
 
@@ -387,19 +391,16 @@ class ReplicaReads:
         elif asked is not None:
             records = await asyncio.to_thread(self._registry.list_failures, checkpoint, sorted(set(asked)))
             kept = [r for r in records if not failed_only or r.attempts >= budget]
-            page = sorted(await self._not_completed(checkpoint, kept), key=lambda r: r.source_id)
+            page = sorted(await self._uncompleted(checkpoint, kept, _failure_source), key=_failure_source)
         else:
-            cursor, least = after, budget if failed_only else 0
-            while len(page) <= limit:  # one more than asked: is there a next page
-                batch = await asyncio.to_thread(
-                    self._registry.failures_after, checkpoint, cursor, limit + 1, least
-                )
-                if batch:
-                    cursor = batch[-1].source_id
-                    page += await self._not_completed(checkpoint, batch)
-                if len(batch) <= limit:
-                    break
-            more, page = len(page) > limit, page[:limit]
+            least = budget if failed_only else 0
+            page, more = await self._uncompleted_page(
+                checkpoint,
+                lambda cursor, n: self._registry.failures_after(checkpoint, cursor, n, least),
+                _failure_source,
+                after,
+                limit,
+            )
         views = [
             SourceFailuresView(r.source_id, r.attempts, bool(budget) and r.attempts >= budget, list(r.recent))
             for r in page
@@ -412,27 +413,47 @@ class ReplicaReads:
         limit = limit or REMAINING_PAGE
         completed_limit(limit, self.limits)
         await self._view(checkpoint)
-        page: list[str] = []
-        cursor = after
-        while len(page) <= limit:  # one more than asked: is there a next page
-            chunk = await asyncio.to_thread(self._registry.declared_after, checkpoint, cursor, limit + 1)
-            if chunk:
-                cursor = chunk[-1]
-                done = await asyncio.to_thread(self._reader.are_completed, checkpoint, chunk)
-                page += [sid for sid, completed in zip(chunk, done, strict=True) if not completed]
-            if len(chunk) <= limit:
-                break
-        more, page = len(page) > limit, page[:limit]
+        page, more = await self._uncompleted_page(
+            checkpoint,
+            lambda cursor, n: self._registry.declared_after(checkpoint, cursor, n),
+            str,
+            after,
+            limit,
+        )
         self._answered("ListRemaining")
         return CompletedPage(page, page[-1] if more else "")
 
-    async def _not_completed(
-        self, checkpoint: str, records: list[SourceFailuresRecord]
-    ) -> list[SourceFailuresRecord]:
-        if not records:
+    async def _uncompleted(
+        self, checkpoint: str, items: list[_T], source_of: Callable[[_T], str]
+    ) -> list[_T]:
+        """The ``items`` whose source has no committed completion."""
+        if not items:
             return []
-        done = await asyncio.to_thread(self._reader.are_completed, checkpoint, [r.source_id for r in records])
-        return [r for r, completed in zip(records, done, strict=True) if not completed]
+        done = await asyncio.to_thread(self._reader.are_completed, checkpoint, list(map(source_of, items)))
+        return [item for item, completed in zip(items, done, strict=True) if not completed]
+
+    async def _uncompleted_page(
+        self,
+        checkpoint: str,
+        fetch: Callable[[str, int], list[_T]],
+        source_of: Callable[[_T], str],
+        after: str,
+        limit: int,
+    ) -> tuple[list[_T], bool]:
+        """Up to ``limit`` items after ``after`` whose source is not completed, and whether more follow.
+
+        ``fetch(cursor, n)`` gives up to ``n`` items after ``cursor``, in order (a registry query).
+        """
+        page: list[_T] = []
+        cursor = after
+        while len(page) <= limit:  # one more than asked: is there a next page
+            batch = await asyncio.to_thread(fetch, cursor, limit + 1)
+            if batch:
+                cursor = source_of(batch[-1])
+                page += await self._uncompleted(checkpoint, batch, source_of)
+            if len(batch) <= limit:
+                break
+        return page[:limit], len(page) > limit
 
     async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
         """The published status now and whenever it changes (polled every ``interval_s``).
@@ -587,7 +608,7 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     ) -> None:
         self._name = name
         self._route = route
-        self._metrics = self.metrics = metrics
+        self.metrics = metrics
         self._channel_for = channel_for
         # The owner's servicer and token checks, over this replica's reads.
         self._servicer = CoordinatorServicer(cast(CoordinatorService, reads))
@@ -669,13 +690,13 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         """Answer with the owner's status; an owner that cannot be reached says so, naming it."""
         trailing = tuple(err.trailing_metadata() or ())
         if err.code() == grpc.StatusCode.UNAVAILABLE and not trailing:
-            self._metrics.forwarded.labels("grpc", "unreachable").inc()
+            self.metrics.forwarded.labels("grpc", "unreachable").inc()
             raise Unavailable(
                 f"the store's owner {owner.name} at {owner.grpc_address} cannot be reached from this "
                 f"replica ({err.details()}); retry in a few seconds (a replica takes the store over "
                 "within seconds when its owner is gone)"
             )
-        self._metrics.forwarded.labels("grpc", "refused").inc()
+        self.metrics.forwarded.labels("grpc", "refused").inc()
         await context.abort(err.code(), err.details() or "", trailing_metadata=trailing)
 
     def _unary(self, method: str) -> Callable[[bytes, Any], Any]:
@@ -693,7 +714,7 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
                 await self._refused(context, owner, err)
                 raise  # unreachable: _refused raises or aborts
             context.set_trailing_metadata(tuple(trailing or ()))
-            self._metrics.forwarded.labels("grpc", "ok").inc()
+            self.metrics.forwarded.labels("grpc", "ok").inc()
             return response
 
         return forward
