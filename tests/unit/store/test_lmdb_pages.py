@@ -28,6 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["read", "mapped"])
+def how_read(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Files read into memory, or mapped as files over ``MAX_FILE_BYTES`` are (the same checks)."""
+    if request.param == "mapped":
+        monkeypatch.setattr(lmdb_pages, "MAX_FILE_BYTES", 0)
+    return str(request.param)
+
+
 def cursor_hashes(path: Path) -> list[int]:
     """What a load computed before: ``hash()`` of every key a cursor walk gives, sorted."""
     env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
@@ -52,15 +60,18 @@ def tree_stat(path: Path) -> lmdb_pages.TreeStat:
 
 def verdict(path: Path, stat: lmdb_pages.TreeStat | None = None) -> lmdb_pages.Verdict:
     """``lmdb_pages.keys``' verdict on the file, checked against its LMDB transaction."""
-    data = lmdb_pages.read_file(path)
-    return lmdb_pages.keys(data, nemo_format.COMPLETED_DB, stat or tree_stat(path), lambda _: None)
+    data, spare = lmdb_pages.file_pages(path)
+    return lmdb_pages.keys(data, nemo_format.COMPLETED_DB, stat or tree_stat(path), lambda _: None, spare)
 
 
 def page_keys(path: Path) -> list[int] | None:
     """The lengths of the keys ``lmdb_pages.keys`` gives (None: it cannot vouch for the file)."""
     batches: list[lmdb_pages.Keys] = []
-    data = lmdb_pages.read_file(path)
-    if lmdb_pages.keys(data, nemo_format.COMPLETED_DB, tree_stat(path), batches.append).kind != "whole":
+    data, spare = lmdb_pages.file_pages(path)
+    if (
+        lmdb_pages.keys(data, nemo_format.COMPLETED_DB, tree_stat(path), batches.append, spare).kind
+        != "whole"
+    ):
         return None
     return [n for batch in batches for n in batch.lengths.tolist()]
 
@@ -74,6 +85,7 @@ def store_hashes(path: Path) -> list[int]:
         reads.close()
 
 
+@pytest.mark.usefixtures("how_read")
 def test_the_pages_give_every_key_of_a_tree_several_levels_deep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,6 +109,7 @@ def test_the_pages_give_every_key_of_a_tree_several_levels_deep(
     assert store_hashes(path) == cursor_hashes(path) == sorted(hash(s.encode()) & (2**64 - 1) for s in kept)
 
 
+@pytest.mark.usefixtures("how_read")
 def test_an_empty_database_has_no_keys(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, ["a", "b"])
@@ -110,6 +123,7 @@ def test_an_empty_database_has_no_keys(tmp_path: Path) -> None:
     assert store_hashes(path) == []
 
 
+@pytest.mark.usefixtures("how_read")
 def test_keys_that_are_not_ascii_are_walked_with_a_cursor(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, ["plain", "café", "数据/文件"])
@@ -142,6 +156,7 @@ def _leaf_pages(path: Path) -> list[int]:
     ]
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_tree_root_of_the_wrong_type_is_damage(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, [f"{i:012x}" for i in range(5_000)])
@@ -151,6 +166,7 @@ def test_a_tree_root_of_the_wrong_type_is_damage(tmp_path: Path) -> None:
         store_hashes(path)
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_leaf_of_the_wrong_type_is_damage_and_no_read_walks_it(tmp_path: Path) -> None:
     """LMDB's cursor steps onto a sibling page without checking its type and aborts the process."""
     path = tmp_path / "w.mdb"
@@ -181,6 +197,7 @@ def test_a_leaf_of_the_wrong_type_is_damage_and_no_read_walks_it(tmp_path: Path)
         reads.close()
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_main_database_root_marked_as_a_branch_is_damage_before_lmdb_opens_the_database(
     tmp_path: Path,
 ) -> None:
@@ -202,6 +219,7 @@ def test_a_main_database_root_marked_as_a_branch_is_damage_before_lmdb_opens_the
         reads.close()
 
 
+@pytest.mark.usefixtures("how_read")
 def test_flags_besides_a_pages_type_are_left_to_lmdb(tmp_path: Path) -> None:
     """P_DIRTY never reaches the disk on a tree page; this reader leaves such a page to LMDB's
     walk (which reports it as damage, MDB_CORRUPTED, rather than asserting)."""
@@ -217,6 +235,7 @@ def test_flags_besides_a_pages_type_are_left_to_lmdb(tmp_path: Path) -> None:
         store_hashes(path)
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_meta_page_no_longer_the_transactions_is_not_damage(tmp_path: Path) -> None:
     """A file written after the read transaction began: its meta pages alternate, so a page
     reader can no longer tell the snapshot's tree; it must say "walk", never "damaged"."""
@@ -237,6 +256,7 @@ def test_a_meta_page_no_longer_the_transactions_is_not_damage(tmp_path: Path) ->
     assert verdict(path).kind == "whole"
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_page_that_is_not_where_it_says_is_walked_with_a_cursor(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, [f"{i:012x}" for i in range(5_000)])
@@ -249,6 +269,7 @@ def test_a_page_that_is_not_where_it_says_is_walked_with_a_cursor(tmp_path: Path
     assert store_hashes(path) == cursor_hashes(path)  # LMDB does not look at it; neither does the load
 
 
+@pytest.mark.usefixtures("how_read")
 def test_a_tree_unlike_what_lmdb_says_is_damage(tmp_path: Path) -> None:
     path = tmp_path / "w.mdb"
     nemo_write(path, [f"{i:012x}" for i in range(5_000)])

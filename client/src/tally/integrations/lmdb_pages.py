@@ -61,8 +61,8 @@ SUPPORTED = sys.byteorder == "little" and struct.calcsize("P") == 8
 LEAF_BATCH = 4096
 # Zero bytes after a file's content in memory: whole words are read past the last key.
 SPARE = 16
-# Larger files are walked with a cursor: their pages stay file-backed (the kernel can take them
-# back) instead of one copy in the heap. About 10 M keys of 12 bytes.
+# Larger files are mapped rather than read (:func:`file_pages`): their pages stay file-backed (the
+# kernel can take them back) instead of one copy in the heap. About 10 M keys of 12 bytes.
 MAX_FILE_BYTES = 1 << 28
 
 
@@ -137,6 +137,18 @@ def read_file(path: Path) -> npt.NDArray[np.uint8]:
     return data[: got + SPARE] if got < size else data
 
 
+def file_pages(path: Path) -> tuple[npt.NDArray[np.uint8], int]:
+    """The file's bytes for :func:`keys`, and how many spare zero bytes follow them.
+
+    A file up to :data:`MAX_FILE_BYTES` is read into memory (:func:`read_file`, :data:`SPARE`
+    bytes after it); a larger one is mapped read-only (no spare bytes: :func:`keys` then copies
+    each batch of leaf pages, with spare bytes, before it reads their keys).
+    """
+    if os.stat(path).st_size <= MAX_FILE_BYTES:
+        return read_file(path), SPARE
+    return np.memmap(path, dtype=np.uint8, mode="r"), 0
+
+
 def words_at(data: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], width: int) -> U64:
     """The ``width`` little-endian words from each offset on, as rows (``data`` ends in 16 spare bytes).
 
@@ -183,9 +195,10 @@ def pack_words(
 
 
 class _Pages:
-    def __init__(self, data: npt.NDArray[np.uint8], psize: int, last_pgno: int) -> None:
+    def __init__(self, data: npt.NDArray[np.uint8], psize: int, last_pgno: int, spare: int) -> None:
         self.data = data
-        self.size = len(data) - SPARE
+        self.spare = spare
+        self.size = len(data) - spare
         # A word at every byte offset: one word each is read faster so than by two aligned reads.
         self.words = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
         self.psize = psize
@@ -193,12 +206,12 @@ class _Pages:
         self.by_page = data[: self.size - self.size % psize].view("<u2").reshape(-1, psize // 2)
 
 
-def _meta(data: npt.NDArray[np.uint8], psize: int, txnid: int) -> tuple[int, int, int] | None:
+def _meta(data: npt.NDArray[np.uint8], psize: int, txnid: int, size: int) -> tuple[int, int, int] | None:
     """(main database root, main depth, last page) of the meta page of transaction ``txnid``."""
     raw = data.data
     for page in (0, 1):
         base = page * psize + PAGE_HEADER
-        if base + META_HEAD.size + 2 * DB_RECORD.size + 16 > len(data) - SPARE:
+        if base + META_HEAD.size + 2 * DB_RECORD.size + 16 > size:
             return None
         magic, version, _, _ = META_HEAD.unpack_from(raw, base)
         main = DB_RECORD.unpack_from(raw, base + META_HEAD.size + DB_RECORD.size)
@@ -306,7 +319,7 @@ def main_root(path: Path, txnid: int, last_pgno: int, depth: int) -> Verdict:
         if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
             return Verdict("unsupported", f"page size {psize}")
         metas = np.frombuffer(os.pread(fd, 2 * psize, 0) + bytes(SPARE), dtype=np.uint8)
-        meta = _meta(metas, psize, txnid)
+        meta = _meta(metas, psize, txnid, len(metas) - SPARE)
         if meta is None or meta[2] != last_pgno or meta[1] != depth:
             return Verdict("unsupported", "no meta page of the environment's transaction")
         root, _, _ = meta
@@ -339,8 +352,16 @@ def main_root(path: Path, txnid: int, last_pgno: int, depth: int) -> Verdict:
     return WHOLE
 
 
-def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callable[[Keys], None]) -> Verdict:
-    """Give ``each`` the keys of database ``name`` in ``data`` (from :func:`read_file`), a batch at a time.
+def keys(
+    data: npt.NDArray[np.uint8],
+    name: bytes,
+    stat: TreeStat,
+    each: Callable[[Keys], None],
+    spare: int = SPARE,
+) -> Verdict:
+    """Give ``each`` the keys of database ``name`` in ``data`` (from :func:`file_pages`), a batch at a time.
+
+    ``spare``: how many zero bytes follow the file's bytes in ``data`` (:func:`file_pages` says).
 
     The verdict: ``whole`` (every key given), ``unsupported`` (the batches given so far must be
     dropped and the file walked with a cursor) or ``damaged`` (the tree of LMDB's own read
@@ -349,18 +370,18 @@ def keys(data: npt.NDArray[np.uint8], name: bytes, stat: TreeStat, each: Callabl
     every page of the tree is checked even when a cursor walk will read the keys, because a
     cursor walk trusts a page's type and LMDB aborts the process on one it did not expect.
     """
-    if not SUPPORTED or len(data) < SPARE + 2 * 512:
+    if not SUPPORTED or len(data) < spare + 2 * 512:
         return Verdict("unsupported", "not an LMDB layout this reader knows")
     raw = data.data
     psize = struct.unpack_from("<I", raw, PAGE_HEADER + META_HEAD.size)[0]  # the free DB's md_pad
     if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
         return Verdict("unsupported", f"page size {psize}")
-    meta = _meta(data, psize, stat.txnid)
+    meta = _meta(data, psize, stat.txnid, len(data) - spare)
     if meta is None or meta[2] != stat.last_pgno:
         # Meta pages alternate with every write: this file is no longer the transaction's snapshot.
         return Verdict("unsupported", "no meta page of the reading transaction")
     main_root, main_depth, last_pgno = meta
-    pages = _Pages(data, psize, last_pgno)
+    pages = _Pages(data, psize, last_pgno, spare)
     if main_depth != 1:  # a main database of more than one page: not a NeMo completion file
         return Verdict("unsupported", "a main database of more than one page")
     check = _Check()
@@ -447,7 +468,15 @@ def _leaves(pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Chec
     if (in_page + NODE_HEADER + klen + dsize > pages.psize).any():
         check.damaged("a leaf node's key or value runs past its page")
         return None
-    words = pack_words(data, node + NODE_HEADER, klen)
+    if pages.spare >= SPARE:
+        words = pack_words(data, node + NODE_HEADER, klen)
+    else:  # a mapped file: its last key may end at its last byte; copy the pages, with spare bytes
+        psize = pages.psize
+        order = np.argsort(pgnos, kind="stable")
+        at = order[np.searchsorted(pgnos[order], node // psize)]
+        copy = np.zeros(len(pgnos) * psize + SPARE, dtype=np.uint8)
+        copy[: len(pgnos) * psize] = pages.by_page[pgnos].view(np.uint8).reshape(-1)
+        words = pack_words(copy, at * psize + in_page + NODE_HEADER, klen)
     if np.bitwise_or.reduce(words, axis=None) & np.uint64(0x8080808080808080):
         check.cannot_read("keys that are not ASCII")  # a cursor walk checks that they are UTF-8
     return Keys(words, klen)

@@ -229,17 +229,18 @@ def check_pages(
     """Check the tree of ``db`` in ``txn`` from the file's pages, giving ``each`` its keys.
 
     Returns True when every key was read from the pages (given to ``each``), False when this reader
-    cannot vouch for them (another layout, keys that are not ASCII, a file over
-    ``lmdb_pages.MAX_FILE_BYTES``): a cursor walk must read them, and may.
+    cannot vouch for them (another layout, keys that are not ASCII): a cursor walk must read them,
+    and may. A file of any size is checked (one over ``lmdb_pages.MAX_FILE_BYTES`` is mapped, not read).
 
     Raises:
         DamagedFileError: the tree of the transaction's snapshot is broken (a page of the wrong
             type, ...): a cursor walk could abort the process (LMDB asserts), so nothing may walk it.
     """
-    if not lmdb_pages.SUPPORTED or os.stat(path).st_size > lmdb_pages.MAX_FILE_BYTES:
+    if not lmdb_pages.SUPPORTED:
         return False
     tree = lmdb_pages.TreeStat.of(txn, db, env)
-    verdict = lmdb_pages.keys(lmdb_pages.read_file(path), COMPLETED_DB, tree, each)
+    data, spare = lmdb_pages.file_pages(path)
+    verdict = lmdb_pages.keys(data, COMPLETED_DB, tree, each, spare)
     if verdict.kind == "damaged":
         raise DamagedFileError(f"{path}: damaged LMDB tree in {COMPLETED_DB.decode()}: {verdict.why}")
     return verdict.kind == "whole"
