@@ -34,13 +34,12 @@ from tally_server.domain.ports import (
     PutCompleted,
 )
 from tally_server.domain.words import count
-from tally_server.store import postgres
+from tally_server.store import pg_revisions, postgres
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_schema import (
     LEGACY_INDEXES,
     completed_table,
     completion_checkpoints_table,
-    metadata,
     store_probe_table,
 )
 
@@ -127,7 +126,7 @@ class PgCompletionStore:
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
 
     def _prepare(self, engine: sa.Engine) -> None:
-        metadata.create_all(engine)
+        pg_revisions.upgrade_store(engine, self.display_url)
         self._drop_legacy_indexes(engine)
 
     def _drop_legacy_indexes(self, engine: sa.Engine) -> None:

@@ -8,7 +8,7 @@ per commit, so a group of entries of many writers costs one WAL flush.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import psycopg
@@ -17,9 +17,9 @@ from sqlalchemy.engine import Connection
 
 from tally_server.domain.journal import JournaledWriter, Snapshot
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
-from tally_server.store import postgres
+from tally_server.store import pg_revisions, postgres
 from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
-from tally_server.store.pg_schema import journal_entries_table, journal_writers_table, metadata
+from tally_server.store.pg_schema import journal_entries_table, journal_writers_table
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ _PUT_ENTRY = (
     "ON CONFLICT (handle, idx) DO UPDATE SET entry = excluded.entry"
 )
 _PUT_WRITER = (
-    "INSERT INTO journal_writers (handle, opened) VALUES (%s, %b) "
-    "ON CONFLICT (handle) DO UPDATE SET opened = excluded.opened"
+    "INSERT INTO journal_writers (handle, opened, checkpoint) VALUES (%s, %b, %s) "
+    "ON CONFLICT (handle) DO UPDATE SET opened = excluded.opened, checkpoint = excluded.checkpoint"
 )
 _DROP_BEFORE = "DELETE FROM journal_entries WHERE handle = %s AND idx < %s"
 _FORGET_WRITER = "DELETE FROM journal_writers WHERE handle = %s"
@@ -67,7 +67,7 @@ class PgJournal:
 
     @classmethod
     def _prepare(cls, engine: sa.Engine) -> None:
-        metadata.create_all(engine)
+        pg_revisions.upgrade_store(engine, postgres.display(engine.url))
         cls._use_lz4(engine)
 
     @staticmethod
@@ -128,7 +128,9 @@ class PgJournal:
                 cursor.executemany(_PUT_ENTRY, rows)
                 rows = []
             if isinstance(op, OpenJournal):
-                cursor.execute(_PUT_WRITER, (op.opened.handle, encode_opened(op.opened)))
+                cursor.execute(
+                    _PUT_WRITER, (op.opened.handle, encode_opened(op.opened), op.opened.checkpoint)
+                )
             elif isinstance(op, JournalEntry):  # a snapshot: it replaces everything before it
                 cursor.execute(_DROP_BEFORE, (op.handle, op.index))
                 cursor.execute(_PUT_ENTRY, (op.handle, op.index, encode_entry(op.entry)))
@@ -140,17 +142,28 @@ class PgJournal:
         if rows:
             cursor.executemany(_PUT_ENTRY, rows)
 
-    def load(self) -> list[JournaledWriter]:
-        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+    def load(self, checkpoints: Collection[str] | None = None) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on).
+
+        ``checkpoints``: only the writers of these checkpoints (found by the ``checkpoint`` column;
+        a row written without it, by a Tally of before that column, is decoded to tell).
+        """
         e, w = journal_entries_table.c, journal_writers_table.c
+        writers = sa.select(w.handle, w.opened).order_by(w.handle)
+        entries = sa.select(e.handle, e.idx, e.entry).order_by(e.handle, e.idx)
+        if checkpoints is not None:
+            wanted = sorted(set(checkpoints))
+            writers = writers.where(sa.or_(w.checkpoint.in_(wanted), w.checkpoint.is_(None)))
         try:
             with self._engine.connect() as conn:
                 found = {
                     str(handle): JournaledWriter(decode_opened(bytes(raw)))
-                    for handle, raw in conn.execute(sa.select(w.handle, w.opened).order_by(w.handle))
+                    for handle, raw in conn.execute(writers)
                 }
-                query = sa.select(e.handle, e.idx, e.entry).order_by(e.handle, e.idx)
-                for handle, index, raw in conn.execution_options(stream_results=True).execute(query):
+                if checkpoints is not None:
+                    found = {h: jw for h, jw in found.items() if jw.opened.checkpoint in wanted}
+                    entries = entries.where(e.handle.in_(sorted(found)))
+                for handle, index, raw in conn.execution_options(stream_results=True).execute(entries):
                     writer = found.get(handle)
                     if writer is None:  # pragma: no cover - a commit forgets both in one transaction
                         continue

@@ -1,4 +1,4 @@
-"""The PostgreSQL store's tables (SQLAlchemy Core), created at start if missing.
+"""The PostgreSQL store's tables (SQLAlchemy Core), made and upgraded at start by ``pg_revisions``.
 
 Completions mirror the LMDB layout row for row: a writer's file ``<origin>.mdb`` of a checkpoint is
 the rows ``(checkpoint, origin, source_id)``; ids are ``bytea`` (their UTF-8 bytes), so they sort
@@ -12,6 +12,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 metadata = sa.MetaData()
+
+# Where the store's schema revision is kept (``pg_revisions``), apart from the registry's ``alembic_version``.
+VERSION_TABLE = "tally_store_version"
 
 # Every completed id, by the writer ("origin") that completed it; an id may be in several origins.
 completed_table = sa.Table(
@@ -62,6 +65,10 @@ journal_writers_table = sa.Table(
     metadata,
     sa.Column("handle", sa.Text(), primary_key=True),
     sa.Column("opened", postgresql.BYTEA(), nullable=False),
+    # The writer's checkpoint (also inside ``opened``): one checkpoint's writers are read alone.
+    # Empty only in rows written by a Tally of before revision s0002 that is still running.
+    sa.Column("checkpoint", sa.Text(), nullable=True),
+    sa.Index("ix_journal_writers_checkpoint", "checkpoint"),
 )
 
 journal_entries_table = sa.Table(

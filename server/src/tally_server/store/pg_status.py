@@ -16,8 +16,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from tally_server.store.pg_schema import checkpoint_status_table
-from tally_server.store.postgres import TRANSIENT, create_engine, read_error
+from tally_server.store import pg_revisions
+from tally_server.store.postgres import TRANSIENT, create_engine, display, read_error
 
 _DB_NOW = "extract(epoch from clock_timestamp())"
 _EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
@@ -53,7 +53,7 @@ class StatusBoard:
         self._engine = create_engine(url)
         try:
             # A replica may start beside an owner made before this table existed.
-            checkpoint_status_table.create(self._engine, checkfirst=True)
+            pg_revisions.upgrade_store(self._engine, display(url))
         except BaseException:
             self._engine.dispose()
             raise

@@ -26,7 +26,7 @@ from sqlalchemy.pool import NullPool
 
 from tally_server.domain.ports import CompletionWriteError
 from tally_server.errors import Unavailable
-from tally_server.store.pg_schema import store_epoch_table
+from tally_server.store import pg_revisions
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ class StoreLock:
                     if time.monotonic() >= deadline:
                         raise StoreInUse(self.url, self._holder(conn))
                     time.sleep(0.1)
-                store_epoch_table.create(conn, checkfirst=True)
+                pg_revisions.upgrade_store(engine, display(self.url))
                 self.epoch = conn.execute(
                     _BUMP_EPOCH, {"holder": self.holder, "since": time.time()}
                 ).scalar_one()

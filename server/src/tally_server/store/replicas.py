@@ -16,8 +16,14 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from tally_server.store.pg_schema import store_epoch_table, store_replicas_table
-from tally_server.store.postgres import TAKE_OVER_AFTER_S, TRANSIENT, StoreUnreachable, create_engine
+from tally_server.store import pg_revisions
+from tally_server.store.postgres import (
+    TAKE_OVER_AFTER_S,
+    TRANSIENT,
+    StoreUnreachable,
+    create_engine,
+    display,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +126,7 @@ class ReplicaBoard:
         self._instance = _INSTANCE
         self._engine: Engine = create_engine(url)
         try:
-            with self._engine.begin() as conn:
-                store_epoch_table.create(conn, checkfirst=True)
-                store_replicas_table.create(conn, checkfirst=True)
+            pg_revisions.upgrade_store(self._engine, display(url))
         except TRANSIENT as exc:
             self._engine.dispose()
             raise StoreUnreachable(url, exc) from None
@@ -210,8 +214,8 @@ def check_name_free(url: sa.URL, name: str) -> None:
     """
     engine = create_engine(url, pooled=False)
     try:
+        pg_revisions.upgrade_store(engine, display(url))
         with engine.begin() as conn:
-            store_replicas_table.create(conn, checkfirst=True)
             silent = conn.execute(
                 sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_replicas WHERE name = :name"),
                 {"name": name},

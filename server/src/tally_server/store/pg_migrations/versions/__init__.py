@@ -1,0 +1,1 @@
+"""The PostgreSQL store's schema revisions, oldest first by ``down_revision``."""
