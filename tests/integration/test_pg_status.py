@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from tally_server.store import pg_schema
+from tally_server.store import pg_revisions, pg_schema
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import store_url
 
@@ -17,7 +17,7 @@ def test_only_the_owner_of_the_current_epoch_publishes_and_a_full_publish_drops_
 ) -> None:
     url = store_url(postgres_url)
     engine = sa.create_engine(url)
-    pg_schema.metadata.create_all(engine)
+    pg_revisions.upgrade_store(engine, "the test's store")
     with engine.begin() as conn:
         conn.execute(sa.insert(pg_schema.store_epoch_table).values(id=1, epoch=2, holder="b", since=0.0))
     epoch = {"now": 2}
