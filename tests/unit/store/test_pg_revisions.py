@@ -8,6 +8,8 @@ with nothing changed; the registry and the store in one database, each with its 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -88,10 +90,16 @@ def test_an_empty_store_is_made_at_head_with_exactly_pg_schemas_tables(registry_
     assert drift(registry_postgres_url) == []
 
 
-def test_a_store_made_before_revisions_is_adopted_with_its_rows(registry_postgres_url: str) -> None:
+def test_a_store_made_before_revisions_is_adopted_with_its_rows(
+    registry_postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     make_pre_revision_store(registry_postgres_url)
     assert REVISIONS.current(engine_on(registry_postgres_url)) is None
-    journal = PgJournal(registry_postgres_url)
+    with caplog.at_level(logging.INFO, logger="tally_server.store.schema_revisions"):
+        journal = PgJournal(registry_postgres_url)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("predates schema revisions: adopting it at revision s0001" in m for m in said), said
+    assert any("from schema revision s0001 to s0002" in m for m in said), said
     try:
         assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head()
         engine = engine_on(registry_postgres_url)

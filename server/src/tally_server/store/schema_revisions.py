@@ -120,26 +120,25 @@ class SchemaRevisions:
                 f"Tally does not know (its newest is {head}): a newer Tally has upgraded it; run that "
                 "Tally or a newer one, or restore the backup taken before the upgrade"
             )
-        if not current:
-            self._check_made_before_revisions(conn, scripts, display_url)
-        if current and current != (head,):  # a new database is no news: only upgrades are logged
-            log.info(
-                "upgrading the %s database %s from schema revision %s to %s",
-                self.what,
-                display_url,
-                current[0],
-                head,
-            )
+        start = current[0] if current else None
+        if not current and self._check_made_before_revisions(conn, scripts, display_url):
+            start = self.first
+        if start is not None and start != head:  # a new database is no news: only upgrades are logged
+            what = f"the {self.what} database {display_url}"
+            log.info("upgrading %s from schema revision %s to %s", what, start, head)
         command.upgrade(config, "head")
 
     def _check_made_before_revisions(
         self, conn: Connection, scripts: ScriptDirectory, display_url: str
-    ) -> None:
-        """A database without a version table: its tables of this set must be the first revision's."""
+    ) -> bool:
+        """A database without a version table: its tables of this set must be the first revision's.
+
+        Returns whether it had any (adopted at the first revision), False for an empty one.
+        """
         first: sa.MetaData = scripts.get_revision(self.first).module.metadata
         present = set(sa.inspect(conn).get_table_names()) & set(first.tables)
         if not present:
-            return  # empty (of these tables): the first revision creates them all
+            return False  # empty (of these tables): the first revision creates them all
 
         def ours(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
             if type_ == "index" and name in self.tolerated_indexes:
@@ -161,6 +160,7 @@ class SchemaRevisions:
             display_url,
             self.first,
         )
+        return True
 
 
 def run_environment() -> None:
