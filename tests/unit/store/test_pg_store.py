@@ -25,7 +25,14 @@ from tally_server.settings import Settings
 from tally_server.store.journal import encode_entry
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
-from tally_server.store.postgres import Fenced, StoreInUse, StoreLock, StoreUnreachable, store_url
+from tally_server.store.postgres import (
+    Fenced,
+    StoreInUse,
+    StoreLock,
+    StoreTakenMeanwhile,
+    StoreUnreachable,
+    store_url,
+)
 from tests.conftest import POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.postgres
@@ -137,6 +144,86 @@ def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(pos
         assert journal.load()[0].entries == [batch(1)]
         journal.close()
     admin.dispose()
+
+
+def end_sessions(url: str, pids: list[int] | None = None) -> int:
+    """End sessions of ``url``'s database (all but the asking one's, or those of ``pids``): a restart."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = :name "
+                        "AND pid <> pg_backend_pid() AND (CAST(:pids AS int[]) IS NULL OR pid = ANY(:pids))"
+                    ),
+                    {"name": sa.make_url(url).database, "pids": pids},
+                ).scalar_one()
+            )
+    finally:
+        admin.dispose()
+
+
+def test_a_restart_costs_commits_one_retry_however_many_connections_the_pool_held(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every pooled connection dies at once: the first commit to find one dead starts a new pool, so
+    the next commits do not each find another one (and none fails)."""
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock) as store:
+        engine = store._commit_engine
+        held = [engine.connect() for _ in range(4)]  # four in the pool, as concurrent commits leave
+        for conn in held:
+            conn.close()
+        store.commit([PutCompleted("cp/p", "w", ["a"])])
+        assert end_sessions(postgres_url) >= 5  # the four, the lock's, and the store's reads
+        with caplog.at_level("INFO", logger="tally_server.store.pg_completions"):
+            for source in "bcdefg":
+                store.commit([PutCompleted("cp/p", "w", [source])])
+        assert sum("committing again" in r.getMessage() for r in caplog.records) == 1
+        assert store.load("cp/p").completed == set("abcdefg")
+
+
+def test_the_lock_taken_again_after_its_session_ended_keeps_the_epoch(postgres_url: str) -> None:
+    """A restart ends the lock's session; no one took the store meanwhile, so the same epoch goes on:
+    commits that read it (in flight while the lock is taken again) are not fenced by their own owner."""
+    url = store_url(postgres_url)
+    with StoreLock(url) as lock, PgCompletionStore(postgres_url, lock) as store:
+        store.commit([PutCompleted("cp/k", "w", ["a"])])
+        epoch = lock.epoch
+        assert lock._conn is not None
+        pid = lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        assert end_sessions(postgres_url, [pid]) == 1
+        store.commit([PutCompleted("cp/k", "w", ["b"])])  # the store is still ours: no one took it
+        lock.check()  # finds its session ended and takes the lock again
+        assert lock._conn is not None
+        assert lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() != pid
+        assert lock.epoch == epoch
+        assert rows(postgres_url, "SELECT epoch FROM store_epoch") == [(epoch,)]
+        store.commit([PutCompleted("cp/k", "w", ["c"])])
+        assert store.load("cp/k").completed == {"a", "b", "c"}
+
+
+def test_a_coordinator_whose_store_was_taken_while_its_lock_session_was_gone_stops(
+    postgres_url: str,
+) -> None:
+    """Another coordinator took the store and let it go while this one's session was gone: the lock is
+    free again, but what this one holds in memory may be stale (a reset there, say), so it must stop."""
+    url = store_url(postgres_url)
+    with StoreLock(url) as lock, PgCompletionStore(postgres_url, lock) as store:
+        assert lock._conn is not None
+        pid = lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        assert end_sessions(postgres_url, [pid]) == 1
+        with StoreLock(url) as other:  # took the store, and let it go
+            assert other.epoch == (lock.epoch or 0) + 1
+        with pytest.raises(StoreTakenMeanwhile, match="served by another coordinator") as refused:
+            lock.check()
+        assert isinstance(refused.value, StoreInUse)  # what makes the store's keeper stop this one
+        assert f"the store's epoch is {other.epoch}, this one's was {lock.epoch}" in str(refused.value)
+        with pytest.raises(Fenced):
+            store.commit([PutCompleted("cp/t", "w", ["a"])])
+        # It let the lock go again: a coordinator started anew takes the store.
+        with StoreLock(url) as anew:
+            assert anew.epoch == (other.epoch or 0) + 1
 
 
 def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:
