@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -31,6 +32,7 @@ from tally_server.store.postgres import (
     StoreLock,
     StoreTakenMeanwhile,
     StoreUnreachable,
+    stale_connection,
     store_url,
 )
 from tests.conftest import POSTGRES_ADMIN_URL
@@ -181,6 +183,37 @@ def test_a_restart_costs_commits_one_retry_however_many_connections_the_pool_hel
                 store.commit([PutCompleted("cp/p", "w", [source])])
         assert sum("committing again" in r.getMessage() for r in caplog.records) == 1
         assert store.load("cp/p").completed == set("abcdefg")
+
+
+def test_a_commit_whose_rollback_failed_on_a_connection_the_server_ended_runs_again() -> None:
+    """What a commit raised once in ten runs of ``test_pg_reconnect`` (the cut landing while its
+    pipeline's results were due), rebuilt as psycopg and SQLAlchemy chained it: the pipeline read the
+    server's FATAL, could not leave pipeline mode, and SQLAlchemy's ROLLBACK on it failed too, as no
+    disconnect. The commit must take that for a connection the restart cut and run again."""
+
+    def raised() -> BaseException:
+        try:
+            try:
+                try:
+                    raise psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+                except psycopg.Error:
+                    raise psycopg.OperationalError("cannot exit pipeline mode while busy")  # noqa: B904
+            except psycopg.Error:
+                try:
+                    raise psycopg.OperationalError("sending query failed: cannot exit pipeline mode")
+                except psycopg.Error as rollback:
+                    raise sa.exc.OperationalError("ROLLBACK", None, rollback) from rollback
+        except sa.exc.OperationalError as exc:
+            return exc
+        raise AssertionError("unreachable")
+
+    seen = raised()
+    assert not getattr(seen, "connection_invalidated", False)  # SQLAlchemy did not call it a disconnect
+    assert stale_connection(seen)
+    try:  # a connection that cannot be made at all is no stale one: no second try (as long again)
+        raise sa.exc.OperationalError("connect", None, psycopg.OperationalError("connection refused"))
+    except sa.exc.OperationalError as refused:
+        assert not stale_connection(refused)
 
 
 def test_the_lock_taken_again_after_its_session_ended_keeps_the_epoch(postgres_url: str) -> None:

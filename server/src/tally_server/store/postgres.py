@@ -176,10 +176,24 @@ def stale_connection(exc: BaseException) -> bool:
     (``connection_invalidated``, and discards it), or psycopg itself, for statements sent on its
     own connection (a commit's pipeline), with a connection error or an administrator's shutdown.
     A connection that cannot be made at all is neither (the pool raises that through SQLAlchemy).
+
+    Also an error raised while handling one that says the session ended: the ``ROLLBACK`` of a
+    commit whose pipeline read the server's "terminating connection" while results were still due
+    fails as "cannot exit pipeline mode while busy", which SQLAlchemy does not take for a
+    disconnect, and that failure is what the commit sees.
     """
     if getattr(exc, "connection_invalidated", False):
         return True
-    return isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57")
+    if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57"):
+        return True
+    handled = exc.__context__
+    for _ in range(8):  # a chain is a few exceptions long; never follow a cycle for ever
+        if handled is None:
+            return False
+        if isinstance(handled, psycopg.OperationalError) and (handled.sqlstate or "")[:2] in ("08", "57"):
+            return True
+        handled = handled.__context__
+    return False
 
 
 def cause(exc: BaseException) -> str:
