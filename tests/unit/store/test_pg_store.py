@@ -26,6 +26,7 @@ from tally_server.settings import Settings
 from tally_server.store.journal import encode_entry
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
+from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     Fenced,
     StoreInUse,
@@ -35,6 +36,7 @@ from tally_server.store.postgres import (
     stale_connection,
     store_url,
 )
+from tally_server.store.replicas import ReplicaBoard
 from tests.conftest import POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.postgres
@@ -214,6 +216,42 @@ def test_a_commit_whose_rollback_failed_on_a_connection_the_server_ended_runs_ag
         raise sa.exc.OperationalError("connect", None, psycopg.OperationalError("connection refused"))
     except sa.exc.OperationalError as refused:
         assert not stale_connection(refused)
+
+
+def test_status_and_replica_rows_are_written_though_the_session_ends_after_the_pools_ping(
+    postgres_url: str,
+) -> None:
+    """The pool's ping passed, then the session ended (a restart ends them all within milliseconds):
+    publishing statuses and renewing a replica's row run once more on a new connection."""
+    url = store_url(postgres_url)
+    board, replicas = StatusBoard(url, epoch=lambda: 1), ReplicaBoard(url, "r1", "h:1", "h:2")
+    cut: list[int] = []
+
+    def end_this_session_once(conn: sa.Connection, *_: object) -> None:
+        if not cut:
+            cut.append(conn.connection.driver_connection.info.backend_pid)  # type: ignore[union-attr]
+            end_sessions(postgres_url, cut)
+
+    try:
+        with StoreLock(url, "r1"):  # epoch 1, held by "r1"
+            for engine in (board._engine, replicas._engine):
+                cut.clear()
+                with engine.connect():  # a pooled connection, pinged before its next use
+                    pass
+                sa.event.listen(engine, "before_cursor_execute", end_this_session_once)
+            cut.clear()
+            assert board.publish({"cp/s": {"name": "cp/s"}}) is True
+            assert cut  # its first try's session was ended
+            cut.clear()
+            replicas.announce()
+            assert cut
+            cut.clear()
+            owner = replicas.owner()
+            assert cut and owner is not None and (owner.name, owner.grpc_address) == ("r1", "h:1")
+        assert board.statuses(["cp/s"]) == {"cp/s": {"name": "cp/s"}}
+    finally:
+        board.close()
+        replicas.close()
 
 
 def test_the_lock_taken_again_after_its_session_ended_keeps_the_epoch(postgres_url: str) -> None:

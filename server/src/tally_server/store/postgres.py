@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -29,6 +29,7 @@ from tally_server.errors import Unavailable
 from tally_server.store.pg_schema import store_epoch_table
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Errors of the database or the way to it (down, restarting, out of disk, out of connections):
 # transient. Integrity and data errors are bugs and propagate as they are.
@@ -194,6 +195,23 @@ def stale_connection(exc: BaseException) -> bool:
             return True
         handled = handled.__context__
     return False
+
+
+def again_if_cut(call: Callable[[], _T]) -> _T:
+    """``call()``, and once more if it found its connection cut (see :func:`stale_connection`).
+
+    For idempotent statements of a pooled engine with the pool's ping: the ping replaces a
+    connection a restart left dead, but not one whose session is ended after the ping or while the
+    statement runs (a server takes a few milliseconds to end them all). SQLAlchemy has discarded
+    the pool's older connections by then, so the second try runs on a new one.
+    """
+    try:
+        return call()
+    except TRANSIENT_RAW as exc:
+        if not stale_connection(exc):
+            raise
+        logger.info("a connection to the store was cut (%s); once more on a new one", cause(exc))
+    return call()
 
 
 def cause(exc: BaseException) -> str:
