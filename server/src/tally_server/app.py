@@ -43,9 +43,11 @@ from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     RENEW_EVERY_S,
     TAKE_OVER_AFTER_S,
+    TRANSIENT,
     StoreInUse,
     StoreLock,
     StoreUnreachable,
+    cause,
     display,
     store_url,
 )
@@ -264,6 +266,8 @@ class _StoreKeeper:
                 log.warning("cannot take the store's lock again yet: %s", exc)
             except ReplicaNameInUse as exc:
                 log.error("cannot renew this coordinator's row among the store's replicas: %s", exc)
+            except TRANSIENT as exc:  # its connection cut mid-renewal (a restart): the next one renews
+                log.warning("cannot renew this coordinator's row among the replicas yet: %s", cause(exc))
             except Exception:  # a bug: say so, keep checking (commits are fenced either way)
                 log.exception("checking the store's lock failed")
 

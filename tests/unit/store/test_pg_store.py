@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -25,7 +26,17 @@ from tally_server.settings import Settings
 from tally_server.store.journal import encode_entry
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
-from tally_server.store.postgres import Fenced, StoreInUse, StoreLock, StoreUnreachable, store_url
+from tally_server.store.pg_status import StatusBoard
+from tally_server.store.postgres import (
+    Fenced,
+    StoreInUse,
+    StoreLock,
+    StoreTakenMeanwhile,
+    StoreUnreachable,
+    stale_connection,
+    store_url,
+)
+from tally_server.store.replicas import ReplicaBoard
 from tests.conftest import POSTGRES_ADMIN_URL
 
 pytestmark = pytest.mark.postgres
@@ -137,6 +148,153 @@ def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(pos
         assert journal.load()[0].entries == [batch(1)]
         journal.close()
     admin.dispose()
+
+
+def end_sessions(url: str, pids: list[int] | None = None) -> int:
+    """End sessions of ``url``'s database (all but the asking one's, or those of ``pids``): a restart."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = :name "
+                        "AND pid <> pg_backend_pid() AND (CAST(:pids AS int[]) IS NULL OR pid = ANY(:pids))"
+                    ),
+                    {"name": sa.make_url(url).database, "pids": pids},
+                ).scalar_one()
+            )
+    finally:
+        admin.dispose()
+
+
+def test_a_restart_costs_commits_one_retry_however_many_connections_the_pool_held(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every pooled connection dies at once: the first commit to find one dead starts a new pool, so
+    the next commits do not each find another one (and none fails)."""
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock) as store:
+        engine = store._commit_engine
+        held = [engine.connect() for _ in range(4)]  # four in the pool, as concurrent commits leave
+        for conn in held:
+            conn.close()
+        store.commit([PutCompleted("cp/p", "w", ["a"])])
+        assert end_sessions(postgres_url) >= 5  # the four, the lock's, and the store's reads
+        with caplog.at_level("INFO", logger="tally_server.store.pg_completions"):
+            for source in "bcdefg":
+                store.commit([PutCompleted("cp/p", "w", [source])])
+        assert sum("committing again" in r.getMessage() for r in caplog.records) == 1
+        assert store.load("cp/p").completed == set("abcdefg")
+
+
+def test_a_commit_whose_rollback_failed_on_a_connection_the_server_ended_runs_again() -> None:
+    """What a commit raised once in ten runs of ``test_pg_reconnect`` (the cut landing while its
+    pipeline's results were due), rebuilt as psycopg and SQLAlchemy chained it: the pipeline read the
+    server's FATAL, could not leave pipeline mode, and SQLAlchemy's ROLLBACK on it failed too, as no
+    disconnect. The commit must take that for a connection the restart cut and run again."""
+
+    def raised() -> BaseException:
+        try:
+            try:
+                try:
+                    raise psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+                except psycopg.Error:
+                    raise psycopg.OperationalError("cannot exit pipeline mode while busy")  # noqa: B904
+            except psycopg.Error:
+                try:
+                    raise psycopg.OperationalError("sending query failed: cannot exit pipeline mode")
+                except psycopg.Error as rollback:
+                    raise sa.exc.OperationalError("ROLLBACK", None, rollback) from rollback
+        except sa.exc.OperationalError as exc:
+            return exc
+        raise AssertionError("unreachable")
+
+    seen = raised()
+    assert not getattr(seen, "connection_invalidated", False)  # SQLAlchemy did not call it a disconnect
+    assert stale_connection(seen)
+    try:  # a connection that cannot be made at all is no stale one: no second try (as long again)
+        raise sa.exc.OperationalError("connect", None, psycopg.OperationalError("connection refused"))
+    except sa.exc.OperationalError as refused:
+        assert not stale_connection(refused)
+
+
+def test_status_and_replica_rows_are_written_though_the_session_ends_after_the_pools_ping(
+    postgres_url: str,
+) -> None:
+    """The pool's ping passed, then the session ended (a restart ends them all within milliseconds):
+    publishing statuses and renewing a replica's row run once more on a new connection."""
+    url = store_url(postgres_url)
+    board, replicas = StatusBoard(url, epoch=lambda: 1), ReplicaBoard(url, "r1", "h:1", "h:2")
+    cut: list[int] = []
+
+    def end_this_session_once(conn: sa.Connection, *_: object) -> None:
+        if not cut:
+            cut.append(conn.connection.driver_connection.info.backend_pid)  # type: ignore[union-attr]
+            end_sessions(postgres_url, cut)
+
+    try:
+        with StoreLock(url, "r1"):  # epoch 1, held by "r1"
+            for engine in (board._engine, replicas._engine):
+                cut.clear()
+                with engine.connect():  # a pooled connection, pinged before its next use
+                    pass
+                sa.event.listen(engine, "before_cursor_execute", end_this_session_once)
+            cut.clear()
+            assert board.publish({"cp/s": {"name": "cp/s"}}) is True
+            assert cut  # its first try's session was ended
+            cut.clear()
+            replicas.announce()
+            assert cut
+            cut.clear()
+            owner = replicas.owner()
+            assert cut and owner is not None and (owner.name, owner.grpc_address) == ("r1", "h:1")
+        assert board.statuses(["cp/s"]) == {"cp/s": {"name": "cp/s"}}
+    finally:
+        board.close()
+        replicas.close()
+
+
+def test_the_lock_taken_again_after_its_session_ended_keeps_the_epoch(postgres_url: str) -> None:
+    """A restart ends the lock's session; no one took the store meanwhile, so the same epoch goes on:
+    commits that read it (in flight while the lock is taken again) are not fenced by their own owner."""
+    url = store_url(postgres_url)
+    with StoreLock(url) as lock, PgCompletionStore(postgres_url, lock) as store:
+        store.commit([PutCompleted("cp/k", "w", ["a"])])
+        epoch = lock.epoch
+        assert lock._conn is not None
+        pid = lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        assert end_sessions(postgres_url, [pid]) == 1
+        store.commit([PutCompleted("cp/k", "w", ["b"])])  # the store is still ours: no one took it
+        lock.check()  # finds its session ended and takes the lock again
+        assert lock._conn is not None
+        assert lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() != pid
+        assert lock.epoch == epoch
+        assert rows(postgres_url, "SELECT epoch FROM store_epoch") == [(epoch,)]
+        store.commit([PutCompleted("cp/k", "w", ["c"])])
+        assert store.load("cp/k").completed == {"a", "b", "c"}
+
+
+def test_a_coordinator_whose_store_was_taken_while_its_lock_session_was_gone_stops(
+    postgres_url: str,
+) -> None:
+    """Another coordinator took the store and let it go while this one's session was gone: the lock is
+    free again, but what this one holds in memory may be stale (a reset there, say), so it must stop."""
+    url = store_url(postgres_url)
+    with StoreLock(url) as lock, PgCompletionStore(postgres_url, lock) as store:
+        assert lock._conn is not None
+        pid = lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        assert end_sessions(postgres_url, [pid]) == 1
+        with StoreLock(url) as other:  # took the store, and let it go
+            assert other.epoch == (lock.epoch or 0) + 1
+        with pytest.raises(StoreTakenMeanwhile, match="served by another coordinator") as refused:
+            lock.check()
+        assert isinstance(refused.value, StoreInUse)  # what makes the store's keeper stop this one
+        assert f"the store's epoch is {other.epoch}, this one's was {lock.epoch}" in str(refused.value)
+        with pytest.raises(Fenced):
+            store.commit([PutCompleted("cp/t", "w", ["a"])])
+        # It let the lock go again: a coordinator started anew takes the store.
+        with StoreLock(url) as anew:
+            assert anew.epoch == (other.epoch or 0) + 1
 
 
 def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:

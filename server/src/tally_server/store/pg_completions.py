@@ -119,7 +119,8 @@ class PgCompletionStore:
         self.display_url = postgres.display(self._url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
         # Commits take their connection without the pool's ping (a round trip per commit): the
-        # fence, their first statement, finds a connection a restart cut, and the commit runs again.
+        # fence, their first statement, finds a connection a restart cut, and the commit runs again
+        # on a new pool (a restart cuts every pooled connection at once).
         self._commit_engine = postgres.create_engine(self._url, pre_ping=False)
         self._closed = False
         self._lock = threading.Lock()
@@ -215,6 +216,9 @@ class PgCompletionStore:
                     )
                     # Safe whenever the connection was found closed: a commit is idempotent (its
                     # writes are upserts, or skip what is there already), even one that went through.
+                    # The others in the pool are as dead (a restart ends every session): a new pool,
+                    # so that neither this try nor the next commits take one of them.
+                    self._commit_engine.dispose()
                     continue
                 what = "completions" if first is None else "the writers' journal and completions"
                 raise postgres.write_error(self._url, exc, what) from exc

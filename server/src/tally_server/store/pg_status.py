@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from tally_server.store import pg_revisions
-from tally_server.store.postgres import TRANSIENT, create_engine, display, read_error
+from tally_server.store.postgres import TRANSIENT, again_if_cut, create_engine, display, read_error
 
 _DB_NOW = "extract(epoch from clock_timestamp())"
 _EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
@@ -61,18 +61,23 @@ class StatusBoard:
     def publish(self, changed: Mapping[str, Any], keep: Sequence[str] | None = None) -> bool:
         """Write the statuses that changed; with ``keep``, drop every other checkpoint's row.
 
-        Returns False (writing nothing) when the store's epoch is no longer this owner's.
+        Returns False (writing nothing) when the store's epoch is no longer this owner's. Runs once
+        more on a connection a database restart cut (it writes the same again).
         """
         epoch = self._epoch()
-        with self._engine.begin() as conn:
-            if conn.execute(_EPOCH).scalar() != epoch:
-                return False
-            if changed:
-                statuses = [json.dumps(status) for status in changed.values()]
-                conn.execute(_UPSERT, {"epoch": epoch, "names": list(changed), "statuses": statuses})
-            if keep is not None:
-                conn.execute(_DROP_OTHERS, {"names": list(keep)})
-        return True
+
+        def write() -> bool:
+            with self._engine.begin() as conn:
+                if conn.execute(_EPOCH).scalar() != epoch:
+                    return False
+                if changed:
+                    statuses = [json.dumps(status) for status in changed.values()]
+                    conn.execute(_UPSERT, {"epoch": epoch, "names": list(changed), "statuses": statuses})
+                if keep is not None:
+                    conn.execute(_DROP_OTHERS, {"names": list(keep)})
+            return True
+
+        return again_if_cut(write)
 
     def names(self) -> list[str]:
         """Every checkpoint with a published status.

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
@@ -29,6 +29,7 @@ from tally_server.errors import Unavailable
 from tally_server.store import pg_revisions
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Errors of the database or the way to it (down, restarting, out of disk, out of connections):
 # transient. Integrity and data errors are bugs and propagate as they are.
@@ -53,6 +54,11 @@ _BUMP_EPOCH = sa.text(
     "since = excluded.since, renewed_at = excluded.renewed_at RETURNING epoch"
 )
 _RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch")
+# Taking the lock again after our own session ended: the epoch stays ours if no one took the store.
+_KEEP_EPOCH = sa.text(
+    f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch RETURNING epoch"
+)
+_EPOCH_NOW = sa.text("SELECT epoch FROM store_epoch WHERE id = 1")
 _SILENT_FOR = sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_epoch WHERE id = 1")
 _END_HOLDER = sa.text(
     "SELECT pg_terminate_backend(l.pid) FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
@@ -171,10 +177,41 @@ def stale_connection(exc: BaseException) -> bool:
     (``connection_invalidated``, and discards it), or psycopg itself, for statements sent on its
     own connection (a commit's pipeline), with a connection error or an administrator's shutdown.
     A connection that cannot be made at all is neither (the pool raises that through SQLAlchemy).
+
+    Also an error raised while handling one that says the session ended: the ``ROLLBACK`` of a
+    commit whose pipeline read the server's "terminating connection" while results were still due
+    fails as "cannot exit pipeline mode while busy", which SQLAlchemy does not take for a
+    disconnect, and that failure is what the commit sees.
     """
     if getattr(exc, "connection_invalidated", False):
         return True
-    return isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57")
+    if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate or "")[:2] in ("", "08", "57"):
+        return True
+    handled = exc.__context__
+    for _ in range(8):  # a chain is a few exceptions long; never follow a cycle for ever
+        if handled is None:
+            return False
+        if isinstance(handled, psycopg.OperationalError) and (handled.sqlstate or "")[:2] in ("08", "57"):
+            return True
+        handled = handled.__context__
+    return False
+
+
+def again_if_cut(call: Callable[[], _T]) -> _T:
+    """``call()``, and once more if it found its connection cut (see :func:`stale_connection`).
+
+    For idempotent statements of a pooled engine with the pool's ping: the ping replaces a
+    connection a restart left dead, but not one whose session is ended after the ping or while the
+    statement runs (a server takes a few milliseconds to end them all). SQLAlchemy has discarded
+    the pool's older connections by then, so the second try runs on a new one.
+    """
+    try:
+        return call()
+    except TRANSIENT_RAW as exc:
+        if not stale_connection(exc):
+            raise
+        logger.info("a connection to the store was cut (%s); once more on a new one", cause(exc))
+    return call()
 
 
 def cause(exc: BaseException) -> str:
@@ -273,6 +310,23 @@ class StoreInUse(OSError):
         )
         self.holder = holder
         self.holder_text = f"store {display(url)} is served by another tally serve ({who})"
+
+
+class StoreTakenMeanwhile(StoreInUse):
+    """The lock's session ended, and another coordinator took the store (and let it go) meanwhile.
+
+    Its lock is free again, but the store's epoch moved on: that coordinator may have changed
+    completions this one still holds in memory, so this one must stop rather than serve on.
+    """
+
+    def __init__(self, url: sa.URL, mine: int | None, now: int | None) -> None:
+        text = (
+            f"store {display(url)} was served by another coordinator while this one had no database "
+            f"session (the store's epoch is {now}, this one's was {mine})"
+        )
+        OSError.__init__(self, f"{text}; start this one again to serve it with what the store holds now")
+        self.holder: dict[str, Any] = {}
+        self.holder_text = text
 
 
 class StoreLock:
@@ -395,7 +449,17 @@ class StoreLock:
         if self.epoch is None or now != self.epoch:
             raise Fenced(self.url, self.epoch or 0, now)
 
-    def _acquire(self, wait_s: float) -> None:
+    def _acquire(self, wait_s: float, again: bool = False) -> None:
+        """Take the lock on a new session; ``again``: after this coordinator's own session ended.
+
+        The first take bumps the store's epoch. Taking it again keeps the epoch this coordinator
+        holds, as long as the store still has it (no one took the store meanwhile: any other
+        coordinator bumps it): commits in flight read that epoch and go through. Bumping it there
+        made them fail as fenced, by this coordinator itself, until ``self.epoch`` was updated.
+
+        Raises:
+            StoreTakenMeanwhile: ``again``, and the store's epoch moved on meanwhile.
+        """
         if self._conn is not None:
             return
         engine = create_engine(self.url, pooled=False)
@@ -412,9 +476,13 @@ class StoreLock:
                         raise StoreInUse(self.url, self._holder(conn))
                     time.sleep(0.1)
                 pg_revisions.upgrade_store(engine, display(self.url))
-                self.epoch = conn.execute(
-                    _BUMP_EPOCH, {"holder": self.holder, "since": time.time()}
-                ).scalar_one()
+                if again and self.epoch is not None:
+                    if conn.execute(_KEEP_EPOCH, {"epoch": self.epoch}).scalar() is None:
+                        raise StoreTakenMeanwhile(self.url, self.epoch, conn.execute(_EPOCH_NOW).scalar())
+                else:
+                    self.epoch = conn.execute(
+                        _BUMP_EPOCH, {"holder": self.holder, "since": time.time()}
+                    ).scalar_one()
             except BaseException:
                 conn.close()
                 raise
@@ -448,10 +516,12 @@ class StoreLock:
         it (see ``wait_for``).
 
         A database restart (or an administrator's ``pg_terminate_backend``) ends the lock's session
-        and frees the lock: this takes it again on a new session as soon as the database answers.
+        and frees the lock: this takes it again on a new session as soon as the database answers,
+        under the same epoch (see ``_acquire``).
 
         Raises:
-            StoreInUse: another coordinator took the lock meanwhile; this one must stop.
+            StoreInUse: another coordinator took the lock meanwhile (or took it and let it go:
+                ``StoreTakenMeanwhile``); this one must stop.
             StoreUnreachable: the database cannot be reached (try again later).
         """
         with self._mutex:
@@ -472,8 +542,8 @@ class StoreLock:
                     cause(exc),
                 )
                 self._release()
-        self._acquire(0)
-        logger.info("holding the lock of store %s again", display(self.url))
+        self._acquire(0, again=True)
+        logger.info("holding the lock of store %s again (epoch %s)", display(self.url), self.epoch)
 
     def release(self) -> None:
         """Give the lock up (closing its session releases it). Idempotent."""

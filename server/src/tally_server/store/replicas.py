@@ -21,6 +21,7 @@ from tally_server.store.postgres import (
     TAKE_OVER_AFTER_S,
     TRANSIENT,
     StoreUnreachable,
+    again_if_cut,
     create_engine,
     display,
 )
@@ -134,24 +135,30 @@ class ReplicaBoard:
     def announce(self) -> None:
         """Write (or renew) this replica's row; sweeps rows of replicas gone for an hour.
 
+        Runs once more on a connection a database restart cut (it writes the same again).
+
         Raises:
             ReplicaNameInUse: another live coordinator of the store goes by this name.
             sqlalchemy.exc.OperationalError: and the like when the database cannot be reached.
         """
-        with self._engine.begin() as conn:
-            written = conn.execute(
-                _ANNOUNCE,
-                {
-                    "name": self.name,
-                    "instance": self._instance,
-                    "grpc": self.grpc_address,
-                    "http": self.http_address,
-                    "started": self._started,
-                    "gone": TAKE_OVER_AFTER_S,
-                },
-            ).rowcount
-            conn.execute(_SWEEP)
-        if not written:
+
+        def write() -> int:
+            with self._engine.begin() as conn:
+                written = conn.execute(
+                    _ANNOUNCE,
+                    {
+                        "name": self.name,
+                        "instance": self._instance,
+                        "grpc": self.grpc_address,
+                        "http": self.http_address,
+                        "started": self._started,
+                        "gone": TAKE_OVER_AFTER_S,
+                    },
+                ).rowcount
+                conn.execute(_SWEEP)
+            return written
+
+        if not again_if_cut(write):
             raise ReplicaNameInUse(self.name)
 
     def leave(self) -> None:
@@ -163,9 +170,13 @@ class ReplicaBoard:
             logger.warning("could not remove replica %s from the store's list: %s", self.name, exc)
 
     def owner(self) -> Owner | None:
-        """The store's owner, or None if no coordinator ever took the store."""
-        with self._engine.connect() as conn:
-            return _owner(conn)
+        """The store's owner, or None if no coordinator ever took the store (read twice if cut)."""
+
+        def read() -> Owner | None:
+            with self._engine.connect() as conn:
+                return _owner(conn)
+
+        return again_if_cut(read)
 
     def snapshot(self) -> tuple[Owner | None, list[Replica]]:
         """The owner and every replica announced in the last hour (by name), read at one instant."""
