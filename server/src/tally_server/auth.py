@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import IntEnum
@@ -238,14 +237,23 @@ def current() -> Principal:
     return _CURRENT.get()
 
 
-@contextmanager
-def bind(principal: Principal) -> Iterator[None]:
-    """Make ``principal`` the caller for the code run inside (and the tasks it starts)."""
-    token = _CURRENT.set(principal)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+class bind:  # noqa: N801 - used as a function: ``with bind(principal):``
+    """Make ``principal`` the caller for the code run inside (and the tasks it starts).
+
+    A class rather than a ``@contextmanager`` generator: entered on every call, and a generator
+    costs three times as much.
+    """
+
+    __slots__ = ("_principal", "_token")
+
+    def __init__(self, principal: Principal) -> None:
+        self._principal = principal
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT.set(self._principal)
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._token)
 
 
 def parse_tokens(spec: str) -> dict[str, Principal]:

@@ -66,9 +66,14 @@ def _logged(method: str, code: grpc.StatusCode, elapsed: float, peer: str) -> No
 
 
 def _finished(
-    latency: Histogram, method: str, code: grpc.StatusCode, cancelled: bool, elapsed: float, peer: str
+    latency: Callable[[str, grpc.StatusCode], Histogram],
+    method: str,
+    code: grpc.StatusCode,
+    cancelled: bool,
+    elapsed: float,
+    peer: str,
 ) -> None:
-    latency.labels(method, code.name).observe(elapsed)
+    latency(method, code).observe(elapsed)
     if code == grpc.StatusCode.OK and cancelled:
         code = grpc.StatusCode.CANCELLED  # the caller left before the answer
     _logged(method, code, elapsed, peer)
@@ -87,9 +92,17 @@ class RequestInterceptor(WrappingInterceptor):
     def __init__(self, latency: Histogram) -> None:
         super().__init__()
         self._latency = latency
+        # The histogram's child per (method, code), so a call skips labels()' lock and checks.
+        self._children: dict[tuple[str, grpc.StatusCode], Histogram] = {}
+
+    def _child(self, method: str, code: grpc.StatusCode) -> Histogram:
+        child = self._children.get((method, code))
+        if child is None:
+            child = self._children[(method, code)] = self._latency.labels(method, code.name)
+        return child
 
     def _wrap(self, method: str, handler: Any) -> Any:
-        latency = self._latency
+        latency = self._child
 
         if handler.unary_unary is not None or handler.stream_unary is not None:
             inner = handler.unary_unary or handler.stream_unary
