@@ -8,7 +8,9 @@ Ordering guarantees that matter:
 * a completion becomes visible in the live set only after its completion-file commit is durable;
 * completion and un-complete commits go through one FIFO group committer, and their effects on
   the live set are applied in that same order, so a late anomaly always wins over an earlier
-  completion of the same source.
+  completion of the same source;
+* a completion the settle loop is committing is queued before the un-complete of any later anomaly
+  of the writer for the same source (``Writers.apply`` waits for it), and is not made visible.
 """
 
 from __future__ import annotations
