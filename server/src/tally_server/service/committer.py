@@ -246,13 +246,14 @@ class GroupCommitter:
             self._failures.succeeded()
         for quarantined in report.quarantined:
             self._on_quarantined(quarantined)
-        _resolve(journal)
         if completions:
             elapsed = time.perf_counter() - started
             sources = sum(len(op.sources) for op in changes)
             for observe in self._stats.commit_observers:
                 observe(elapsed, len(completions), sources)
-            _resolve(completions)
+        # In the group's order, journal entries and completions alike: submitters resume in the
+        # order they queued (a submitter with no journal entry queued first resumes first).
+        _resolve(group)
 
     async def _commit_files(
         self,

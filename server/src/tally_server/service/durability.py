@@ -8,7 +8,9 @@ Ordering guarantees that matter:
 * a completion becomes visible in the live set only after its completion-file commit is durable;
 * completion and un-complete commits go through one FIFO group committer, and their effects on
   the live set are applied in that same order, so a late anomaly always wins over an earlier
-  completion of the same source.
+  completion of the same source;
+* a completion the settle loop is committing is queued before the un-complete of any later anomaly
+  of the writer for the same source (``Writers.apply`` waits for it), and is not made visible.
 """
 
 from __future__ import annotations
@@ -44,20 +46,24 @@ log = logging.getLogger(__name__)
 
 
 async def _outcomes(futures: Sequence[asyncio.Future[None]]) -> list[BaseException | None]:
-    """``asyncio.gather(*futures, return_exceptions=True)``, without its machinery for one future.
+    """``asyncio.gather(*futures, return_exceptions=True)``, awaited one after another.
 
-    A small batch waits for one journal entry and no completion: awaited as it is, it costs no
-    gathering future and no extra turn of the event loop.
+    A commit's futures are resolved together, in order, so the caller resumes as soon as its first
+    one is, in the very turn of the loop in which an earlier or later submitter with one future
+    would: submitters resume in the order their operations were queued, whatever their number.
+    (``gather`` resumes its caller one turn later, behind submitters queued after it: a completion
+    made visible after a later un-complete of the same source would then stand in the live set
+    while no file holds it.)
     """
-    if not futures:
-        return []
-    if len(futures) == 1:
+    outcomes: list[BaseException | None] = []
+    for future in futures:
         try:
-            await futures[0]
+            await future
         except Exception as exc:
-            return [exc]
-        return [None]
-    return await asyncio.gather(*futures, return_exceptions=True)
+            outcomes.append(exc)
+        else:
+            outcomes.append(None)
+    return outcomes
 
 
 class Durability:
@@ -204,7 +210,14 @@ class Durability:
             (result,) = await self.commit(session, [PutCompleted(cp.name, session.writer_id, sources)])
             if result is not None:
                 raise result
-            made_durable(cp.ids(), sources, session.writer_id)
+            own = session.ledger.own_completed
+            if own.issuperset(sources):
+                made_durable(cp.ids(), sources, session.writer_id)
+            else:
+                # An anomaly un-completed some while this commit was in flight: they stay out of
+                # the live set; the anomaly's un-complete, committed after this, removes them from
+                # the files (see Writers.apply).
+                made_durable(cp.ids(), [sid for sid in sources if sid in own], session.writer_id)
             self.persisted(session, sources)
             self._core.stats.completions[cp.name] += len(sources)
             if cp.cursored or cp.failures or cp.claims:

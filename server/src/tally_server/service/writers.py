@@ -154,6 +154,9 @@ class Writers:
             else:
                 session.last_refused = 0
             effects = apply_batch(session.ledger, cp.ids(), batch, core.clock())
+            # Sources un-completed whose completion the settle loop is still committing (not this
+            # batch's own): their un-complete must be committed after that completion.
+            in_flight = session.unconfirmed.intersection(effects.uncomplete) if effects.uncomplete else None
             core.stats.count(cp.name, effects.counts)
             cp.last_activity_at = session.last_seen_at
             session.journal_queue.append(Applied(batch_seq, batch, effects.hits))
@@ -174,6 +177,11 @@ class Writers:
             if effects.complete:
                 changes.append(PutCompleted(cp.name, session.writer_id, effects.complete))
                 session.commits_in_flight += 1
+            if in_flight:
+                # Else this un-complete could be committed first and the completion land after it:
+                # the source would stand completed, in the file and the live set, after the anomaly.
+                async with session.changed:
+                    await session.changed.wait_for(lambda: session.unconfirmed.isdisjoint(in_flight))
             try:
                 results = await self.durability.commit(session, changes)
             except Exception:
