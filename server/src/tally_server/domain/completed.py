@@ -71,6 +71,9 @@ class CompletedSet:
         self._hasher = hasher or Hasher()
         self._merge_at = merge_at or max(50_000, (index.count if index is not None else 0) // 32)
         self._overlay: dict[str, int] = dict.fromkeys(initial, _NO_ORIGIN)
+        # Ids taken out of the overlay by a discard so far: the one change to an id already in it
+        # (add only adds ids it lacks), so a merge planned at the same count finds its ids unchanged.
+        self._overlay_discards = 0
         self._mergeable = 0  # overlay ids with an origin
         # Set by the service: it runs merges in a load thread (see ``plan_merge``), not in ``add``.
         self.background_merges = False
@@ -187,7 +190,9 @@ class CompletedSet:
                 self._origins.append(origin)
         value = (self._seq << _SEQ_SHIFT) | tag
         overlay, tombstones = self._overlay, self._tombstones
-        new = [sid for sid in dict.fromkeys(sources) if sid not in overlay]
+        fresh = dict.fromkeys(sources)
+        # Usually none of them is in the overlay yet (C passes then; else the ones that are not).
+        new = list(fresh) if overlay.keys().isdisjoint(fresh) else [sid for sid in fresh if sid not in overlay]
         index = self._index
         if new and index is not None and len(index):
             # The id is in ``origin``'s file already (committed before it is added), so an entry
@@ -227,6 +232,7 @@ class CompletedSet:
     def _discard(self, source_id: str) -> bool:
         value = self._overlay.pop(source_id, None)
         if value is not None:
+            self._overlay_discards += 1
             self._id_chars -= len(source_id)
             if source_id not in self._tombstones and self._confirm is not None:
                 if value & _NO_ORIGIN != _NO_ORIGIN:
@@ -292,7 +298,15 @@ class CompletedSet:
         seqs = values >> np.uint64(_SEQ_SHIFT)
         settled = min((v.cutoff for v in self._views), default=self._seq)
         return MergePlan(
-            self._index, sids, values.tolist(), hashes, origins, seqs, len(self._origins), settled
+            self._index,
+            sids,
+            values.tolist(),
+            hashes,
+            origins,
+            seqs,
+            len(self._origins),
+            settled,
+            self._overlay_discards,
         )
 
     def finish_merge(self, plan: MergePlan, merged: CompactIndex) -> None:
@@ -301,7 +315,9 @@ class CompletedSet:
             return  # another merge came first: this one is moot, its ids are still in the overlay
         self._index = merged
         overlay, tombstones = self._overlay, self._tombstones
-        if not tombstones and list(map(overlay.get, plan.sids)) == plan.values:
+        if not tombstones and (
+            self._overlay_discards == plan.discards or list(map(overlay.get, plan.sids)) == plan.values
+        ):
             # Each moved id is in the overlay as planned (nothing was discarded meanwhile): C passes.
             deque(map(overlay.__delitem__, plan.sids), maxlen=0)
             self._id_chars -= sum(map(len, plan.sids))
@@ -365,6 +381,7 @@ class MergePlan:
     seqs: npt.NDArray[np.uint64]
     origin_count: int
     settled: int
+    discards: int = 0  # the set's count of overlay discards when planned
 
     def build(self) -> CompactIndex:
         """The index with the ids added: a copy of it, the costly part (any thread)."""

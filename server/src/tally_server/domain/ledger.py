@@ -12,7 +12,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, repeat
 from typing import NamedTuple, overload
 
 Delta = tuple[str, str, int]
@@ -146,6 +146,30 @@ class LedgerState:
     totals: ApplyCounts
 
 
+def _all_added(applied: dict[str, int], tasks: list[str], values: list[int]) -> bool:
+    """Add the tasks, none of them in ``applied``, if no task comes twice; returns whether it did.
+
+    One C pass adds them and the size tells whether one came twice; then those added are taken out
+    again (none was there before) and nothing changed.
+    """
+    before = len(applied)
+    applied.update(zip(tasks, values, strict=True))
+    if len(applied) - before == len(tasks):
+        return True
+    deque(map(applied.pop, tasks, repeat(None)), maxlen=0)
+    return False
+
+
+def _all_added_to_set(target: set[str], items: list[str]) -> bool:
+    """:func:`_all_added` for a set: add ``items``, none of them in ``target``, if none comes twice."""
+    before = len(target)
+    target.update(items)
+    if len(target) - before == len(items):
+        return True
+    target.difference_update(items)
+    return False
+
+
 class WriterLedger:
     """Pending counters, dedup map and own completions of one writer."""
 
@@ -208,19 +232,17 @@ class WriterLedger:
         view = self._completed_before_open
         many = getattr(view, "many", None)
         before_open = set(compress(asked, many(asked) if many is not None else map(view, asked)))
-        fresh = dict(zip(tasks, values, strict=True))
         # Insertion-ordered set of sources whose count must be re-examined at the end of the batch.
         recheck: dict[str, None]
         if (
             not before_open
             and untouched
             and (not settling or settling.keys().isdisjoint(touched))
-            and len(fresh) == len(tasks)
-            and applied.keys().isdisjoint(fresh)
+            and applied.keys().isdisjoint(tasks)
+            and _all_added(applied, tasks, values)
         ):
             # Every task is new (no skip, no rewrite) and no source is completed for this writer
             # (no anomaly) or settling: the rules reduce to adding each delta to its source's count.
-            applied.update(fresh)
             recheck = {}
             count_of = pending.get
             for sid, d in zip(sources, values, strict=True):
@@ -314,10 +336,9 @@ class WriterLedger:
         if (
             set(map(pending.get, sources)) <= {0}
             and own_completed.isdisjoint(sources)
-            and len(dict.fromkeys(sources)) == len(sources)
+            and _all_added_to_set(own_completed, sources)
         ):
             # All of them qualify (the common case: what a batch just brought to zero): C passes.
-            own_completed.update(sources)
             deque(map(pending.__delitem__, sources), maxlen=0)
             out = sources
         else:

@@ -167,6 +167,18 @@ class GroupCommitter:
         self._wake.set()
         return future
 
+    def enqueue_all(self, ops: Sequence[Op]) -> asyncio.Future[None]:
+        """Queue ``ops`` together for the next group; one future, resolved once all are durable.
+
+        It fails if any of them fails (a group's journal entries fail or succeed together).
+        """
+        if self._closing and self._task is None:
+            raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue += [(op, future) for op in ops]
+        self._wake.set()
+        return future
+
     async def submit(self, op: Op) -> None:
         """Queue ``op`` and wait until it is durable; raises what made it fail."""
         await self.enqueue(op)

@@ -99,9 +99,12 @@ class Durability:
         async with session.journal_lock:
             entries, session.journal_queue = session.journal_queue, []
             first = session.journal_index + 1
-            written = [
-                committer.enqueue(JournalEntry(session.handle, first + i, e)) for i, e in enumerate(entries)
-            ]
+            # The entries go into one group together: one future answers for all of them.
+            written = (
+                [committer.enqueue_all([JournalEntry(session.handle, first + i, e) for i, e in enumerate(entries)])]
+                if entries
+                else []
+            )
             committed = [committer.enqueue(change) for change in changes]
             journal = await _outcomes(written)
             results = await _outcomes(committed)
