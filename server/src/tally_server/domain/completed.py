@@ -192,7 +192,9 @@ class CompletedSet:
         overlay, tombstones = self._overlay, self._tombstones
         fresh = dict.fromkeys(sources)
         # Usually none of them is in the overlay yet (C passes then; else the ones that are not).
-        new = list(fresh) if overlay.keys().isdisjoint(fresh) else [sid for sid in fresh if sid not in overlay]
+        new = (
+            list(fresh) if overlay.keys().isdisjoint(fresh) else [sid for sid in fresh if sid not in overlay]
+        )
         index = self._index
         if new and index is not None and len(index):
             # The id is in ``origin``'s file already (committed before it is added), so an entry

@@ -101,7 +101,11 @@ class Durability:
             first = session.journal_index + 1
             # The entries go into one group together: one future answers for all of them.
             written = (
-                [committer.enqueue_all([JournalEntry(session.handle, first + i, e) for i, e in enumerate(entries)])]
+                [
+                    committer.enqueue_all(
+                        [JournalEntry(session.handle, first + i, e) for i, e in enumerate(entries)]
+                    )
+                ]
                 if entries
                 else []
             )
