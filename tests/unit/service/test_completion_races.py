@@ -27,16 +27,13 @@ from tally_server.domain.ports import (
     JournalOp,
     PutCompleted,
 )
-from tally_server.domain.validation import Limits
-from tally_server.service import CoordinatorService
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.stats import ServiceStats
 from tally_server.store.journal import LmdbJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
-from tally_server.store.registry import SqlRegistry, default_sqlite_url
 from tests.integration.workload import tree
 from tests.nemo_format import nemo_read
-from tests.unit.service.test_coordinator import TTL, Clock, Harness, never
+from tests.unit.service.test_coordinator import Clock, Harness, coordinator
 
 CP = "unit/race"
 
@@ -75,17 +72,7 @@ def run(
     async def main() -> None:
         clock = Clock()
         store = HeldStore(tmp_path)
-        service = CoordinatorService(
-            completions=store,
-            journal=LmdbJournal(tmp_path),
-            registry=SqlRegistry(default_sqlite_url(tmp_path)),
-            limits=Limits(),
-            settle_ms=settle_ms,
-            lease_ttl_s=TTL,
-            clock=clock,
-            wall_clock=clock,
-            sleep=never,
-        )
+        service = coordinator(tmp_path, store, clock, settle_ms)
         await service.start()
         try:
             await scenario(Harness(service, clock, store), store)  # type: ignore[arg-type]

@@ -69,21 +69,28 @@ class Harness:
         await self.service.loop(loop).run_once()
 
 
+def coordinator(
+    tmp_path: Path, store: LmdbCompletionStore, clock: Clock, settle_ms: int
+) -> CoordinatorService:
+    """A coordinator on ``store`` and real LMDB journal and SQLite registry files, on a test clock."""
+    return CoordinatorService(
+        completions=store,
+        journal=LmdbJournal(tmp_path),
+        registry=SqlRegistry(default_sqlite_url(tmp_path)),
+        limits=Limits(),
+        settle_ms=settle_ms,
+        lease_ttl_s=TTL,
+        clock=clock,
+        wall_clock=clock,
+        sleep=never,
+    )
+
+
 def run(tmp_path: Path, scenario: Callable[[Harness], Awaitable[None]], *, settle_ms: int = 250) -> None:
     async def main() -> None:
         clock = Clock()
         store = CountingStore(tmp_path)
-        service = CoordinatorService(
-            completions=store,
-            journal=LmdbJournal(tmp_path),
-            registry=SqlRegistry(default_sqlite_url(tmp_path)),
-            limits=Limits(),
-            settle_ms=settle_ms,
-            lease_ttl_s=TTL,
-            clock=clock,
-            wall_clock=clock,
-            sleep=never,
-        )
+        service = coordinator(tmp_path, store, clock, settle_ms)
         await service.start()
         try:
             await scenario(Harness(service, clock, store))
