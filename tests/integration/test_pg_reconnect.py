@@ -11,7 +11,9 @@ with no restart.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +25,13 @@ import sqlalchemy as sa
 
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
-from tally_server.store.postgres import STORE_LOCK_KEY, display, store_url
+from tally_server.store.postgres import (
+    INCUMBENT_GRACE_S,
+    STORE_LOCK_KEY,
+    TAKE_OVER_AFTER_S,
+    display,
+    store_url,
+)
 from tally_server.testing import RunningServer, running_server
 from tests.conftest import POSTGRES_ADMIN_URL
 from tests.integration.raw import deltas
@@ -205,6 +213,109 @@ def test_sessions_ended_again_and_again_while_writers_commit_fail_at_most_one_ca
     assert answers(server, sorted(model)) == model
     wait_until(lambda: ready(server), timeout=30, what="/readyz to say ready again")
     assert server.process.poll() is None  # never restarted
+
+
+def test_a_replica_leaves_the_owner_its_store_across_cuts_of_every_session_yet_replaces_a_killed_one(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Every session ended (as a restart does) frees the lock; the owner, not its replica, takes it back."""
+    stop = threading.Event()
+    with contextlib.ExitStack() as stack:
+        owner = stack.enter_context(running_server(tmp_path / "owner", settle_ms=0, store=postgres_url))
+        replica = stack.enter_context(running_server(tmp_path / "replica", settle_ms=0, store=postgres_url))
+        assert "serving as a replica" in replica.log()
+        with grpc.insecure_channel(owner.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            writers = [Writer(f"w{i}", stub) for i in range(2)]
+            threads = [threading.Thread(target=w.run, args=(stop,), name=w.name) for w in writers]
+            for thread in threads:
+                thread.start()
+            try:
+                holder = None
+                for _ in range(6):
+                    for writer in writers:
+                        for _ in range(BATCHES_PER_ROUND):
+                            assert writer.acknowledged.acquire(timeout=60), (
+                                f"{writer.name} stopped committing"
+                            )
+                    wait_until(
+                        lambda cut=holder: lock_holder(postgres_url) not in (None, cut),
+                        timeout=30,
+                        what="a coordinator holding the store's lock again",
+                    )
+                    assert store_epoch(postgres_url) == 1  # the owner took it back, no one else
+                    holder = lock_holder(postgres_url)
+                    assert end_every_session(postgres_url) >= 3  # the owner's and the replica's
+                for writer in writers:
+                    for _ in range(BATCHES_PER_ROUND):
+                        assert writer.acknowledged.acquire(timeout=60), f"{writer.name} stopped committing"
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(timeout=120)
+            for writer in writers:
+                writer.close()
+        assert store_epoch(postgres_url) == 1
+        assert "taking over store" not in replica.log()
+        assert "no longer owns" not in owner.log() and owner.process.poll() is None
+        done = {source for w in writers for source in w.completed}
+        short = {source for w in writers for source in w.open}
+        assert committed(postgres_url) == done
+        model = {source: source in done for source in done | short}
+        assert answers(owner, sorted(model)) == model
+
+        # A dead owner is still replaced within the lease: its replica takes the store over.
+        owner.kill()
+        killed_at = time.time()
+        wait_until(lambda: store_epoch(postgres_url) == 2, timeout=60, what="the replica taking the store")
+        took_at = took_over_at(postgres_url)
+        print(f"kill -9 of the owner to the replica's takeover: {took_at - killed_at:.2f} s")
+        assert took_at - killed_at < TAKE_OVER_AFTER_S, took_at - killed_at
+        wait_until(lambda: "taking over store" in replica.log(), timeout=60, what="the replica serving")
+        wait_until(lambda: ready(replica), timeout=60, what="the replica ready as the owner")
+        assert answers(replica, sorted(model)) == model
+
+
+def test_a_replica_leaves_the_owner_its_store_when_the_database_comes_back_after_a_long_outage(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Down longer than the grace (a slow restart): the owner's renewal is old, yet it keeps the store."""
+    with (
+        running_server(tmp_path / "owner", settle_ms=0, store=postgres_url) as owner,
+        running_server(tmp_path / "replica", settle_ms=0, store=postgres_url) as replica,
+    ):
+        assert "serving as a replica" in replica.log()
+        allow_connections(postgres_url, False)
+        try:
+            assert end_every_session(postgres_url) >= 2
+            down_at = time.monotonic()
+            wait_until(lambda: not ready(replica), timeout=30, what="the replica finding the database down")
+            # The outage itself: down well past the grace (and the owner's last renewal with it).
+            wait_until(
+                lambda: time.monotonic() - down_at > 3 * INCUMBENT_GRACE_S, what="the outage", timeout=30
+            )
+        finally:
+            allow_connections(postgres_url, True)
+        again = f"holding the lock of store {display(store_url(postgres_url))} again (epoch 1)"
+        wait_until(
+            lambda: again in owner.log() or "taking over store" in replica.log(),
+            timeout=60,
+            what="the owner (or its replica) taking the lock",
+        )
+        assert again in owner.log() and store_epoch(postgres_url) == 1
+        wait_until(lambda: ready(replica), timeout=30, what="the replica ready again")
+        assert "taking over store" not in replica.log()
+        assert owner.process.poll() is None and "no longer owns" not in owner.log()
+
+
+def took_over_at(url: str) -> float:
+    """When the store's holder took it (``store_epoch.since``, its own clock: this host's)."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return float(conn.execute(sa.text("SELECT since FROM store_epoch WHERE id = 1")).scalar_one())
+    finally:
+        engine.dispose()
 
 
 def test_while_the_database_refuses_connections_calls_fail_and_nothing_is_acknowledged_then_it_recovers(

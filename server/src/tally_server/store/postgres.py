@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import threading
@@ -70,6 +71,25 @@ _END_HOLDER = sa.text(
 # its session, and so the lock, however long it is stopped).
 RENEW_EVERY_S = 1.0
 TAKE_OVER_AFTER_S = 5.0
+# How long a free lock is left to the holder named in store_epoch before a standby takes it: a
+# database restart (or an administrator's pg_terminate_backend) ends every session, the holder's
+# lock session too, and its keeper takes the lock back within RENEW_EVERY_S. The silence counts
+# on the database's clock from the holder's last renewal or the database's start, the later one
+# (and from when the database came back for the standby, if it saw it down: a slow recovery), so a
+# restart does not hand the store to whichever coordinator reconnects first, while a holder that
+# died (kill -9, its host gone) is replaced about this long after its last renewal.
+INCUMBENT_GRACE_S = 2 * RENEW_EVERY_S
+_HAS_EPOCH = sa.text("SELECT to_regclass('store_epoch') IS NOT NULL")
+_INCUMBENT = sa.text(
+    "SELECT e.holder, "
+    f"{_DB_NOW} - greatest(e.renewed_at, extract(epoch from pg_postmaster_start_time())) AS silent, "
+    "EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND l.classid::bigint = :hi AND l.objid::bigint = :lo) AS held "
+    "FROM store_epoch e WHERE e.id = 1"
+)
+# A holder stopping cleanly marks the store as let go: a standby takes it at once, no grace.
+_LET_GO = sa.text("UPDATE store_epoch SET renewed_at = 0 WHERE id = 1 AND epoch = :epoch")
 # What StoreLock.fence reads; a commit sends it first in its pipeline of writes (check_epoch).
 READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE"
 _READ_EPOCH = sa.text(READ_EPOCH)
@@ -329,6 +349,14 @@ class StoreTakenMeanwhile(StoreInUse):
         self.holder_text = text
 
 
+class _Deferring(Exception):
+    """The lock is free, but the holder named in the store is silent for less than ``INCUMBENT_GRACE_S``."""
+
+    def __init__(self, holder: str, silent: float) -> None:
+        super().__init__(holder, silent)
+        self.holder, self.silent = holder, silent
+
+
 class StoreLock:
     """The session-level advisory lock that makes one coordinator the store's only user.
 
@@ -371,18 +399,38 @@ class StoreLock:
         """A standby's (or a replica's) wait: take the lock as soon as the coordinator holding it is gone.
 
         Logs once who holds it, calls ``poll`` between tries (a replica renews its row and reads the
-        owner there). Returns False if ``stop`` was set first (nothing taken).
+        owner there). Returns False if ``stop`` was set first (nothing taken). A lock found free is
+        left ``INCUMBENT_GRACE_S`` to its holder (see ``_acquire``): a database restart frees it
+        with every session, and the holder takes it back without a failover.
 
         Raises:
             StoreUnreachable: the database cannot be reached (at the first try only; later
                 outages are waited out).
         """
         told = False
+        deferred = False
         reachable = False
+        unreachable_at = -math.inf  # when a try last found the database out of reach
         while not stop.is_set():
             try:
-                self.acquire(0)
+                with self._mutex:
+                    self._acquire(0, back_for=time.monotonic() - unreachable_at)
                 return True
+            except _Deferring as exc:
+                reachable = True
+                if not deferred:
+                    logger.info(
+                        "%s: the store's lock is free but its holder %s could not take it back yet "
+                        "(silent for %.1f s since it renewed it or the database came back: the database "
+                        "restarted or ended its session?); leaving it %.0f s before taking over",
+                        role,
+                        exc.holder,
+                        exc.silent,
+                        INCUMBENT_GRACE_S,
+                    )
+                    deferred = True
+                if poll is not None:
+                    poll()
             except StoreInUse as exc:
                 reachable = True
                 if not told:
@@ -394,6 +442,7 @@ class StoreLock:
             except StoreUnreachable:
                 if not reachable:
                     raise
+                unreachable_at = time.monotonic()
                 if poll is not None:
                     poll()  # a replica records that the database is out of reach (not ready)
             stop.wait(_STANDBY_POLL_S)
@@ -449,8 +498,14 @@ class StoreLock:
         if self.epoch is None or now != self.epoch:
             raise Fenced(self.url, self.epoch or 0, now)
 
-    def _acquire(self, wait_s: float, again: bool = False) -> None:
+    def _acquire(self, wait_s: float, again: bool = False, back_for: float | None = None) -> None:
         """Take the lock on a new session; ``again``: after this coordinator's own session ended.
+
+        ``back_for`` (a standby's tries: seconds since it last found the database out of reach): a
+        free lock is left alone while the holder named in the store is another coordinator that was
+        silent for less than ``INCUMBENT_GRACE_S``, raising ``_Deferring``. Silent since the later
+        of its last renewal and the database's start (the database's clock), or since the database
+        came back for this standby (a restart whose recovery took longer than the grace).
 
         The first take bumps the store's epoch. Taking it again keeps the epoch this coordinator
         holds, as long as the store still has it (no one took the store meanwhile: any other
@@ -470,6 +525,8 @@ class StoreLock:
                 # keepalives), ends the session and frees the lock for a coordinator elsewhere.
                 for setting in _LOCK_SESSION:
                     conn.execute(sa.text(setting))
+                if back_for is not None:
+                    self._defer_to_incumbent(conn, back_for)
                 deadline = time.monotonic() + wait_s
                 while not conn.execute(_TRY_LOCK, {"k": STORE_LOCK_KEY}).scalar():
                     if time.monotonic() >= deadline:
@@ -493,6 +550,19 @@ class StoreLock:
             engine.dispose()
             raise
         self._engine, self._conn = engine, conn
+
+    def _defer_to_incumbent(self, conn: Connection, back_for: float) -> None:
+        """Raise ``_Deferring`` if the lock is free but its holder may still be taking it back."""
+        if not conn.execute(_HAS_EPOCH).scalar():
+            return  # a store no coordinator ever served
+        row = conn.execute(
+            _INCUMBENT, {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF}
+        ).first()
+        if row is None or row.held or row.holder == self.holder:
+            return  # held: the try below says by whom; ours: take it at once
+        silent = min(float(row.silent), back_for)
+        if silent < INCUMBENT_GRACE_S:
+            raise _Deferring(row.holder, silent)
 
     @staticmethod
     def _holder(conn: Connection) -> dict[str, Any]:
@@ -549,6 +619,11 @@ class StoreLock:
         """Give the lock up (closing its session releases it). Idempotent."""
         with self._mutex:
             self._released = True
+            if self._conn is not None and self.epoch is not None:
+                try:  # a standby need not leave this one time to take the lock back
+                    self._conn.execute(_LET_GO, {"epoch": self.epoch})
+                except TRANSIENT as exc:
+                    logger.warning("marking store %s as let go: %s", display(self.url), cause(exc))
             self._release()
 
     def _release(self) -> None:
