@@ -152,8 +152,8 @@ class PgJournal:
         writers = sa.select(w.handle, w.opened).order_by(w.handle)
         entries = sa.select(e.handle, e.idx, e.entry).order_by(e.handle, e.idx)
         if checkpoints is not None:
-            wanted = sorted(set(checkpoints))
-            writers = writers.where(sa.or_(w.checkpoint.in_(wanted), w.checkpoint.is_(None)))
+            wanted = set(checkpoints)
+            writers = writers.where(sa.or_(w.checkpoint.in_(sorted(wanted)), w.checkpoint.is_(None)))
         try:
             with self._engine.connect() as conn:
                 found = {
