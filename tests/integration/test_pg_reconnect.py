@@ -33,9 +33,9 @@ from tally_server.store.postgres import (
     store_url,
 )
 from tally_server.testing import RunningServer, running_server
-from tests.conftest import POSTGRES_ADMIN_URL
 from tests.integration.raw import deltas
 from tests.integration.workload import tree
+from tests.pg_sessions import allow_connections, end_sessions
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -91,24 +91,6 @@ class Writer:
 
     def close(self) -> pb.CloseWriterResponse:
         return self.call(self.stub.CloseWriter, pb.CloseWriterRequest(handle=self.handle))
-
-
-def end_every_session(url: str) -> int:
-    """End every session of ``url``'s database but the one asking (as a restart of PostgreSQL does)."""
-    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            return int(
-                conn.execute(
-                    sa.text(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE datname = :name AND pid <> pg_backend_pid()"
-                    ),
-                    {"name": sa.make_url(url).database},
-                ).scalar_one()
-            )
-    finally:
-        admin.dispose()
 
 
 def committed(url: str) -> set[str]:
@@ -183,7 +165,7 @@ def test_sessions_ended_again_and_again_while_writers_commit_fail_at_most_one_ca
                     what="the coordinator holding the store's lock again",
                 )
                 holder = lock_holder(postgres_url)
-                assert end_every_session(postgres_url) >= 2  # the lock's session and the commits'
+                assert end_sessions(postgres_url) >= 2  # the lock's session and the commits'
             for writer in writers:  # and once more after the last cut
                 for _ in range(BATCHES_PER_ROUND):
                     assert writer.acknowledged.acquire(timeout=60), f"{writer.name} stopped committing"
@@ -245,7 +227,7 @@ def test_a_replica_leaves_the_owner_its_store_across_cuts_of_every_session_yet_r
                     )
                     assert store_epoch(postgres_url) == 1  # the owner took it back, no one else
                     holder = lock_holder(postgres_url)
-                    assert end_every_session(postgres_url) >= 3  # the owner's and the replica's
+                    assert end_sessions(postgres_url) >= 3  # the owner's and the replica's
                 for writer in writers:
                     for _ in range(BATCHES_PER_ROUND):
                         assert writer.acknowledged.acquire(timeout=60), f"{writer.name} stopped committing"
@@ -287,7 +269,7 @@ def test_a_replica_leaves_the_owner_its_store_when_the_database_comes_back_after
         assert "serving as a replica" in replica.log()
         allow_connections(postgres_url, False)
         try:
-            assert end_every_session(postgres_url) >= 2
+            assert end_sessions(postgres_url) >= 2
             down_at = time.monotonic()
             wait_until(lambda: not ready(replica), timeout=30, what="the replica finding the database down")
             # The outage itself: down well past the grace (and the owner's last renewal with it).
@@ -338,7 +320,7 @@ def test_while_the_database_refuses_connections_calls_fail_and_nothing_is_acknow
         )
         allow_connections(postgres_url, False)
         try:
-            assert end_every_session(postgres_url) >= 1
+            assert end_sessions(postgres_url) >= 1
             for _ in range(3):  # refused each time, acknowledging nothing
                 with pytest.raises(grpc.RpcError) as refused:
                     stub.ApplyDeltas(second, timeout=60)
@@ -369,17 +351,6 @@ def test_while_the_database_refuses_connections_calls_fail_and_nothing_is_acknow
     }
     assert server.process.poll() is None
     assert f"holding the lock of store {display(store_url(postgres_url))} again (epoch 1)" in server.log()
-
-
-def allow_connections(url: str, allow: bool) -> None:
-    """``ALTER DATABASE ... ALLOW_CONNECTIONS``: the test's own database "down" (false) or back."""
-    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            name = sa.make_url(url).database
-            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allow).lower()}'))
-    finally:
-        admin.dispose()
 
 
 def answers(server: RunningServer, sources: list[str]) -> dict[str, bool]:

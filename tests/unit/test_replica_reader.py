@@ -11,7 +11,7 @@ from tally_server.domain.ports import PutCompleted
 from tally_server.replica import CompletedReader
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.postgres import store_url
-from tests.conftest import POSTGRES_ADMIN_URL
+from tests.pg_sessions import end_sessions
 
 pytestmark = pytest.mark.postgres
 
@@ -46,24 +46,14 @@ def test_reads_on_pooled_connections_a_database_restart_cut_go_through(postgres_
     with PgCompletionStore(postgres_url) as store:
         store.commit([PutCompleted("cp/r", "w", ["a"])])
     reader = CompletedReader(store_url(postgres_url))
-    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with contextlib.ExitStack() as held:  # three connections in the pool, as concurrent reads leave
             for _ in range(3):
                 held.enter_context(reader._engine.connect())
         assert reader.are_completed("cp/r", ["a", "b"]) == [True, False]
-        with admin.connect() as conn:  # as a restart does: every session of the database ends
-            ended = conn.execute(
-                sa.text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE datname = :name AND pid <> pg_backend_pid()"
-                ),
-                {"name": sa.make_url(postgres_url).database},
-            ).scalar()
-        assert ended == 3
+        assert end_sessions(postgres_url) == 3  # as a restart does: every session of the database ends
         assert reader.are_completed("cp/r", ["a", "b"]) == [True, False]
         assert reader.are_completed("cp/r", ["b", "a"]) == [False, True]
         assert reader.completed_after("cp/r", "", 10) == ["a"]
     finally:
-        admin.dispose()
         reader.close()

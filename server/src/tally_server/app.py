@@ -365,7 +365,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
         stopping = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        if not await asyncio.to_thread(store_lock.wait_for, stopping):
+        # The database was reached checking the name: an outage from here on is waited out.
+        if not await asyncio.to_thread(store_lock.wait_for, stopping, reached=True):
             log.info("standby stopped before taking over")
             datadir_lock.release()
             return
@@ -575,7 +576,7 @@ async def _serve_as_replica(
     )
     try:
         took = await asyncio.to_thread(
-            lock.wait_for, stopping, lambda: replica.poll_owner(board, route), "replica"
+            lock.wait_for, stopping, lambda: replica.poll_owner(board, route), "replica", reached=True
         )
     finally:
         halt.set()

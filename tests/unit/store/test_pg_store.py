@@ -38,6 +38,7 @@ from tally_server.store.postgres import (
 )
 from tally_server.store.replicas import ReplicaBoard
 from tests.conftest import POSTGRES_ADMIN_URL
+from tests.pg_sessions import allow_connections, end_sessions
 
 pytestmark = pytest.mark.postgres
 
@@ -148,24 +149,6 @@ def test_a_commit_on_a_pooled_connection_a_database_restart_cut_goes_through(pos
         assert journal.load()[0].entries == [batch(1)]
         journal.close()
     admin.dispose()
-
-
-def end_sessions(url: str, pids: list[int] | None = None) -> int:
-    """End sessions of ``url``'s database (all but the asking one's, or those of ``pids``): a restart."""
-    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            return int(
-                conn.execute(
-                    sa.text(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = :name "
-                        "AND pid <> pg_backend_pid() AND (CAST(:pids AS int[]) IS NULL OR pid = ANY(:pids))"
-                    ),
-                    {"name": sa.make_url(url).database, "pids": pids},
-                ).scalar_one()
-            )
-    finally:
-        admin.dispose()
 
 
 def test_a_restart_costs_commits_one_retry_however_many_connections_the_pool_held(
@@ -660,6 +643,37 @@ def test_a_standby_takes_the_store_when_its_holder_lets_go_and_stops_when_asked(
     stop.set()
     assert late.wait_for(stop) is False and late.epoch is None
     standby.release()
+
+
+def test_a_standby_that_reached_the_database_waits_out_an_outage_from_its_first_try(
+    postgres_url: str,
+) -> None:
+    """A restart of the database just as a replica starts waiting stopped it ("cannot use the store")."""
+    url = store_url(postgres_url)
+    holder = StoreLock(url, "holder")
+    holder.acquire()
+    stop = threading.Event()
+    tries = threading.Semaphore(0)
+    took: list[bool] = []
+    allow_connections(postgres_url, False)
+    try:
+        assert end_sessions(postgres_url) >= 1  # the holder's lock goes with its session
+        with pytest.raises(StoreUnreachable):  # never reached before: one clear error, as at a start
+            StoreLock(url, "fresh").wait_for(stop)
+        standby = StoreLock(url, "standby")
+        waiting = threading.Thread(
+            target=lambda: took.append(standby.wait_for(stop, tries.release, reached=True))
+        )
+        waiting.start()
+        for _ in range(2):  # two tries while the database is down: both waited out
+            assert tries.acquire(timeout=30)
+        assert waiting.is_alive() and not took
+    finally:
+        allow_connections(postgres_url, True)
+    waiting.join(60)
+    assert took == [True] and standby.epoch == (holder.epoch or 0) + 1
+    standby.release()
+    holder.release()
 
 
 def test_an_unreachable_store_is_one_clear_error() -> None:

@@ -394,7 +394,12 @@ class StoreLock:
             self._acquire(wait_s)
 
     def wait_for(
-        self, stop: threading.Event, poll: Callable[[], None] | None = None, role: str = "standby"
+        self,
+        stop: threading.Event,
+        poll: Callable[[], None] | None = None,
+        role: str = "standby",
+        *,
+        reached: bool = False,
     ) -> bool:
         """A standby's (or a replica's) wait: take the lock as soon as the coordinator holding it is gone.
 
@@ -403,13 +408,17 @@ class StoreLock:
         left ``INCUMBENT_GRACE_S`` to its holder (see ``_acquire``): a database restart frees it
         with every session, and the holder takes it back without a failover.
 
+        ``reached``: the caller has reached the database already (``tally serve`` has, checking its
+        replica name), so an outage is waited out from the first try on: a restart of the database
+        just as a replica starts must not stop it.
+
         Raises:
-            StoreUnreachable: the database cannot be reached (at the first try only; later
-                outages are waited out).
+            StoreUnreachable: the database cannot be reached at the first try (unless ``reached``);
+                later outages are waited out.
         """
         told = False
         deferred = False
-        reachable = False
+        reachable = reached
         unreachable_at = -math.inf  # when a try last found the database out of reach
         while not stop.is_set():
             try:

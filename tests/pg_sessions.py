@@ -1,0 +1,36 @@
+"""Ending PostgreSQL sessions of a test database, as a restart of PostgreSQL (or an administrator) does."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from tests.conftest import POSTGRES_ADMIN_URL
+
+
+def end_sessions(url: str, pids: list[int] | None = None) -> int:
+    """End sessions of ``url``'s database (all but the asking one's, or those of ``pids``): a restart."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = :name "
+                        "AND pid <> pg_backend_pid() AND (CAST(:pids AS int[]) IS NULL OR pid = ANY(:pids))"
+                    ),
+                    {"name": sa.make_url(url).database, "pids": pids},
+                ).scalar_one()
+            )
+    finally:
+        admin.dispose()
+
+
+def allow_connections(url: str, allow: bool) -> None:
+    """``ALTER DATABASE ... ALLOW_CONNECTIONS``: the test's own database "down" (false) or back."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            name = sa.make_url(url).database
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allow).lower()}'))
+    finally:
+        admin.dispose()
