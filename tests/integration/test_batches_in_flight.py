@@ -94,7 +94,11 @@ def test_the_sdk_counts_the_same_with_one_or_two_batches_in_flight(
     checkpoint = f"fly/sdk-{in_flight}"
     sources = [f"s{i:04d}" for i in range(2000)]
     with tally.Client(server.grpc_address) as client:
-        client._config = dataclasses.replace(client._config, max_batch=500, max_batches_in_flight=in_flight)
+        # Batches go by size and by flush() only: a timer flush (a loaded machine pausing the
+        # loop below for more than flush_interval_s) would send a 13th, smaller batch.
+        client._config = dataclasses.replace(
+            client._config, max_batch=500, max_batches_in_flight=in_flight, flush_interval_s=600.0
+        )
         with client.writer(checkpoint, writer_id="w") as w:
             for sid in sources:
                 w.apply_deltas([(f"0_{sid}", sid, 1), (f"0_{sid}_0", sid, 1)])
