@@ -12,7 +12,7 @@ from tally_server.domain.ports import CommitReport, CompletionOp
 from tally_server.domain.validation import Limits
 from tally_server.errors import Unavailable
 from tally_server.service import CoordinatorService
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 from tests.integration.workload import nemo_read, tree
@@ -36,7 +36,7 @@ def test_failed_commit_is_never_acknowledged_and_is_retried(tmp_path: Path, sett
         store = FailingStore(tmp_path)
         service = CoordinatorService(
             completions=store,
-            journal=LmdbJournal(tmp_path),
+            journal=LogJournal(tmp_path),
             registry=SqlRegistry(default_sqlite_url(tmp_path)),
             limits=Limits(),
             settle_ms=settle_ms,

@@ -36,7 +36,7 @@ from tally_server.domain.validation import Limits
 from tally_server.errors import NotFound, Unavailable
 from tally_server.service import CoordinatorService, writers
 from tally_server.service.committer import GroupCommitter
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 from tests.nemo_format import nemo_read
@@ -142,7 +142,7 @@ class Run:
         self.now = 1000.0
         self.service = CoordinatorService(
             completions=LmdbCompletionStore(data_dir),
-            journal=LmdbJournal(data_dir),
+            journal=LogJournal(data_dir),
             registry=SqlRegistry(default_sqlite_url(data_dir)),
             limits=Limits(),
             settle_ms=settle_ms,

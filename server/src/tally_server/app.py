@@ -36,7 +36,8 @@ from tally_server.service import CoordinatorService
 from tally_server.service.bridge import ServiceBridge
 from tally_server.settings import Settings, split_listen
 from tally_server.store.datadir_lock import DataDirLock
-from tally_server.store.journal import LmdbJournal, NoJournal
+from tally_server.store.journal import NoJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
@@ -74,7 +75,7 @@ def build_service(
     if settings.store is None:  # the default: NeMo Curator's LMDB files in the data directory
         completions = LmdbCompletionStore(settings.data_dir)
         if settings.journal:
-            journal = LmdbJournal(settings.data_dir)
+            journal = LogJournal(settings.data_dir)
     else:
         completions = pg_completions = PgCompletionStore(settings.store, fence)
         try:

@@ -29,7 +29,7 @@ from tally_server.domain.ports import (
 )
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.stats import ServiceStats
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tests.integration.workload import tree
 from tests.nemo_format import nemo_read
@@ -202,7 +202,7 @@ def test_submitters_resume_in_the_order_they_queued(tmp_path: Path, joint: bool)
     resumed: list[str] = []
 
     async def main() -> None:
-        store, journal = LmdbCompletionStore(tmp_path), LmdbJournal(tmp_path)
+        store, journal = LmdbCompletionStore(tmp_path), LogJournal(tmp_path)
 
         def both(entries: Sequence[JournalOp], changes: Sequence[CompletionOp]) -> CommitReport:
             journal.commit(entries)

@@ -24,7 +24,7 @@ from tally_server.domain.ports import (
 from tally_server.domain.validation import Limits
 from tally_server.errors import NotFound, Unavailable
 from tally_server.service import CoordinatorService
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 from tests.integration.workload import nemo_read, tree
@@ -75,7 +75,7 @@ def coordinator(
     """A coordinator on ``store`` and real LMDB journal and SQLite registry files, on a test clock."""
     return CoordinatorService(
         completions=store,
-        journal=LmdbJournal(tmp_path),
+        journal=LogJournal(tmp_path),
         registry=SqlRegistry(default_sqlite_url(tmp_path)),
         limits=Limits(),
         settle_ms=settle_ms,
@@ -223,7 +223,7 @@ def test_a_joint_commit_makes_a_groups_journal_and_completions_durable_together_
 
     async def main() -> None:
         clock = Clock()
-        store, journal = CountingStore(tmp_path), LmdbJournal(tmp_path)
+        store, journal = CountingStore(tmp_path), LogJournal(tmp_path)
 
         def joint(entries: Sequence[JournalOp], changes: Sequence[CompletionOp]) -> CommitReport:
             groups.append((list(entries), list(changes)))
@@ -251,7 +251,7 @@ def test_a_joint_commit_makes_a_groups_journal_and_completions_durable_together_
         finally:
             await service.shutdown()
 
-    async def scenario(h: Harness, journal: LmdbJournal) -> None:
+    async def scenario(h: Harness, journal: LogJournal) -> None:
         nonlocal failing
         svc = h.service
         opened = await svc.open_writer("unit/joint", writer_id="w")

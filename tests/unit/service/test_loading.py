@@ -12,7 +12,7 @@ from tally_server.domain.compact import Hasher
 from tally_server.domain.ports import LoadedIndex, PutCompleted
 from tally_server.domain.validation import Limits
 from tally_server.service import CoordinatorService
-from tally_server.store.journal import LmdbJournal
+from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 
@@ -40,7 +40,7 @@ def _service(tmp_path: Path, store: LmdbCompletionStore) -> CoordinatorService:
     """A coordinator on ``store`` whose background loops never run (the test drives it)."""
     return CoordinatorService(
         completions=store,
-        journal=LmdbJournal(tmp_path),
+        journal=LogJournal(tmp_path),
         registry=SqlRegistry(default_sqlite_url(tmp_path)),
         limits=Limits(),
         settle_ms=0,

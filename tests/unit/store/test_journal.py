@@ -1,5 +1,9 @@
 """The writers' journal on disk: what is committed comes back in order, snapshots and forgets shrink
-it, and a write torn by a crash leaves the journal as it was before that write."""
+it, and a write torn by a crash leaves the journal as it was before that write.
+
+The journal is an append-only log (``LogJournal``); the LMDB journal it replaced (``LmdbJournal``)
+is still read to migrate a data directory, so the semantics tests run on both. The log's own tests
+(torn tails, rewrites, migration, a full disk) are in ``test_journal_log.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ from tally_server.domain import validation
 from tally_server.domain.journal import Applied, Completing, Opened, Persisted, Reverted, Snapshot
 from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, OpenJournal
-from tally_server.store.journal import JOURNAL_FILENAME, LmdbJournal, decode_entry, encode_entry
+from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal, decode_entry, encode_entry
+from tally_server.store.journal_log import LogJournal
+
+JOURNALS = pytest.mark.parametrize("journal_class", [LogJournal, LmdbJournal])
 
 
 def who(handle: str) -> Opened:
@@ -23,22 +30,26 @@ def batch(seq: int) -> Applied:
     return Applied(seq, [(f"t{seq}", "s", 1), (f"u{seq}", "é-src", -1)], ["hit"] if seq == 2 else [])
 
 
-def test_entries_come_back_in_order_per_writer(tmp_path: Path) -> None:
-    journal = LmdbJournal(tmp_path)
+@JOURNALS
+def test_entries_come_back_in_order_per_writer(tmp_path: Path, journal_class: type[LogJournal]) -> None:
+    journal = journal_class(tmp_path)
     journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
     journal.commit([JournalEntry("a", i, batch(i)) for i in range(1, 12)])  # 10 and 11 sort after 9
     journal.commit([JournalEntry("b", 1, Completing(["s"])), JournalEntry("a", 12, Persisted(["s"]))])
     journal.close()
 
-    loaded = {w.opened.handle: w for w in LmdbJournal(tmp_path).load()}
+    loaded = {w.opened.handle: w for w in journal_class(tmp_path).load()}
     assert loaded["a"].opened == who("a")
     assert loaded["a"].entries == [*(batch(i) for i in range(1, 12)), Persisted(["s"])]
     assert loaded["a"].last_index == 12
     assert loaded["b"].entries == [Completing(["s"])]
 
 
-def test_a_snapshot_replaces_what_came_before_and_forget_drops_a_writer(tmp_path: Path) -> None:
-    journal = LmdbJournal(tmp_path)
+@JOURNALS
+def test_a_snapshot_replaces_what_came_before_and_forget_drops_a_writer(
+    tmp_path: Path, journal_class: type[LogJournal]
+) -> None:
+    journal = journal_class(tmp_path)
     journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
     journal.commit([JournalEntry("a", i, batch(i)) for i in range(1, 6)] + [JournalEntry("b", 1, batch(1))])
     state = LedgerState({"s": 1}, {"t1": 1}, {"done"}, {"undone"}, ["settling"], ApplyCounts(5, 1, 0, 1, 1))
@@ -50,6 +61,10 @@ def test_a_snapshot_replaces_what_came_before_and_forget_drops_a_writer(tmp_path
     loaded = journal.load()
     assert [w.opened.handle for w in loaded] == ["a"]
     assert loaded[0].entries == [snapshot, batch(6)]
+    assert loaded[0].last_index == 7
+    journal.close()
+    reopened = journal_class(tmp_path)
+    assert reopened.load() == loaded and reopened.entries() == 2
 
 
 def test_every_entry_survives_its_encoding() -> None:
@@ -84,14 +99,14 @@ def test_a_checked_batch_is_written_byte_for_byte_as_its_rows() -> None:
     assert isinstance(checked, DeltaBatch) and list(checked) == rows and checked == rows
 
 
-def test_a_write_torn_by_a_crash_leaves_the_journal_as_before_it(tmp_path: Path) -> None:
+def test_a_write_torn_by_a_crash_leaves_the_lmdb_journal_as_before_it(tmp_path: Path) -> None:
     """A crash in the middle of a commit: the new pages reached the disk, the meta page that would
     publish them did not. LMDB's copy-on-write B-tree then shows the previous commit, whole; the
     torn one was never acknowledged (a commit is acknowledged only once its meta page is synced)."""
     journal = LmdbJournal(tmp_path)
     journal.commit([OpenJournal(who("a")), JournalEntry("a", 1, batch(1))])
     journal.close()
-    path = tmp_path / JOURNAL_FILENAME
+    path = tmp_path / LMDB_JOURNAL_FILENAME
     page = lmdb.open(str(path), subdir=False, readonly=True, lock=False).stat()["psize"]
     metas_before = path.read_bytes()[: 2 * page]
 

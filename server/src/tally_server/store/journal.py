@@ -1,6 +1,10 @@
-"""Writers' journals in one LMDB file of the coordinator's own: ``<data_dir>/journal.mdb``.
+"""The journal's entry encoding, and the former LMDB journal (``<data_dir>/journal.mdb``).
 
-Not NeMo Curator's format and not in a checkpoint's folder (nothing NeMo reads): two databases,
+The coordinator journals in an append-only log now (:mod:`tally_server.store.journal_log`, one
+device flush per commit where LMDB's synced transaction took two); :class:`LmdbJournal` stays to
+read a data directory written before, which the log migrates at open.
+
+The LMDB journal: not NeMo Curator's format and not in a checkpoint's folder (nothing NeMo reads): two databases,
 ``writers`` (handle → who the writer is, JSON) and ``entries`` (handle + index → one entry, a
 compact binary record). One synced write transaction per commit, so a group of entries of many
 writers costs one ``fsync``. A torn write cannot leave half a record behind: LMDB's copy-on-write
@@ -32,7 +36,7 @@ from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
 from tally_server.store.disk import write_error
 
-JOURNAL_FILENAME = "journal.mdb"
+LMDB_JOURNAL_FILENAME = "journal.mdb"
 _MAP_SIZE = 1 << 30
 _MAX_MAP_GROWTHS = 10
 _WRITERS = b"writers"
@@ -52,7 +56,7 @@ class LmdbJournal:
 
     def __init__(self, data_dir: Path) -> None:
         self._data_dir = Path(data_dir)
-        self.path = self._data_dir / JOURNAL_FILENAME
+        self.path = self._data_dir / LMDB_JOURNAL_FILENAME
         self._env = lmdb.open(
             str(self.path),
             subdir=False,
@@ -125,6 +129,18 @@ class LmdbJournal:
                             writer.last_index = _INDEX.unpack(key[len(prefix) :])[0]
                 found.append(writer)
         return found
+
+    def raw(self) -> tuple[dict[str, bytes], dict[str, dict[int, bytes]]]:
+        """Everything stored, as stored: who each writer is, and each handle's entries by index."""
+        opened: dict[str, bytes] = {}
+        entries: dict[str, dict[int, bytes]] = {}
+        with self._env.begin() as txn:
+            for handle, raw in txn.cursor(db=self._writers):
+                opened[bytes(handle).decode()] = bytes(raw)
+            for key, raw in txn.cursor(db=self._entries):
+                handle, index = bytes(key[: -1 - _INDEX.size]).decode(), _INDEX.unpack(key[-_INDEX.size :])[0]
+                entries.setdefault(handle, {})[index] = bytes(raw)
+        return opened, entries
 
     def size_bytes(self) -> int:
         """Bytes in use by the journal (pages of the current tree)."""

@@ -1,0 +1,407 @@
+"""Writers' journals as an append-only log of the coordinator's own: ``<data_dir>/journal.log``.
+
+A header (magic, format version), then one record per commit: ``[u32 length][u32 crc32][payload]``,
+the payload every op of that commit (a kind byte and its fields; entries encoded as
+:func:`~tally_server.store.journal.encode_entry` does). One ``pwrite`` and one ``fdatasync`` per
+commit, so a commit costs one device flush (LMDB's synced transaction cost two: data, then meta).
+
+All or nothing: at open, records apply up to the first one cut short or failing its checksum, and
+the file is truncated there (a commit is acknowledged only once synced, so that record never was).
+A write that fails is truncated away too, so a later record never follows a partial one.
+
+The live state (who each writer is, its entries' bytes by index) is kept in memory: ``entries()``
+and ``size_bytes()`` cost nothing, and when the log has grown well past the live state it is
+rewritten (a temporary file, synced, renamed over the log, the directory synced: a crash leaves the
+old log or the new one, whole). A data directory with the former LMDB journal (``journal.mdb``)
+is migrated at open the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from tally.integrations.nemo_format import fsync_dir
+from tally_server.domain.journal import JournaledWriter
+from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.store.disk import write_error
+from tally_server.store.journal import (
+    LMDB_JOURNAL_FILENAME,
+    LmdbJournal,
+    decode_entry,
+    decode_opened,
+    encode_entry,
+    encode_opened,
+)
+
+log = logging.getLogger(__name__)
+
+LOG_FILENAME = "journal.log"
+_TEMP_FILENAME = ".journal.log.tmp"
+MAGIC = b"TALLYJNL"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sI")
+_RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
+_U32 = struct.Struct("<I")
+_INDEX = struct.Struct("<Q")
+_OPEN, _ENTRY, _FORGET = b"O", b"E", b"F"
+_SNAPSHOT_KIND = b"S"  # encode_entry's kind byte for a Snapshot
+
+#: The log is rewritten from the live state once it is past both of these (module-level so that
+#: tests can lower them): big enough that rewriting is rare, and mostly dead records.
+COMPACT_MIN_BYTES = 64 << 20
+COMPACT_RATIO = 4
+#: A rewritten log holds records of about this size (each writer's ops, split when bigger).
+_REWRITE_RECORD_BYTES = 1 << 20
+#: Per-op overhead counted into the live state's size (kind, lengths, index).
+_OP_OVERHEAD = 1 + 4 + 8 + 4
+
+
+class LogJournal:
+    """The coordinator's writer journals (one append-only file, owned by this process only).
+
+    Args:
+        data_dir: the server's data directory.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self._data_dir = Path(data_dir)
+        self.path = self._data_dir / LOG_FILENAME
+        self._lock = threading.Lock()
+        self._opened: dict[str, bytes] = {}
+        self._entries: dict[str, dict[int, bytes]] = {}
+        self._count = 0  # entries held, over every handle
+        self._live = 0  # bytes a rewritten log would take (about)
+        self._end = 0  # the offset after the last good record: where the next one goes
+        self._dirty = False  # a failed write may have left bytes after _end: truncate first
+        self._compact_at = 0  # after a failed rewrite, not again before the log reaches this
+        self._fd = -1
+        try:
+            self._open()
+        except OSError as exc:
+            raise write_error(self.path, exc, self._data_dir, "the writers' journal") from exc
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._data_dir / _TEMP_FILENAME)  # a rewrite a crash interrupted
+        lmdb_path = self._data_dir / LMDB_JOURNAL_FILENAME
+        if not self.path.exists():
+            if lmdb_path.exists():
+                self._migrate(lmdb_path)
+            else:
+                self._rewrite()  # a new, empty log
+        else:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            self._replay()
+        if lmdb_path.exists():  # migrated (now, or before a crash that kept it): the log wins
+            _remove_lmdb(lmdb_path)
+        if self._should_compact():
+            self._rewrite()
+
+    def _migrate(self, lmdb_path: Path) -> None:
+        old = LmdbJournal(self._data_dir)
+        try:
+            opened, entries = old.raw()
+        finally:
+            old.close()
+        for handle, raw in opened.items():
+            self._put_opened(handle, raw)
+        for handle, indexed in entries.items():
+            for index, raw in indexed.items():
+                self._put_entry(handle, index, raw)
+        self._rewrite()
+        log.info(
+            "migrated the writers' journal from %s to %s (%d writers, %d entries)",
+            lmdb_path,
+            self.path,
+            len(self._opened),
+            self._count,
+        )
+
+    def _replay(self) -> None:
+        size = os.fstat(self._fd).st_size
+        with os.fdopen(os.dup(self._fd), "rb") as reader:
+            header = reader.read(_HEADER.size)
+            if len(header) < _HEADER.size:
+                raise OSError(f"{self.path} is not a Tally journal (shorter than its header)")
+            magic, version = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise OSError(f"{self.path} is not a Tally journal (magic {magic!r})")
+            if version != FORMAT_VERSION:
+                raise OSError(
+                    f"{self.path} is journal format {version}; this Tally reads format {FORMAT_VERSION} "
+                    "(written by a newer Tally? run that version, or move the file away to lose its writers)"
+                )
+            end = _HEADER.size
+            while True:
+                prefix = reader.read(_RECORD.size)
+                if len(prefix) < _RECORD.size:
+                    break
+                length, crc = _RECORD.unpack(prefix)
+                if length == 0 or end + _RECORD.size + length > size:
+                    break  # zeros, or cut short
+                payload = reader.read(length)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    break
+                for op in _decode_ops(payload):
+                    self._apply(op)
+                end += _RECORD.size + length
+        self._end = end
+        if end < size:
+            log.warning(
+                "the writers' journal %s ends in %d bytes of a write a crash cut short (never "
+                "acknowledged); dropping them",
+                self.path,
+                size - end,
+            )
+            os.ftruncate(self._fd, end)
+            os.fsync(self._fd)
+
+    # --- the live state --------------------------------------------------------------------------
+
+    def _apply(self, op: tuple[bytes, str, int, bytes]) -> None:
+        kind, handle, index, raw = op
+        if kind == _OPEN:
+            self._put_opened(handle, raw)
+        elif kind == _ENTRY:
+            self._put_entry(handle, index, raw)
+        else:
+            self._forget(handle)
+
+    def _put_opened(self, handle: str, raw: bytes) -> None:
+        old = self._opened.get(handle)
+        if old is not None:
+            self._live -= len(old) + len(handle) + _OP_OVERHEAD
+        self._opened[handle] = raw
+        self._live += len(raw) + len(handle) + _OP_OVERHEAD
+
+    def _put_entry(self, handle: str, index: int, raw: bytes) -> None:
+        indexed = self._entries.setdefault(handle, {})
+        if raw[:1] == _SNAPSHOT_KIND:  # a snapshot replaces everything before it
+            for before in [i for i in indexed if i < index]:
+                self._drop(handle, indexed.pop(before))
+        old = indexed.get(index)
+        if old is not None:
+            self._drop(handle, old)
+        indexed[index] = raw
+        self._count += 1
+        self._live += len(raw) + len(handle) + _OP_OVERHEAD
+
+    def _drop(self, handle: str, raw: bytes) -> None:
+        self._count -= 1
+        self._live -= len(raw) + len(handle) + _OP_OVERHEAD
+
+    def _forget(self, handle: str) -> None:
+        opened = self._opened.pop(handle, None)
+        if opened is not None:
+            self._live -= len(opened) + len(handle) + _OP_OVERHEAD
+        for raw in self._entries.pop(handle, {}).values():
+            self._drop(handle, raw)
+
+    # --- the protocol ----------------------------------------------------------------------------
+
+    def commit(self, ops: Sequence[JournalOp]) -> None:
+        """Append ``ops`` as one record and sync it; durable when this returns, all or nothing."""
+        if not ops:
+            return
+        decoded = [_op(op) for op in ops]
+        payload = b"".join(_encode_op(*op) for op in decoded)
+        record = _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        with self._lock:
+            try:
+                if self._fd < 0:
+                    raise OSError("the writers' journal is closed")
+                if self._dirty:
+                    self._truncate()
+                self._write(record)
+            except OSError as exc:
+                raise write_error(self.path, exc, self._data_dir, "the writers' journal") from exc
+            for op in decoded:
+                self._apply(op)
+            if self._should_compact():
+                self._compact()
+
+    def _write(self, record: bytes) -> None:
+        try:
+            _write_all(self._fd, record, self._end)
+            os.fdatasync(self._fd)
+        except OSError:
+            # Nothing of this record may stay for a later one to follow: cut it off now, or
+            # before the next commit if even that fails (no commit is accepted until then).
+            self._dirty = True
+            with contextlib.suppress(OSError):
+                self._truncate()
+            raise
+        self._end += len(record)
+
+    def _truncate(self) -> None:
+        os.ftruncate(self._fd, self._end)
+        os.fdatasync(self._fd)
+        self._dirty = False
+
+    def _should_compact(self) -> bool:
+        return self._end > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._live, self._compact_at)
+
+    def _compact(self) -> None:
+        before = self._end
+        try:
+            self._rewrite()
+        except OSError as exc:  # the commit is durable all the same: try again once grown more
+            self._compact_at = self._end + COMPACT_MIN_BYTES
+            log.warning(
+                "could not rewrite the writers' journal %s (will try again later): %s", self.path, exc
+            )
+            return
+        self._compact_at = 0
+        log.info("rewrote the writers' journal %s: %d bytes down to %d", self.path, before, self._end)
+
+    def _rewrite(self) -> None:
+        """Write the live state as a fresh log in place of the current one (or of none)."""
+        temp = self._data_dir / _TEMP_FILENAME
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            end = 0
+            for chunk in _chunks(self._live_records()):
+                end = _write_all(fd, chunk, end)
+            os.fsync(fd)
+            os.replace(temp, self.path)
+            fsync_dir(self._data_dir)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._end, self._dirty = fd, end, False
+
+    def _live_records(self) -> Iterator[bytes]:
+        yield _HEADER.pack(MAGIC, FORMAT_VERSION)
+        ops: list[bytes] = []
+        size = 0
+        for handle in sorted(self._opened.keys() | self._entries.keys()):
+            if handle in self._opened:
+                ops.append(_encode_op(_OPEN, handle, 0, self._opened[handle]))
+                size += len(ops[-1])
+            for index, raw in sorted(self._entries.get(handle, {}).items()):
+                ops.append(_encode_op(_ENTRY, handle, index, raw))
+                size += len(ops[-1])
+                if size >= _REWRITE_RECORD_BYTES:
+                    yield _record(ops)
+                    ops, size = [], 0
+        if ops:
+            yield _record(ops)
+
+    def load(self) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+        found: list[JournaledWriter] = []
+        with self._lock:
+            for handle in sorted(self._opened, key=str.encode):
+                writer = JournaledWriter(decode_opened(self._opened[handle]))
+                for index, raw in sorted(self._entries.get(handle, {}).items()):
+                    writer.entries.append(decode_entry(raw))
+                    writer.last_index = index
+                found.append(writer)
+        return found
+
+    def size_bytes(self) -> int:
+        """Bytes the log takes on disk."""
+        return self._end
+
+    def entries(self) -> int:
+        """How many entries the journal holds (snapshots keep this bounded per writer)."""
+        return self._count
+
+    def close(self) -> None:
+        """Close the log file."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+# --- records ---------------------------------------------------------------------------------------
+
+
+def _op(op: JournalOp) -> tuple[bytes, str, int, bytes]:
+    if isinstance(op, OpenJournal):
+        return _OPEN, op.opened.handle, 0, encode_opened(op.opened)
+    if isinstance(op, JournalEntry):
+        return _ENTRY, op.handle, op.index, encode_entry(op.entry)
+    if isinstance(op, ForgetWriter):
+        return _FORGET, op.handle, 0, b""
+    raise TypeError(f"unknown journal op {op!r}")  # pragma: no cover - guarded by the type checker
+
+
+def _encode_op(kind: bytes, handle: str, index: int, raw: bytes) -> bytes:
+    name = handle.encode()
+    if kind == _FORGET:
+        return kind + _U32.pack(len(name)) + name
+    if kind == _OPEN:
+        return kind + _U32.pack(len(name)) + name + _U32.pack(len(raw)) + raw
+    return kind + _U32.pack(len(name)) + name + _INDEX.pack(index) + _U32.pack(len(raw)) + raw
+
+
+def _decode_ops(payload: bytes) -> Iterator[tuple[bytes, str, int, bytes]]:
+    view, at = memoryview(payload), 0
+    while at < len(view):
+        kind = bytes(view[at : at + 1])
+        (n,) = _U32.unpack_from(view, at + 1)
+        handle = bytes(view[at + 5 : at + 5 + n]).decode()
+        at += 5 + n
+        index = 0
+        if kind == _FORGET:
+            yield kind, handle, 0, b""
+            continue
+        if kind == _ENTRY:
+            (index,) = _INDEX.unpack_from(view, at)
+            at += _INDEX.size
+        elif kind != _OPEN:
+            raise ValueError(f"unknown journal op kind {kind!r} in a record whose checksum matched")
+        (n,) = _U32.unpack_from(view, at)
+        raw = bytes(view[at + 4 : at + 4 + n])
+        at += 4 + n
+        yield kind, handle, index, raw
+
+
+def _write_all(fd: int, data: bytes, at: int) -> int:
+    """Write ``data`` at offset ``at`` (again after a short write); the offset after it."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written
+    return at
+
+
+def _record(ops: list[bytes]) -> bytes:
+    payload = b"".join(ops)
+    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _chunks(parts: Iterable[bytes]) -> Iterator[bytes]:
+    """``parts`` joined into writes of about a rewritten record's size."""
+    pending: list[bytes] = []
+    size = 0
+    for part in parts:
+        pending.append(part)
+        size += len(part)
+        if size >= _REWRITE_RECORD_BYTES:
+            yield b"".join(pending)
+            pending, size = [], 0
+    if pending:
+        yield b"".join(pending)
+
+
+def _remove_lmdb(path: Path) -> None:
+    for stale in (path, path.with_name(path.name + "-lock")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    fsync_dir(path.parent)

@@ -1,0 +1,252 @@
+"""The journal's append-only log: a tail torn by a crash is dropped and cut off, the log is rewritten
+once mostly dead, a former LMDB journal is migrated, and a full disk leaves no partial record."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tally_server.domain.journal import Completing, JournaledWriter, Persisted, Snapshot
+from tally_server.domain.ledger import ApplyCounts, LedgerState
+from tally_server.domain.ports import CompletionWriteError, ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.store import journal_log
+from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
+from tally_server.store.journal_log import LOG_FILENAME, LogJournal
+from tests.unit.store.test_journal import batch, who
+
+
+def history() -> list[list[JournalOp]]:
+    """Commits of two writers: entries, a snapshot, a writer forgotten, a third opened."""
+    state = LedgerState({"s": 1}, {"t1": 1}, {"done"}, set(), [], ApplyCounts(3, 0, 0, 0, 1))
+    return [
+        [OpenJournal(who("a")), OpenJournal(who("b"))],
+        [JournalEntry("a", i, batch(i)) for i in range(1, 4)],
+        [JournalEntry("b", 1, Completing(["s"])), JournalEntry("a", 4, Persisted(["s"]))],
+        [JournalEntry("a", 5, Snapshot(state, 3, ApplyCounts(1, 0, 0, 0, 0), ["done"]))],
+        [JournalEntry("a", 6, batch(4)), ForgetWriter("b"), OpenJournal(who("c"))],
+        [JournalEntry("c", 1, batch(5))],
+    ]
+
+
+def run(data_dir: Path, commits: list[list[JournalOp]]) -> list[JournaledWriter]:
+    journal = LogJournal(data_dir)
+    for ops in commits:
+        journal.commit(ops)
+    loaded = journal.load()
+    journal.close()
+    return loaded
+
+
+def load(data_dir: Path) -> list[JournaledWriter]:
+    journal = LogJournal(data_dir)
+    try:
+        return journal.load()
+    finally:
+        journal.close()
+
+
+def last_record_at(path: Path) -> int:
+    """The offset of the log's last record (walking the records from the header on)."""
+    data, at, last = path.read_bytes(), journal_log._HEADER.size, -1
+    while at < len(data):
+        length, _ = journal_log._RECORD.unpack_from(data, at)
+        last, at = at, at + journal_log._RECORD.size + length
+    assert at == len(data) and last > 0
+    return last
+
+
+def torn(kind: str, data: bytes, last: int) -> bytes:
+    if kind == "garbage after it":
+        return data + b"\x07garbage that is no record"
+    if kind == "zeros after it":  # a file extended by a crash before its data reached the disk
+        return data + b"\0" * 64
+    if kind == "cut short":
+        return data[:-3]
+    if kind == "only its length":
+        return data[: last + 4]
+    assert kind == "a byte flipped"
+    middle = last + journal_log._RECORD.size + 5
+    return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1 :]
+
+
+@pytest.mark.parametrize(
+    "kind", ["garbage after it", "zeros after it", "cut short", "only its length", "a byte flipped"]
+)
+def test_a_torn_tail_is_dropped_and_cut_off_so_later_records_follow_good_ones(
+    tmp_path: Path, kind: str
+) -> None:
+    commits = history()
+    before = run(tmp_path, commits[:-1])
+    after = run(tmp_path, commits[-1:])
+    assert after != before
+    path = tmp_path / LOG_FILENAME
+    good_end = last_record_at(path)
+    data = path.read_bytes()
+    broken = torn(kind, data, good_end)
+    path.write_bytes(broken)
+
+    expected = after if kind in ("garbage after it", "zeros after it") else before
+    assert load(tmp_path) == expected
+    kept = len(data) if expected is after else good_end
+    assert path.stat().st_size == kept  # truncated at the last good record
+    assert path.read_bytes() == data[:kept]
+
+    # A later commit lands right after the good records, and comes back (not the garbage).
+    run(tmp_path, [[JournalEntry("c", 2, Persisted(["x"]))]])
+    reloaded = {w.opened.handle: w for w in load(tmp_path)}
+    assert reloaded["c"].entries[-1] == Persisted(["x"]) and reloaded["c"].last_index == 2
+    assert set(reloaded) == {"a", "c"}
+
+
+def test_a_log_that_is_not_ours_or_is_newer_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / LOG_FILENAME
+    path.write_bytes(b"SQLite format 3\0" + b"\0" * 100)
+    with pytest.raises(CompletionWriteError, match="is not a Tally journal"):
+        LogJournal(tmp_path)
+    path.write_bytes(journal_log._HEADER.pack(journal_log.MAGIC, journal_log.FORMAT_VERSION + 1))
+    with pytest.raises(CompletionWriteError, match="journal format 2"):
+        LogJournal(tmp_path)
+    assert path.stat().st_size == journal_log._HEADER.size  # left alone
+
+
+def test_a_mostly_dead_log_is_rewritten_and_keeps_the_live_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 8 << 10)
+    journal = LogJournal(tmp_path)
+    path = tmp_path / LOG_FILENAME
+    state = LedgerState({"s": 2}, {}, set(), {"u"}, ["s"], ApplyCounts(9, 0, 0, 0, 0))
+    biggest = 0
+    with caplog.at_level(logging.INFO, logger=journal_log.__name__):
+        for round_ in range(60):
+            handle = f"w{round_ % 7}"
+            if round_ % 7 == round_ // 7 % 7:
+                journal.commit([ForgetWriter(handle)])
+            journal.commit([OpenJournal(who(handle))])
+            base = 10 * round_
+            journal.commit([JournalEntry(handle, base + i, batch(i)) for i in range(1, 6)])
+            journal.commit([JournalEntry(handle, base + 6, Snapshot(state, 5, ApplyCounts(), []))])
+            journal.commit([JournalEntry(handle, base + 7, Completing(["s"]))])
+            biggest = max(biggest, path.stat().st_size)
+            assert journal.size_bytes() == path.stat().st_size
+    rewrites = [r for r in caplog.records if "rewrote the writers' journal" in r.getMessage()]
+    assert len(rewrites) >= 3  # 60 rounds write ~80 KiB: the log stays near the 8 KiB threshold
+    assert biggest < 16 << 10
+    live, count = journal.load(), journal.entries()
+    journal.close()
+
+    reopened = LogJournal(tmp_path)
+    assert reopened.load() == live and reopened.entries() == count
+    assert {w.opened.handle for w in live} == {f"w{i}" for i in range(7)}
+    assert all([type(e) for e in w.entries] == [Snapshot, Completing] for w in live)
+    assert not (tmp_path / ".journal.log.tmp").exists()
+    reopened.close()
+
+
+def test_a_rewrite_interrupted_by_a_crash_leaves_the_old_log(tmp_path: Path) -> None:
+    expected = run(tmp_path, history())
+    (tmp_path / ".journal.log.tmp").write_bytes(b"half a rewrite")
+    assert load(tmp_path) == expected
+    assert not (tmp_path / ".journal.log.tmp").exists()
+
+
+def test_the_start_rewrites_a_mostly_dead_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = LogJournal(tmp_path)
+    for i in range(1, 200):
+        journal.commit([OpenJournal(who(f"w{i}")), JournalEntry(f"w{i}", 1, batch(i))])
+        journal.commit([ForgetWriter(f"w{i - 1}")])
+    size = journal.size_bytes()
+    journal.close()
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 1 << 10)
+    reopened = LogJournal(tmp_path)
+    assert reopened.size_bytes() < size // 10
+    assert [(w.opened.handle, w.entries, w.last_index) for w in reopened.load()] == [
+        ("w199", [batch(199)], 1)
+    ]
+
+
+def lmdb_journal(data_dir: Path, commits: list[list[JournalOp]]) -> list[JournaledWriter]:
+    journal = LmdbJournal(data_dir)
+    for ops in commits:
+        journal.commit(ops)
+    loaded = journal.load()
+    journal.close()
+    return loaded
+
+
+def test_a_former_lmdb_journal_is_migrated_and_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = lmdb_journal(tmp_path, history())
+    assert len(expected) == 2 and expected[0].entries
+    with caplog.at_level(logging.INFO, logger=journal_log.__name__):
+        journal = LogJournal(tmp_path)
+    assert journal.load() == expected
+    assert journal.entries() == sum(len(w.entries) for w in expected)
+    assert not (tmp_path / LMDB_JOURNAL_FILENAME).exists()
+    assert [r.getMessage() for r in caplog.records if "migrated" in r.getMessage()] == [
+        f"migrated the writers' journal from {tmp_path / LMDB_JOURNAL_FILENAME} to {tmp_path / LOG_FILENAME} "
+        "(2 writers, 3 entries)"
+    ]
+    # The writers carry on where they were, in the log.
+    journal.commit([JournalEntry("a", 7, Persisted(["t"]))])
+    journal.close()
+    reloaded = load(tmp_path)
+    assert reloaded[0].entries[-1] == Persisted(["t"]) and reloaded[0].last_index == 7
+
+
+def test_with_both_journals_the_log_wins(tmp_path: Path) -> None:
+    """A crash after the migrated log was renamed in place, before the LMDB file was removed."""
+    commits = history()
+    expected = run(tmp_path, commits)
+    lmdb_journal(tmp_path, commits[:2])
+    (tmp_path / (LMDB_JOURNAL_FILENAME + "-lock")).write_bytes(b"")
+    assert load(tmp_path) == expected
+    assert not (tmp_path / LMDB_JOURNAL_FILENAME).exists()
+    assert not (tmp_path / (LMDB_JOURNAL_FILENAME + "-lock")).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_leaves_no_partial_record_behind(small_disk: Path) -> None:
+    journal = LogJournal(small_disk)
+    journal.commit(history()[0])
+    size = journal.size_bytes()
+    filler = small_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, filler.stat().st_size - 32 * 4096)  # room for part of the next record
+    big = JournalEntry("a", 1, Completing([f"source-{i:06d}" for i in range(20_000)]))
+    with pytest.raises(CompletionWriteError, match="is full") as failed:
+        journal.commit([big])
+    assert failed.value.disk_full
+    assert (small_disk / LOG_FILENAME).stat().st_size == size  # the partial record cut off
+    assert journal.size_bytes() == size and journal.entries() == 0
+
+    filler.unlink()
+    journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
+    journal.close()
+    assert [(w.opened.handle, w.entries) for w in load(small_disk)] == [("a", [Persisted(["s"])]), ("b", [])]
