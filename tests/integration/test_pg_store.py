@@ -123,7 +123,7 @@ def test_the_same_deltas_answer_the_same_on_postgresql_as_on_lmdb(tmp_path: Path
     trace = sql(postgres_url, "SELECT count(*) FROM completed WHERE checkpoint = 'nemo/trace'")[0][0]
     assert trace == len(nemo_read(tmp_path / "lmdb" / "checkpoints" / "nemo" / "trace")) > 0
     assert not (tmp_path / "pg" / "checkpoints").exists()
-    assert not (tmp_path / "pg" / "journal.mdb").exists()
+    assert not (tmp_path / "pg" / "journal.log").exists()
     assert not (tmp_path / "pg" / "registry.sqlite3").exists()  # the registry went to the store's database
     assert sql(postgres_url, "SELECT count(*) FROM writers")[0][0] == 4
 
@@ -176,7 +176,7 @@ def test_a_restart_keeps_completions_and_live_writers_carry_on(
             kinds = [e.kind for e in fresh.events("pg/restart", limit=50).events]
             assert "writer_restored" in kinds and "writer_lost" not in kinds
     assert sql(postgres_url, "SELECT count(*) FROM journal_entries")[0][0] == 0  # closed: forgotten
-    assert not (data / "checkpoints").exists() and not (data / "journal.mdb").exists()
+    assert not (data / "checkpoints").exists() and not (data / "journal.log").exists()
     assert lock_is_free(postgres_url)
 
 

@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     store: str | None = Field(
         default=None,
         description="Where completions and writers' journals live. Unset: LMDB files in NeMo Curator's "
-        "format in data_dir (and the journal in data_dir/journal.mdb). A PostgreSQL URL "
+        "format in data_dir (and the journal in data_dir/journal.log). A PostgreSQL URL "
         "(postgresql+psycopg://user@host:5432/db; postgresql:// means the same): both in that "
         "database, nothing under data_dir/checkpoints. Several coordinators given one store form one "
         "service: one owns the store (an advisory lock and a fencing epoch) and applies every writer's "
@@ -101,7 +101,7 @@ class Settings(BaseSettings):
     )
     journal: bool = Field(
         default=True,
-        description="Journal every live writer's accepted batches (in <data_dir>/journal.mdb, or in the "
+        description="Journal every live writer's accepted batches (in <data_dir>/journal.log, or in the "
         "store's database with store), so that a "
         "restart, crash or upgrade of the coordinator loses none of their pending state and they carry "
         "on. Off: writers open at a restart are lost and their unfinished sources replay (faster; for "

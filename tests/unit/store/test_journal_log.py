@@ -250,3 +250,27 @@ def test_a_full_disk_leaves_no_partial_record_behind(small_disk: Path) -> None:
     journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
     journal.close()
     assert [(w.opened.handle, w.entries) for w in load(small_disk)] == [("a", [Persisted(["s"])]), ("b", [])]
+
+
+def test_an_entry_put_before_a_snapshot_after_it_survives_a_rewrite_and_a_migration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot dropped what came before it when it was written, not what was put after it
+    (as LMDB had it): a rewritten or migrated log puts the live entries back as they are."""
+    state = LedgerState({}, {}, set(), set(), [], ApplyCounts())
+    commits: list[list[JournalOp]] = [
+        [OpenJournal(who("a")), JournalEntry("a", 1, batch(1))],
+        [JournalEntry("a", 3, Snapshot(state, 1, ApplyCounts(), []))],
+        [JournalEntry("a", 2, batch(2))],
+    ]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    expected = lmdb_journal(tmp_path / "old", commits)
+    assert [e for w in expected for e in w.entries] == [batch(2), Snapshot(state, 1, ApplyCounts(), [])]
+    assert load(tmp_path / "old") == expected  # migrated
+    assert run(tmp_path / "new", commits) == expected
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(journal_log, "COMPACT_RATIO", 0)  # every open and commit rewrites the log
+    assert load(tmp_path / "new") == expected
+    assert run(tmp_path / "new", [[JournalEntry("b", 1, batch(1))]]) == expected
+    assert load(tmp_path / "new") == expected

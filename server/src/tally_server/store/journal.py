@@ -4,8 +4,8 @@ The coordinator journals in an append-only log now (:mod:`tally_server.store.jou
 device flush per commit where LMDB's synced transaction took two); :class:`LmdbJournal` stays to
 read a data directory written before, which the log migrates at open.
 
-The LMDB journal: not NeMo Curator's format and not in a checkpoint's folder (nothing NeMo reads): two databases,
-``writers`` (handle → who the writer is, JSON) and ``entries`` (handle + index → one entry, a
+The LMDB journal: not NeMo Curator's format and not in a checkpoint's folder (nothing NeMo reads):
+two databases, ``writers`` (handle → who the writer is, JSON) and ``entries`` (handle + index → one entry, a
 compact binary record). One synced write transaction per commit, so a group of entries of many
 writers costs one ``fsync``. A torn write cannot leave half a record behind: LMDB's copy-on-write
 B-tree publishes a transaction whole or not at all, and its meta page is synced (metasync).

@@ -2,7 +2,7 @@
 
 A header (magic, format version), then one record per commit: ``[u32 length][u32 crc32][payload]``,
 the payload every op of that commit (a kind byte and its fields; entries encoded as
-:func:`~tally_server.store.journal.encode_entry` does). One ``pwrite`` and one ``fdatasync`` per
+:func:`~tally_server.store.journal.encode_entry` does, the same bytes as in LMDB and PostgreSQL). One ``pwrite`` and one ``fdatasync`` per
 commit, so a commit costs one device flush (LMDB's synced transaction cost two: data, then meta).
 
 All or nothing: at open, records apply up to the first one cut short or failing its checksum, and
@@ -50,7 +50,9 @@ _HEADER = struct.Struct("<8sI")
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
 _U32 = struct.Struct("<I")
 _INDEX = struct.Struct("<Q")
-_OPEN, _ENTRY, _FORGET = b"O", b"E", b"F"
+# Kinds of op: open a writer, append an entry (a snapshot drops the entries before it), forget a
+# writer; and put an entry as it is (a rewritten log's entries: the live state, nothing to drop).
+_OPEN, _ENTRY, _FORGET, _PUT = b"O", b"E", b"F", b"P"
 _SNAPSHOT_KIND = b"S"  # encode_entry's kind byte for a Snapshot
 
 #: The log is rewritten from the live state once it is past both of these (module-level so that
@@ -116,7 +118,7 @@ class LogJournal:
             self._put_opened(handle, raw)
         for handle, indexed in entries.items():
             for index, raw in indexed.items():
-                self._put_entry(handle, index, raw)
+                self._put_entry(handle, index, raw, snapshot=False)
         self._rewrite()
         log.info(
             "migrated the writers' journal from %s to %s (%d writers, %d entries)",
@@ -171,8 +173,8 @@ class LogJournal:
         kind, handle, index, raw = op
         if kind == _OPEN:
             self._put_opened(handle, raw)
-        elif kind == _ENTRY:
-            self._put_entry(handle, index, raw)
+        elif kind == _ENTRY or kind == _PUT:
+            self._put_entry(handle, index, raw, snapshot=kind == _ENTRY)
         else:
             self._forget(handle)
 
@@ -183,9 +185,9 @@ class LogJournal:
         self._opened[handle] = raw
         self._live += len(raw) + len(handle) + _OP_OVERHEAD
 
-    def _put_entry(self, handle: str, index: int, raw: bytes) -> None:
+    def _put_entry(self, handle: str, index: int, raw: bytes, *, snapshot: bool = True) -> None:
         indexed = self._entries.setdefault(handle, {})
-        if raw[:1] == _SNAPSHOT_KIND:  # a snapshot replaces everything before it
+        if snapshot and raw[:1] == _SNAPSHOT_KIND:  # a snapshot replaces everything before it
             for before in [i for i in indexed if i < index]:
                 self._drop(handle, indexed.pop(before))
         old = indexed.get(index)
@@ -292,7 +294,7 @@ class LogJournal:
                 ops.append(_encode_op(_OPEN, handle, 0, self._opened[handle]))
                 size += len(ops[-1])
             for index, raw in sorted(self._entries.get(handle, {}).items()):
-                ops.append(_encode_op(_ENTRY, handle, index, raw))
+                ops.append(_encode_op(_PUT, handle, index, raw))
                 size += len(ops[-1])
                 if size >= _REWRITE_RECORD_BYTES:
                     yield _record(ops)
@@ -361,7 +363,7 @@ def _decode_ops(payload: bytes) -> Iterator[tuple[bytes, str, int, bytes]]:
         if kind == _FORGET:
             yield kind, handle, 0, b""
             continue
-        if kind == _ENTRY:
+        if kind == _ENTRY or kind == _PUT:
             (index,) = _INDEX.unpack_from(view, at)
             at += _INDEX.size
         elif kind != _OPEN:
