@@ -135,11 +135,11 @@ class LmdbJournal:
         opened: dict[str, bytes] = {}
         entries: dict[str, dict[int, bytes]] = {}
         with self._env.begin() as txn:
-            for handle, raw in txn.cursor(db=self._writers):
-                opened[bytes(handle).decode()] = bytes(raw)
-            for key, raw in txn.cursor(db=self._entries):
-                handle, index = bytes(key[: -1 - _INDEX.size]).decode(), _INDEX.unpack(key[-_INDEX.size :])[0]
-                entries.setdefault(handle, {})[index] = bytes(raw)
+            for name, raw in txn.cursor(db=self._writers):
+                opened[bytes(name).decode()] = bytes(raw)
+            for key, raw in txn.cursor(db=self._entries):  # handle, ":", big-endian index
+                (index,) = _INDEX.unpack(key[-_INDEX.size :])
+                entries.setdefault(bytes(key[: -1 - _INDEX.size]).decode(), {})[index] = bytes(raw)
         return opened, entries
 
     def size_bytes(self) -> int:

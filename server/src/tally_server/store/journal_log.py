@@ -2,8 +2,9 @@
 
 A header (magic, format version), then one record per commit: ``[u32 length][u32 crc32][payload]``,
 the payload every op of that commit (a kind byte and its fields; entries encoded as
-:func:`~tally_server.store.journal.encode_entry` does, the same bytes as in LMDB and PostgreSQL). One ``pwrite`` and one ``fdatasync`` per
-commit, so a commit costs one device flush (LMDB's synced transaction cost two: data, then meta).
+:func:`~tally_server.store.journal.encode_entry` does, the bytes LMDB and PostgreSQL hold). One
+``pwrite`` and one ``fdatasync`` per commit: one device flush (LMDB's synced transaction took two,
+the data pages, then the meta page).
 
 All or nothing: at open, records apply up to the first one cut short or failing its checksum, and
 the file is truncated there (a commit is acknowledged only once synced, so that record never was).
