@@ -20,6 +20,9 @@ import tally
 from bench._faultlib import kill9
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.domain.ports import JournalEntry, OpenJournal
+from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
+from tally_server.store.journal_log import LOG_FILENAME, LogJournal
 from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import nemo_read, tree
 from tests.polling import wait_until
@@ -75,6 +78,44 @@ def test_a_restart_longer_than_the_lease_still_lets_writers_back_in(tmp_path: Pa
             client.close()
             with tally.Client(second.grpc_address) as fresh:
                 assert fresh.are_completed("restart/long", ["x"]) == [True]
+
+
+def test_writers_journaled_in_journal_mdb_by_a_former_tally_carry_on_after_the_upgrade(
+    tmp_path: Path,
+) -> None:
+    """A data directory from before the journal's log: its ``journal.mdb`` is migrated at start,
+    and the writers it holds re-attach and finish as after any restart."""
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0) as first:
+        client = tally.Client(first.grpc_address, timeout=30)
+        writers = [client.writer("restart/upgrade", writer_id=f"w{i}") for i in range(2)]
+        for i, writer in enumerate(writers):
+            writer.open()
+            writer.apply_deltas(tree(f"x{i}")[:3])
+            writer.flush()
+        first.kill()
+        # What a former Tally would have left: the same journal, in LMDB.
+        log_journal = LogJournal(data)
+        journaled = log_journal.load()
+        log_journal.close()
+        assert sorted(w.opened.writer_id for w in journaled) == ["w0", "w1"]
+        (data / LOG_FILENAME).unlink()
+        lmdb = LmdbJournal(data)
+        for w in journaled:
+            first_index = w.last_index - len(w.entries) + 1
+            lmdb.commit([OpenJournal(w.opened)])
+            lmdb.commit([JournalEntry(w.opened.handle, first_index + n, e) for n, e in enumerate(w.entries)])
+        lmdb.close()
+        with restarted(data, first, settle_ms=0) as second:
+            assert not (data / LMDB_JOURNAL_FILENAME).exists() and (data / LOG_FILENAME).exists()
+            for i, writer in enumerate(writers):
+                writer.apply_deltas(tree(f"x{i}")[3:])
+                writer.flush()
+                assert writer.close().incomplete_count == 0
+            client.close()
+            with tally.Client(second.grpc_address) as fresh:
+                assert fresh.are_completed("restart/upgrade", ["x0", "x1"]) == [True, True]
+                assert fresh.checkpoint("restart/upgrade").live_writers == 0
 
 
 def test_a_writer_that_really_died_still_expires_a_lease_after_the_restart(tmp_path: Path) -> None:
