@@ -87,8 +87,10 @@ class LogJournal:
         self._fd = -1
         try:
             self._open()
-        except OSError as exc:
-            raise write_error(self.path, exc, self._data_dir, "the writers' journal") from exc
+        except OSError as exc:  # at start: one line from tally serve (it reports an OSError so)
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise OSError(str(write_error(self.path, exc, self._data_dir, "the writers' journal"))) from exc
 
     # --- opening ---------------------------------------------------------------------------------
 
