@@ -149,7 +149,7 @@ class PgCompletionStore:
         # Commits take their connection without the pool's ping (a round trip per commit): the
         # fence, their first statement, finds a connection a restart cut, and the commit runs again
         # on a new pool (a restart cuts every pooled connection at once).
-        # In autocommit mode: a commit sends its own BEGIN and COMMIT (see _write).
+        # In autocommit mode: a commit sends its own BEGIN and COMMIT (see _write), one round trip less.
         self._commit_engine = postgres.create_engine(self._url, pre_ping=False, autocommit=True)
         self._closed = False
         self._lock = threading.Lock()
@@ -287,9 +287,8 @@ class PgCompletionStore:
         before the pipeline goes on (a round trip more, which on a busy machine cost as much as
         the writes). So a commit costs two round trips (three with a fence of another kind, run
         on its own first). A put fails on an id the origin holds already unless ``tolerant`` (then
-        it skips those; measured slower). A commit that fails leaves its transaction open; the
-        pool's reset rolls it back as the connection returns (psycopg's ``rollback`` sends
-        ``ROLLBACK`` whenever a transaction is open, in autocommit mode as well).
+        it skips those; measured slower). A commit that fails (refused by the fence, say, after its
+        writes went through) is rolled back here, before its connection serves another commit.
         """
         with self._commit_engine.connect() as conn:
             raw = conn.connection.driver_connection
