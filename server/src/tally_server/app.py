@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +58,13 @@ from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
 
 log = logging.getLogger(__name__)
+# On the PostgreSQL store, how long the event loop may keep the GIL from a thread that wants it back
+# (Python's default is 5 ms). A group commit's thread waits on the database several times per
+# commit and needs the GIL after each wait; with the default it often waited for the loop's
+# 5 ms slice each time, in series with the commit (measured: +8-20 % durable completions/s with
+# 1 ms, the server's CPU per completion no higher). The LMDB store's commits, a few waits on the
+# disk, gained nothing from it, so it stays at the default there.
+PG_SWITCH_INTERVAL_S = 0.001
 
 
 def build_service(
@@ -333,6 +341,8 @@ class _HttpThread:
 
 def run(settings: Settings) -> None:
     """Serve on an event loop whose load is measured (lease time slows while it is saturated)."""
+    if settings.store is not None:
+        sys.setswitchinterval(PG_SWITCH_INTERVAL_S)
     loop, selector = new_event_loop()
     with asyncio.Runner(loop_factory=lambda: loop) as runner:
         runner.run(serve(settings, loop_idle=lambda: selector.idle_s))

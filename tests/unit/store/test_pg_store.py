@@ -583,6 +583,42 @@ def test_a_deposed_coordinator_writes_neither_journal_entries_nor_completions_of
     store.close()
 
 
+def test_a_fenced_group_is_rolled_back_before_its_connection_serves_the_next_commit(
+    postgres_url: str,
+) -> None:
+    """A commit sends its own BEGIN: one refused after its writes went through leaves an open
+    transaction, which must be rolled back (not joined by the next commit on that connection)."""
+    with StoreLock(store_url(postgres_url)) as lock, PgCompletionStore(postgres_url, lock) as store:
+        journal = PgJournal(postgres_url, lock.fence)
+        store.commit_group(journal, [OpenJournal(who("a"))], [PutCompleted("cp/b", "w1", ["a"])])
+        assert lock.epoch is not None
+        ours, lock.epoch = lock.epoch, lock.epoch + 1  # as if another coordinator had the store
+        with pytest.raises(Fenced):
+            store.commit_group(journal, [JournalEntry("a", 1, batch(1))], [PutCompleted("cp/b", "w2", ["b"])])
+        lock.epoch = ours
+        store.commit_group(journal, [JournalEntry("a", 1, batch(2))], [PutCompleted("cp/b", "w1", ["c"])])
+        assert store.load("cp/b").completed == {"a", "c"}
+        assert store.contains("cp/b", "w2", [b"b"]) == [False]
+        assert journal.load()[0].entries == [batch(2)]
+        journal.close()
+
+
+def test_entries_of_one_commit_naming_one_index_twice_keep_the_later(registry_postgres_url: str) -> None:
+    """Entries of a commit go in one statement, which cannot upsert a row twice: then one by one."""
+    journal = PgJournal(registry_postgres_url)
+    journal.commit([OpenJournal(who("a")), OpenJournal(who("b"))])
+    journal.commit(
+        [JournalEntry("a", 1, batch(1)), JournalEntry("b", 1, batch(3)), JournalEntry("a", 1, batch(2))]
+    )
+    journal.commit(
+        [JournalEntry("a", 2, batch(4)), JournalEntry("b", 1, batch(5)), JournalEntry("b", 2, batch(6))]
+    )
+    loaded = {w.opened.handle: w for w in journal.load()}
+    assert loaded["a"].entries == [batch(2), batch(4)]
+    assert loaded["b"].entries == [batch(5), batch(6)]
+    journal.close()
+
+
 def test_a_second_lock_on_the_store_is_refused_naming_the_holder(postgres_url: str) -> None:
     url = store_url(postgres_url)
     with StoreLock(url):

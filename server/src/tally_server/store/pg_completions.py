@@ -8,6 +8,7 @@ for every session, see ``postgres.create_engine``). Nothing is written to the da
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -35,6 +36,7 @@ from tally_server.domain.ports import (
 )
 from tally_server.domain.words import count
 from tally_server.store import pg_revisions, postgres
+from tally_server.store.pg_arrays import bytea_array, int4_runs
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_schema import (
     LEGACY_INDEXES,
@@ -58,7 +60,18 @@ _Ids = postgresql.ARRAY(postgresql.BYTEA())
 _PUT_IDS = (
     "INSERT INTO completed (checkpoint, source_id, origin) SELECT %s, id, %s FROM unnest(%b::bytea[]) AS id"
 )
-_PUT_IDS_TOLERANT = _PUT_IDS + " ON CONFLICT DO NOTHING"
+# Consecutive puts of a commit (its writers' batches) in one statement: id i goes to checkpoint
+# and origin k[i]. One statement is one wait on the socket for the commit's thread, which gives
+# the GIL up at each wait and gets it back only after the event loop's switch interval.
+_PUT_MANY = (
+    "INSERT INTO completed (checkpoint, source_id, origin) "
+    "SELECT p.checkpoints[t.k], t.id, p.origins[t.k] "
+    "FROM (SELECT %b::text[] AS checkpoints, %b::text[] AS origins) AS p, "
+    "unnest(%b::bytea[], %b::int4[]) AS t(id, k)"
+)
+_TOLERANT = " ON CONFLICT DO NOTHING"
+_BEGIN = "BEGIN"
+_COMMIT = "COMMIT"
 _DELETE_IDS = "DELETE FROM completed WHERE checkpoint = %s AND source_id = ANY(%b::bytea[])"
 _MARK = "INSERT INTO completion_checkpoints (checkpoint, created_at) VALUES (%s, %s) ON CONFLICT DO NOTHING"
 _CONTAINS = sa.text(
@@ -91,6 +104,21 @@ def _read(
     return wrapper
 
 
+def _put(cursor: psycopg.Cursor[Any], puts: list[tuple[PutCompleted, list[bytes]]], tolerant: bool) -> None:
+    """Insert the ids of consecutive puts (in one statement); ``tolerant``: skipping those held."""
+    if not puts:
+        return
+    if len(puts) == 1:
+        op, keys = puts[0]
+        params: tuple[object, ...] = (op.checkpoint, op.writer_id, bytea_array(keys))
+        cursor.execute(_PUT_IDS + _TOLERANT if tolerant else _PUT_IDS, params)
+        return
+    ids = bytea_array([key for _, keys in puts for key in keys])
+    which = int4_runs([(k, len(keys)) for k, (_, keys) in enumerate(puts, 1)])
+    params = ([op.checkpoint for op, _ in puts], [op.writer_id for op, _ in puts], ids, which)
+    cursor.execute(_PUT_MANY + _TOLERANT if tolerant else _PUT_MANY, params)
+
+
 class PgCompletionStore:
     """Completed ids per checkpoint and origin in PostgreSQL; creates its tables on start.
 
@@ -121,7 +149,8 @@ class PgCompletionStore:
         # Commits take their connection without the pool's ping (a round trip per commit): the
         # fence, their first statement, finds a connection a restart cut, and the commit runs again
         # on a new pool (a restart cuts every pooled connection at once).
-        self._commit_engine = postgres.create_engine(self._url, pre_ping=False)
+        # In autocommit mode: a commit sends its own BEGIN and COMMIT (see _write), one round trip less.
+        self._commit_engine = postgres.create_engine(self._url, pre_ping=False, autocommit=True)
         self._closed = False
         self._lock = threading.Lock()
         self._marked: set[str] = set()  # checkpoints known to have their completion_checkpoints row
@@ -251,40 +280,70 @@ class PgCompletionStore:
     ) -> None:
         """One transaction: the fence, then ``first`` and the ops in order, then the commit.
 
-        The writes go in one pipeline on psycopg's own connection (in SQLAlchemy's transaction):
-        one round trip for all of them, however many ops and entries, and for ``BEGIN`` and the
-        store lock's epoch read before them (checked once they are through, before the commit).
-        So a commit costs two round trips (three with a fence of another kind, run on its own
-        first). A put fails on an id the origin holds already unless ``tolerant`` (then it skips
-        those; measured slower).
+        The writes go in one pipeline on psycopg's own connection: one round trip for all of them,
+        however many ops and entries, and for ``BEGIN`` and the store lock's epoch read before them
+        (checked once they are through, before the commit). The connection is in autocommit mode
+        and the pipeline sends ``BEGIN`` itself: psycopg's own ``BEGIN`` waits for its answer
+        before the pipeline goes on (a round trip more, which on a busy machine cost as much as
+        the writes). So a commit costs two round trips (three with a fence of another kind, run
+        on its own first). A put fails on an id the origin holds already unless ``tolerant`` (then
+        it skips those; measured slower). A commit that fails (refused by the fence, say, after its
+        writes went through) is rolled back here, before its connection serves another commit.
         """
-        put = _PUT_IDS_TOLERANT if tolerant else _PUT_IDS
-        with self._commit_engine.begin() as conn:
+        with self._commit_engine.connect() as conn:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
+            try:
+                self._transaction(conn, raw, first, planned, new, tolerant)
+            except BaseException:
+                # Never left open for the connection's next commit to join: rolled back here, not
+                # only by the pool's reset as the connection returns (a commit that was refused
+                # must leave nothing, whatever the pool is set to do).
+                if raw.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    with contextlib.suppress(psycopg.Error):  # a cut connection: nothing is open
+                        raw.rollback()
+                raise
+
+    def _transaction(
+        self,
+        conn: Connection,
+        raw: psycopg.Connection[Any],
+        first: Callable[[psycopg.Cursor[Any]], None] | None,
+        planned: list[tuple[CompletionOp, list[bytes]]],
+        new: list[str],
+        tolerant: bool,
+    ) -> None:
+        with raw.cursor() as epoch, raw.cursor() as cursor:
             if self._store_lock is None:
-                self._fenced(conn)
-            with raw.cursor() as epoch, raw.cursor() as cursor:
-                with raw.pipeline():
-                    if self._store_lock is not None:
-                        epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR SHARE
-                    if first is not None:
-                        first(cursor)
-                    if new:
-                        at = time.time()
-                        cursor.executemany(_MARK, [(name, at) for name in new])
-                    for op, keys in planned:
-                        if not keys:
-                            continue
-                        if isinstance(op, PutCompleted):
-                            cursor.execute(put, (op.checkpoint, op.writer_id, keys))
-                        elif isinstance(op, DeleteCompleted):
-                            cursor.execute(_DELETE_IDS, (op.checkpoint, keys))
-                        else:  # pragma: no cover - guarded by the type checker
-                            raise TypeError(f"unknown completion op {op!r}")
+                cursor.execute(_BEGIN)
+                self._fenced(conn)  # its statements run in the transaction just begun
+            with raw.pipeline():
                 if self._store_lock is not None:
-                    row = epoch.fetchone()
-                    self._store_lock.check_epoch(None if row is None else int(row[0]))
+                    epoch.execute(_BEGIN)
+                    epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR SHARE
+                if first is not None:
+                    first(cursor)
+                if new:
+                    at = time.time()
+                    cursor.executemany(_MARK, [(name, at) for name in new])
+                puts: list[tuple[PutCompleted, list[bytes]]] = []  # consecutive, sent together
+                for op, keys in planned:
+                    if not keys:
+                        continue
+                    if isinstance(op, PutCompleted):
+                        puts.append((op, keys))
+                        continue
+                    _put(cursor, puts, tolerant)
+                    puts = []
+                    if isinstance(op, DeleteCompleted):
+                        cursor.execute(_DELETE_IDS, (op.checkpoint, bytea_array(keys)))
+                    else:  # pragma: no cover - guarded by the type checker
+                        raise TypeError(f"unknown completion op {op!r}")
+                _put(cursor, puts, tolerant)
+            if self._store_lock is not None:
+                row = epoch.fetchone()
+                self._store_lock.check_epoch(None if row is None else int(row[0]))
+            cursor.execute(_COMMIT)  # durable on return (synchronous_commit is on)
 
     def _fenced(self, conn: Connection) -> None:
         if self._fence is not None:

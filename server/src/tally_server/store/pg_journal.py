@@ -19,6 +19,7 @@ from tally_server.domain.journal import JournaledWriter, Snapshot
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
 from tally_server.store import pg_revisions, postgres
 from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
+from tally_server.store.pg_arrays import bytea_array
 from tally_server.store.pg_schema import journal_entries_table, journal_writers_table
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ _PUT_ENTRY = (
     "INSERT INTO journal_entries (handle, idx, entry) VALUES (%s, %s, %b) "
     "ON CONFLICT (handle, idx) DO UPDATE SET entry = excluded.entry"
 )
+# Consecutive entries of a commit in one statement (one round of the pipeline, one wait for the
+# commit's thread, however many entries): psycopg's executemany waits on the socket once per row,
+# and each wait gives the GIL up, to get it back only after the event loop's switch interval.
+_PUT_ENTRIES = (
+    "INSERT INTO journal_entries (handle, idx, entry) "
+    "SELECT * FROM unnest(%b::text[], %b::int8[], %b::bytea[]) "
+    "ON CONFLICT (handle, idx) DO UPDATE SET entry = excluded.entry"
+)
 _PUT_WRITER = (
     "INSERT INTO journal_writers (handle, opened, checkpoint) VALUES (%s, %b, %s) "
     "ON CONFLICT (handle) DO UPDATE SET opened = excluded.opened, checkpoint = excluded.checkpoint"
@@ -44,6 +53,19 @@ _FORGET_ENTRIES = "DELETE FROM journal_entries WHERE handle = %s"
 _SIZE = sa.text(
     "SELECT pg_total_relation_size('journal_entries') + pg_total_relation_size('journal_writers')"
 )
+
+
+def _put_entries(cursor: psycopg.Cursor[Any], rows: list[tuple[str, int, bytes]]) -> None:
+    """Upsert ``rows`` (handle, index, entry): one statement for all of them when it can be one.
+
+    An upsert cannot touch one row twice in a statement: rows naming one (handle, index) twice
+    (never sent by the service, whose entries of a writer are numbered on) go one by one, in order.
+    """
+    if len(rows) > 1 and len({(handle, index) for handle, index, _ in rows}) == len(rows):
+        handles, indexes, entries = zip(*rows, strict=True)
+        cursor.execute(_PUT_ENTRIES, (list(handles), list(indexes), bytea_array(entries)))
+    else:
+        cursor.executemany(_PUT_ENTRY, rows)
 
 
 class PgJournal:
@@ -125,7 +147,7 @@ class PgJournal:
                 rows.append((op.handle, op.index, encode_entry(op.entry)))
                 continue
             if rows:
-                cursor.executemany(_PUT_ENTRY, rows)
+                _put_entries(cursor, rows)
                 rows = []
             if isinstance(op, OpenJournal):
                 cursor.execute(
@@ -140,7 +162,7 @@ class PgJournal:
             else:  # pragma: no cover - guarded by the type checker
                 raise TypeError(f"unknown journal op {op!r}")
         if rows:
-            cursor.executemany(_PUT_ENTRY, rows)
+            _put_entries(cursor, rows)
 
     def load(self, checkpoints: Collection[str] | None = None) -> list[JournaledWriter]:
         """Every journaled writer with its entries in order (from its newest snapshot on).
