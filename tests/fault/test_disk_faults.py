@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,28 +18,16 @@ import pytest
 from tally_server.domain.ports import CompletionWriteError, PutCompleted
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tests.nemo_format import nemo_read
+from tests.small_disk import mount, small_tmpfs
 
 SIZE_KB = 512
-
-
-def _mount(*args: str) -> None:
-    result = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); these tests need root")
 
 
 @pytest.fixture
 def volume(tmp_path: Path) -> Iterator[Path]:
     """A private tmpfs of SIZE_KB, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    mount_point = tmp_path / "volume"
-    mount_point.mkdir()
-    _mount("-t", "tmpfs", "-o", f"size={SIZE_KB}k", "tmpfs", str(mount_point))
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+    with small_tmpfs(tmp_path / "volume", f"{SIZE_KB}k") as volume:
+        yield volume
 
 
 class Filler:
@@ -120,14 +107,14 @@ def test_a_read_only_disk_is_an_error_of_the_disk_not_of_the_file(volume: Path) 
     with LmdbCompletionStore(data_dir) as store:
         store.commit([PutCompleted("run", "w1", ["a"])])
         store.release("run")  # the next commit must open the file again
-        _mount("-o", "remount,ro", str(volume))
+        mount("-o", "remount,ro", str(volume))
         try:
             with pytest.raises(CompletionWriteError) as failed:
                 store.commit([PutCompleted("run", "w1", ["b"])])
             assert not failed.value.disk_full
             assert os.strerror(errno.EROFS) in str(failed.value)
         finally:
-            _mount("-o", "remount,rw", str(volume))
+            mount("-o", "remount,rw", str(volume))
         assert not (data_dir / ".trash").exists()  # not quarantined: the file is fine
 
         assert store.commit([PutCompleted("run", "w1", ["b"])]).quarantined == []

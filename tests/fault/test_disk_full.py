@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,19 +19,15 @@ import tally
 from tally_server.testing import running_server
 from tests.integration.workload import nemo_read, tree
 from tests.polling import wait_until
+from tests.small_disk import small_tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+    with small_tmpfs(tmp_path / "disk", "8m") as disk:
+        yield disk
 
 
 def fill(disk: Path) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tally_server.domain.ports import CompletionWriteError, ForgetWriter, Journa
 from tally_server.store import journal_log
 from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
 from tally_server.store.journal_log import LOG_FILENAME, LogJournal
+from tests.small_disk import small_tmpfs
 from tests.unit.store.test_journal import batch, who
 
 
@@ -214,15 +214,8 @@ def test_with_both_journals_the_log_wins(tmp_path: Path) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        yield disk
 
 
 def test_a_full_disk_leaves_no_partial_record_behind(small_disk: Path) -> None:
