@@ -34,8 +34,10 @@ def history() -> list[list[JournalOp]]:
     ]
 
 
-def run(data_dir: Path, commits: list[list[JournalOp]]) -> list[JournaledWriter]:
-    journal = LogJournal(data_dir)
+def run(
+    data_dir: Path, commits: list[list[JournalOp]], journal_class: type[LogJournal | LmdbJournal] = LogJournal
+) -> list[JournaledWriter]:
+    journal = journal_class(data_dir)
     for ops in commits:
         journal.commit(ops)
     loaded = journal.load()
@@ -172,12 +174,7 @@ def test_the_start_rewrites_a_mostly_dead_log(tmp_path: Path, monkeypatch: pytes
 
 
 def lmdb_journal(data_dir: Path, commits: list[list[JournalOp]]) -> list[JournaledWriter]:
-    journal = LmdbJournal(data_dir)
-    for ops in commits:
-        journal.commit(ops)
-    loaded = journal.load()
-    journal.close()
-    return loaded
+    return run(data_dir, commits, LmdbJournal)
 
 
 def test_a_former_lmdb_journal_is_migrated_and_removed(
