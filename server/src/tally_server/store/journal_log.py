@@ -25,12 +25,12 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from tally.integrations.nemo_format import fsync_dir
+from tally.integrations.nemo_format import describe_error, fsync_dir
 from tally_server.domain.journal import JournaledWriter
-from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.domain.ports import CompletionWriteError, ForgetWriter, JournalEntry, JournalOp, OpenJournal
 from tally_server.store.disk import write_error
 from tally_server.store.journal import (
     LMDB_JOURNAL_FILENAME,
@@ -84,6 +84,11 @@ class LogJournal:
         self._end = 0  # the offset after the last good record: where the next one goes
         self._dirty = False  # a failed write may have left bytes after _end: truncate first
         self._compact_at = 0  # after a failed rewrite, not again before the log reaches this
+        self._compactor: threading.Thread | None = None  # a rewrite running in the background
+        self._closing = False
+        self._dir_unsynced = False  # a rewrite renamed the log in place; its directory not yet synced
+        #: Called by a background rewrite at each named point of it (tests pause or crash it there).
+        self.rewrite_hook: Callable[[str], None] = _no_hook
         self._fd = -1
         try:
             self._open()
@@ -226,55 +231,154 @@ class LogJournal:
                     raise OSError("the writers' journal is closed")
                 if self._dirty:
                     self._truncate()
+                if self._dir_unsynced:
+                    self._sync_dir()
                 self._write(record)
+            except _Stuck as exc:
+                raise CompletionWriteError(str(exc), path=str(self.path), disk_full=exc.disk_full) from exc
             except OSError as exc:
                 raise write_error(self.path, exc, self._data_dir, "the writers' journal") from exc
             for op in decoded:
                 self._apply(op)
             if self._should_compact():
-                self._compact()
+                self._start_compaction()
 
     def _write(self, record: bytes) -> None:
         try:
             _write_all(self._fd, record, self._end)
             os.fdatasync(self._fd)
-        except OSError:
+        except OSError as exc:
             # Nothing of this record may stay for a later one to follow: cut it off now, or
             # before the next commit if even that fails (no commit is accepted until then).
             self._dirty = True
-            with contextlib.suppress(OSError):
+            try:
                 self._truncate()
+            except _Stuck as stuck:
+                raise stuck from exc
             raise
         self._end += len(record)
 
     def _truncate(self) -> None:
-        os.ftruncate(self._fd, self._end)
-        os.fdatasync(self._fd)
+        try:
+            os.ftruncate(self._fd, self._end)
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            error = write_error(self.path, exc, self._data_dir, "the writers' journal")
+            raise _Stuck(
+                f"the writers' journal {self.path} holds part of a write that failed and cannot cut it "
+                f"off ({describe_error(exc)}): it accepts no commit until it can (a record after the "
+                "partial one would be lost at the next start), and tries again at each commit. Fix the "
+                "disk (free space, check the filesystem and its permissions) or restart tally serve: "
+                "the start drops the partial record (its checksum fails), and no acknowledged commit is lost",
+                disk_full=error.disk_full,
+            ) from exc
         self._dirty = False
 
     def _should_compact(self) -> bool:
-        return self._end > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._live, self._compact_at)
+        return self._compactor is None and self._end > max(
+            COMPACT_MIN_BYTES, COMPACT_RATIO * self._live, self._compact_at
+        )
 
-    def _compact(self) -> None:
-        before = self._end
+    def _start_compaction(self) -> None:
+        """Rewrite the log in a thread of its own, from the live state as of now (under the lock).
+
+        The commits go on appending to the old log meanwhile; the rewrite copies what they appended
+        after it has written the live state, the last of it under the lock, then swaps the logs.
+        """
+        opened = dict(self._opened)
+        entries = {handle: dict(indexed) for handle, indexed in self._entries.items()}
+        source = os.dup(self._fd)  # the old log, to copy from: still open when the commits' fd is swapped
+        self._compactor = threading.Thread(
+            target=self._compact,
+            args=(opened, entries, self._end, source),
+            name="tally-journal-rewrite",
+            daemon=True,
+        )
+        self._compactor.start()
+
+    def _compact(
+        self, opened: dict[str, bytes], entries: dict[str, dict[int, bytes]], at: int, source: int
+    ) -> None:
+        """The rewrite's thread: the live state as of offset ``at`` of the log, then what follows it."""
+        temp = self._data_dir / _TEMP_FILENAME
+        before, fd = self._end, -1
         try:
-            self._rewrite()
-        except OSError as exc:  # the commit is durable all the same: try again once grown more
-            self._compact_at = self._end + COMPACT_MIN_BYTES
-            log.warning(
-                "could not rewrite the writers' journal %s (will try again later): %s", self.path, exc
-            )
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            end = 0
+            for chunk in _chunks(_live_records(opened, entries)):
+                end = _write_all(fd, chunk, end)
+                self._checkpoint("writing")
+            os.fdatasync(fd)
+            self._checkpoint("written")
+            # The records committed meanwhile, as they are (a record before the log's end never
+            # changes): most of them unlocked, the few committed while copying under the lock.
+            end, at = _copy(source, at, self._end, fd, end)
+            self._checkpoint("caught up")
+            with self._lock:
+                if self._closing:
+                    raise _Closed
+                end, at = _copy(source, at, self._end, fd, end)
+                os.fsync(fd)
+                self._checkpoint("swapping")
+                os.replace(temp, self.path)
+                # The new log is the log now: every later commit goes to it, whatever happens next.
+                old, self._fd, self._end, self._dirty, fd = self._fd, fd, end, False, -1
+                with contextlib.suppress(OSError):
+                    os.close(old)
+                self.rewrite_hook("renamed")
+                self._sync_dir()
+            self.rewrite_hook("rewrote")
+        except BaseException as exc:
+            if fd >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            with self._lock:
+                self._compact_at = self._end + COMPACT_MIN_BYTES  # not again before grown that much more
+            if isinstance(exc, OSError):  # the old log stays, whole, and takes the commits
+                log.warning(
+                    "could not rewrite the writers' journal %s (keeping it as it is; will try again "
+                    "once it has grown by %d bytes): %s",
+                    self.path,
+                    COMPACT_MIN_BYTES,
+                    exc,
+                )
+            elif not isinstance(exc, _Closed):
+                log.exception("rewriting the writers' journal %s failed", self.path)
             return
-        self._compact_at = 0
-        log.info("rewrote the writers' journal %s: %d bytes down to %d", self.path, before, self._end)
+        finally:
+            os.close(source)
+            with self._lock:
+                self._compactor = None
+        with self._lock:
+            self._compact_at = 0
+        log.info("rewrote the writers' journal %s: %d bytes down to %d", self.path, before, end)
+
+    def _checkpoint(self, point: str) -> None:
+        if self._closing:
+            raise _Closed
+        self.rewrite_hook(point)
+
+    def _sync_dir(self) -> None:
+        """Sync the directory a rewrite renamed into (before the next commit, if it fails now)."""
+        self._dir_unsynced = True
+        fsync_dir(self._data_dir)
+        self._dir_unsynced = False
+
+    def wait_rewritten(self) -> None:
+        """Wait for a rewrite of the log running in the background, if any (tests, benchmarks)."""
+        with self._lock:
+            compactor = self._compactor
+        if compactor is not None:
+            compactor.join()
 
     def _rewrite(self) -> None:
-        """Write the live state as a fresh log in place of the current one (or of none)."""
+        """Write the live state as a fresh log in place of the current one (or of none), at open."""
         temp = self._data_dir / _TEMP_FILENAME
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             end = 0
-            for chunk in _chunks(self._live_records()):
+            for chunk in _chunks(_live_records(self._opened, self._entries)):
                 end = _write_all(fd, chunk, end)
             os.fsync(fd)
             os.replace(temp, self.path)
@@ -287,23 +391,6 @@ class LogJournal:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self._end, self._dirty = fd, end, False
-
-    def _live_records(self) -> Iterator[bytes]:
-        yield _HEADER.pack(MAGIC, FORMAT_VERSION)
-        ops: list[bytes] = []
-        size = 0
-        for handle in sorted(self._opened.keys() | self._entries.keys()):
-            if handle in self._opened:
-                ops.append(_encode_op(_OPEN, handle, 0, self._opened[handle]))
-                size += len(ops[-1])
-            for index, raw in sorted(self._entries.get(handle, {}).items()):
-                ops.append(_encode_op(_PUT, handle, index, raw))
-                size += len(ops[-1])
-                if size >= _REWRITE_RECORD_BYTES:
-                    yield _record(ops)
-                    ops, size = [], 0
-        if ops:
-            yield _record(ops)
 
     def load(self) -> list[JournaledWriter]:
         """Every journaled writer with its entries in order (from its newest snapshot on)."""
@@ -326,11 +413,30 @@ class LogJournal:
         return self._count
 
     def close(self) -> None:
-        """Close the log file."""
+        """Close the log file (a rewrite under way stops, leaving the log as it is)."""
+        with self._lock:
+            self._closing = True
+        self.wait_rewritten()
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+class _Closed(Exception):
+    """The journal was closed: a rewrite under way stops."""
+
+
+class _Stuck(OSError):
+    """A failed write's partial record could not be cut off."""
+
+    def __init__(self, message: str, *, disk_full: bool) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+def _no_hook(point: str) -> None:
+    pass
 
 
 # --- records ---------------------------------------------------------------------------------------
@@ -389,6 +495,36 @@ def _write_all(fd: int, data: bytes, at: int) -> int:
 def _record(ops: list[bytes]) -> bytes:
     payload = b"".join(ops)
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _live_records(opened: dict[str, bytes], entries: dict[str, dict[int, bytes]]) -> Iterator[bytes]:
+    """A log holding just this live state: the header, then records of about a megabyte."""
+    yield _HEADER.pack(MAGIC, FORMAT_VERSION)
+    ops: list[bytes] = []
+    size = 0
+    for handle in sorted(opened.keys() | entries.keys()):
+        if handle in opened:
+            ops.append(_encode_op(_OPEN, handle, 0, opened[handle]))
+            size += len(ops[-1])
+        for index, raw in sorted(entries.get(handle, {}).items()):
+            ops.append(_encode_op(_PUT, handle, index, raw))
+            size += len(ops[-1])
+            if size >= _REWRITE_RECORD_BYTES:
+                yield _record(ops)
+                ops, size = [], 0
+    if ops:
+        yield _record(ops)
+
+
+def _copy(source: int, start: int, stop: int, fd: int, at: int) -> tuple[int, int]:
+    """Copy bytes ``start:stop`` of ``source`` to ``fd`` at ``at``: the offsets after them, in each."""
+    while start < stop:
+        data = os.pread(source, min(stop - start, _REWRITE_RECORD_BYTES), start)
+        if not data:
+            raise OSError(f"the writers' journal ended at {start}, before its last record's end {stop}")
+        at = _write_all(fd, data, at)
+        start += len(data)
+    return at, start
 
 
 def _chunks(parts: Iterable[bytes]) -> Iterator[bytes]:
