@@ -1,11 +1,17 @@
 """The journal's append-only log: a tail torn by a crash is dropped and cut off, the log is rewritten
-once mostly dead, a former LMDB journal is migrated, and a full disk leaves no partial record."""
+once mostly dead (beside the commits, none lost, a crash at any point of it harmless, a failed one
+tried again later), a former LMDB journal is migrated, and a full disk leaves no partial record
+(one that cannot be cut off refuses commits until it is)."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +23,7 @@ from tally_server.domain.ports import CompletionWriteError, ForgetWriter, Journa
 from tally_server.store import journal_log
 from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
 from tally_server.store.journal_log import LOG_FILENAME, LogJournal
+from tests.property.test_journal_log_model import Model
 from tests.small_disk import small_tmpfs
 from tests.unit.store.test_journal import batch, who
 
@@ -135,6 +142,7 @@ def test_a_mostly_dead_log_is_rewritten_and_keeps_the_live_state(
             journal.commit([JournalEntry(handle, base + i, batch(i)) for i in range(1, 6)])
             journal.commit([JournalEntry(handle, base + 6, Snapshot(state, 5, ApplyCounts(), []))])
             journal.commit([JournalEntry(handle, base + 7, Completing(["s"]))])
+            journal.wait_rewritten()  # the rewrite runs beside the commits: let it finish
             biggest = max(biggest, path.stat().st_size)
             assert journal.size_bytes() == path.stat().st_size
     rewrites = [r for r in caplog.records if "rewrote the writers' journal" in r.getMessage()]
@@ -264,3 +272,264 @@ def test_an_entry_put_before_a_snapshot_after_it_survives_a_rewrite_and_a_migrat
     assert load(tmp_path / "new") == expected
     assert run(tmp_path / "new", [[JournalEntry("b", 1, batch(1))]]) == expected
     assert load(tmp_path / "new") == expected
+
+
+# --- the rewrite in the background -----------------------------------------------------------------
+
+
+def churn(rounds: int) -> list[list[JournalOp]]:
+    """Commits that leave mostly dead records: writers opened, their entries given way to snapshots,
+    writers forgotten and opened again."""
+    state = LedgerState({"s": 2}, {}, set(), {"u"}, ["s"], ApplyCounts(9, 0, 0, 0, 0))
+    commits: list[list[JournalOp]] = []
+    for round_ in range(rounds):
+        handle = f"w{round_ % 7}"
+        if round_ % 7 == round_ // 7 % 7:
+            commits.append([ForgetWriter(handle)])
+        commits.append([OpenJournal(who(handle))])
+        base = 10 * round_
+        commits.append([JournalEntry(handle, base + i, batch(i)) for i in range(1, 6)])
+        commits.append([JournalEntry(handle, base + 6, Snapshot(state, 5, ApplyCounts(), []))])
+        commits.append([JournalEntry(handle, base + 7, Completing([f"s{round_}"]))])
+    return commits
+
+
+def model_of(commits: list[list[JournalOp]]) -> list[JournaledWriter]:
+    model = Model()
+    for ops in commits:
+        model.commit(ops)
+    return model.load()
+
+
+class Pauses:
+    """A rewrite hook: the rewrite stops at each of ``points`` until the test lets it go on."""
+
+    def __init__(self, *points: str) -> None:
+        self.reached = {p: threading.Event() for p in points}
+        self.go = {p: threading.Event() for p in points}
+        self.seen: list[str] = []
+
+    def __call__(self, point: str) -> None:
+        if not self.seen or self.seen[-1] != point:
+            self.seen.append(point)
+        if point in self.reached:
+            self.reached[point].set()
+            assert self.go[point].wait(60), f"the test never let the rewrite go on from {point!r}"
+
+
+def test_commits_go_on_while_the_log_is_rewritten_and_none_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The commit that starts a rewrite returns before it is written; the commits made while it
+    writes the live state, and while it copies them, are in the new log (forgets, snapshots and
+    opens of writers the rewritten state holds among them)."""
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 8 << 10)
+    journal = LogJournal(tmp_path)
+    pauses = Pauses("written", "caught up")
+    journal.rewrite_hook = pauses
+    commits = churn(60)
+    done = 0
+    with caplog.at_level(logging.INFO, logger=journal_log.__name__):
+        while journal._compactor is None:  # commit until one starts a rewrite: it is paused, not waited for
+            journal.commit(commits[done])
+            done += 1
+        assert pauses.reached["written"].wait(60)
+        assert (tmp_path / ".journal.log.tmp").stat().st_size > 0
+        for ops in commits[done : done + 12]:  # copied to the new log unlocked
+            journal.commit(ops)
+        pauses.go["written"].set()
+        assert pauses.reached["caught up"].wait(60)
+        for ops in commits[done + 12 : done + 20]:  # copied under the lock, just before the swap
+            journal.commit(ops)
+        done += 20
+        old_size = journal.size_bytes()
+        pauses.go["caught up"].set()
+        journal.wait_rewritten()
+    assert pauses.seen[-5:] == ["written", "caught up", "swapping", "renamed", "rewrote"]
+    assert [r.getMessage() for r in caplog.records if "rewrote" in r.getMessage()]
+    assert journal.size_bytes() == (tmp_path / LOG_FILENAME).stat().st_size < old_size
+    assert not (tmp_path / ".journal.log.tmp").exists()
+    assert journal.load() == model_of(commits[:done])
+    journal.rewrite_hook = lambda point: None
+    for ops in commits[done : done + 10]:  # the commits after the swap go to the new log
+        journal.commit(ops)
+    journal.close()
+    assert load(tmp_path) == model_of(commits[: done + 10])
+
+
+CRASHING_CHILD = """
+import os, signal, sys, threading
+from pathlib import Path
+
+from tally_server.store import journal_log
+from tally_server.store.journal_log import LogJournal
+from tests.unit.store.test_journal_log import churn
+
+journal_log.COMPACT_MIN_BYTES = 8 << 10
+journal_log._REWRITE_RECORD_BYTES = 1 << 10  # the live state in many writes: a crash can cut it
+data_dir, point, wait = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "wait"
+reached, more = threading.Event(), threading.Event()
+
+
+def hook(name):
+    if name == point:
+        reached.set()
+        if wait:  # let the commits go on meanwhile
+            more.wait(60)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+journal = LogJournal(data_dir)
+journal.rewrite_hook = hook
+after = 0
+for done, ops in enumerate(churn(int(sys.argv[4])), 1):
+    journal.commit(ops)
+    print(done, flush=True)
+    if reached.is_set():
+        after += 1
+        if after == 10:
+            more.set()
+threading.Event().wait(60)
+sys.exit(f"the rewrite never reached {point!r}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("point", "wait", "temp_left"),
+    [
+        ("writing", True, True),  # the live state half written to the temporary file
+        ("written", True, True),
+        ("caught up", True, True),
+        ("swapping", False, True),  # all copied and synced, not renamed
+        ("renamed", False, False),  # renamed, the directory not synced
+        ("rewrote", False, False),
+    ],
+)
+def test_a_crash_at_any_point_of_a_rewrite_reopens_to_what_was_committed(
+    tmp_path: Path, point: str, wait: bool, temp_left: bool
+) -> None:
+    rounds = 100
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.run(
+        [sys.executable, "-c", CRASHING_CHILD, str(tmp_path), point, "wait" if wait else "", str(rounds)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    acked = int(child.stdout.split()[-1])
+    commits = churn(rounds)
+    assert acked < len(commits)
+    assert (tmp_path / ".journal.log.tmp").exists() == temp_left
+    # Every acknowledged commit is there; the one in flight when killed may be too, whole.
+    assert load(tmp_path) in (model_of(commits[:acked]), model_of(commits[: acked + 1]))
+    assert not (tmp_path / ".journal.log.tmp").exists()
+
+
+def test_a_rewrite_the_disk_has_no_room_for_keeps_the_log_and_is_tried_again(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 1 << 30)  # none while the log is built
+    journal = LogJournal(small_disk)
+    model = Model()
+
+    def commit(ops: list[JournalOp]) -> None:
+        journal.commit(ops)
+        model.commit(ops)
+
+    commit([OpenJournal(who("a"))])
+    for index in range(1, 101):  # ~100 KiB live
+        commit([JournalEntry("a", index, Persisted([f"{index:04d}" * 250]))])
+    for index in range(1, 201):  # ~200 KiB dead: entry 1 over and over
+        commit([JournalEntry("a", 1, Persisted([f"{index:04d}" * 250]))])
+    filler = small_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, filler.stat().st_size - 8 * 4096)  # room for commits, not for the live state
+
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 16 << 10)
+    monkeypatch.setattr(journal_log, "COMPACT_RATIO", 2)
+    size = journal.size_bytes()
+    with caplog.at_level(logging.INFO, logger=journal_log.__name__):
+        commit([JournalEntry("b", 1, Persisted(["s"]))])  # past the threshold: starts a rewrite
+        journal.wait_rewritten()
+        failed = [r for r in caplog.records if "could not rewrite" in r.getMessage()]
+        assert len(failed) == 1 and "No space left on device" in failed[0].getMessage()
+        assert not (small_disk / ".journal.log.tmp").exists()
+        assert (small_disk / LOG_FILENAME).stat().st_size == journal.size_bytes() > size  # the old log
+        for i in range(2, 6):  # still taking commits, and not trying again at each one
+            commit([JournalEntry("b", i, Persisted(["s"]))])
+        assert journal._compactor is None
+        assert len([r for r in caplog.records if "rewrite" in r.getMessage()]) == 1
+        assert journal.load() == model.load()
+
+        filler.unlink()  # room again: once the log has grown a little more, the rewrite is retried
+        big = journal.size_bytes()
+        index = 6
+        while not [r for r in caplog.records if "rewrote" in r.getMessage()]:
+            commit([JournalEntry("b", index, Persisted(["t" * 1000]))])
+            journal.wait_rewritten()
+            index += 1
+            assert journal.size_bytes() < big + (40 << 10)
+    assert journal.size_bytes() < big // 2
+    assert journal.load() == model.load()
+    journal.close()
+    assert load(small_disk) == model.load()
+
+
+# --- a partial record that cannot be cut off -------------------------------------------------------
+
+
+@pytest.mark.parametrize("then", ["the disk is fixed", "restart"])
+def test_a_partial_record_that_cannot_be_cut_off_refuses_commits_until_it_is(
+    small_disk: Path, then: str
+) -> None:
+    """A full disk cuts a record short, and the file refuses to be truncated (append-only: the
+    kernel's own EPERM). Nothing may follow the partial record: commits are refused, saying so,
+    until it is cut off, by a later commit or by the next start (where its checksum fails)."""
+    journal = LogJournal(small_disk)
+    journal.commit(history()[0])
+    path = small_disk / LOG_FILENAME
+    size = journal.size_bytes()
+    filler = small_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, filler.stat().st_size - 32 * 4096)  # room for part of the next record
+    if subprocess.run(["chattr", "+a", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("this kernel's tmpfs has no append-only attribute (chattr +a)")
+    try:
+        big = JournalEntry("a", 1, Completing([f"source-{i:06d}" for i in range(20_000)]))
+        with pytest.raises(CompletionWriteError, match="cannot cut it off") as failed:
+            journal.commit([big])
+        assert "Operation not permitted" in str(failed.value) and "restart tally serve" in str(failed.value)
+        partial = path.stat().st_size
+        assert partial > size  # the partial record is there
+        filler.unlink()  # room again, but the partial record still cannot be cut off
+        with pytest.raises(CompletionWriteError, match="accepts no commit until it can"):
+            journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
+        assert path.stat().st_size == partial  # nothing appended after it
+        assert journal.entries() == 0
+    finally:
+        subprocess.run(["chattr", "-a", str(path)], check=True)
+    if then == "restart":
+        journal.close()
+        journal = LogJournal(small_disk)
+        assert path.stat().st_size == size
+    journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
+    journal.close()
+    assert [(w.opened.handle, w.entries) for w in load(small_disk)] == [("a", [Persisted(["s"])]), ("b", [])]
+    assert path.stat().st_size > size
