@@ -10,6 +10,7 @@ import httpx
 
 import tally
 from tally_server.testing import running_server
+from tests.integration.workload import tree
 from tests.polling import wait_until
 
 BUDGET_MB = 1
@@ -86,3 +87,37 @@ def test_after_a_restart_status_answers_without_loading_any_checkpoint(tmp_path:
             timeout=30,
             what="nothing loaded: status never loads a checkpoint",
         )
+
+
+def journal_memory(http: httpx.Client) -> float:
+    lines = http.get("/metrics").text.splitlines()
+    return float(next(line.split()[-1] for line in lines if line.startswith("tally_journal_memory_bytes ")))
+
+
+def test_the_writers_journal_counts_against_the_budget(tmp_path: Path) -> None:
+    """The journal log holds the live writers' state in memory: a checkpoint that fits in the
+    budget alone is unloaded once a writer's journal takes the rest of it."""
+    data = tmp_path / "data"
+    with (
+        running_server(data, settle_ms=0, env=ENV) as server,
+        tally.Client(server.grpc_address) as client,
+        httpx.Client(base_url=server.http_url, timeout=10) as http,
+    ):
+        half = ids("mem/a")[: IDS // 2]
+        assert client.import_completed("mem/a", half, import_id="import").imported == IDS // 2
+        assert 0 < loaded_bytes(http)["mem/a"] < (BUDGET_MB << 20) * 0.6  # fits alone, with room
+        assert journal_memory(http) == 0
+        writer = client.writer("mem/w", writer_id="journaled")
+        writer.open()
+        for chunk in range(8):  # ~5,000 sources' deltas, all pending: kept in the writer's journal
+            writer.apply_deltas([d for i in range(640) for d in tree(f"s{chunk}-{i}")[:5]])
+            writer.flush()
+        held = journal_memory(http)
+        assert held > (BUDGET_MB << 20) * 0.5, held
+        wait_until(
+            lambda: loaded_bytes(http)["mem/a"] == 0,
+            timeout=30,
+            what="mem/a unloaded: the journal's memory taken off the budget",
+        )
+        assert client.are_completed("mem/a", half[:2]) == [True, True]  # loads back on demand
+        writer.close()

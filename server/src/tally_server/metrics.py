@@ -173,6 +173,12 @@ class ServiceCollector(Collector):
             value=self._service.journal_bytes(),
         )
         yield GaugeMetricFamily(
+            "tally_journal_memory_bytes",
+            "Memory the writers' journal's live state takes in the coordinator (the journal log keeps "
+            "it in memory; 0 on PostgreSQL). Counted against TALLY_CHECKPOINT_MEMORY_MB.",
+            value=self._service.journal_memory_bytes(),
+        )
+        yield GaugeMetricFamily(
             "tally_journal_entries",
             "Entries in the writers' journal (snapshots keep it within a few per writer's state).",
             value=self._service.journal_entries(),

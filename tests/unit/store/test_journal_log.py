@@ -533,3 +533,29 @@ def test_a_partial_record_that_cannot_be_cut_off_refuses_commits_until_it_is(
     journal.close()
     assert [(w.opened.handle, w.entries) for w in load(small_disk)] == [("a", [Persisted(["s"])]), ("b", [])]
     assert path.stat().st_size > size
+
+
+def test_the_memory_the_live_state_takes_follows_it(tmp_path: Path) -> None:
+    journal = LogJournal(tmp_path)
+    assert journal.memory_bytes() == 0
+    journal.commit(
+        [OpenJournal(who("a"))] + [JournalEntry("a", i, Persisted(["x" * 1000])) for i in range(1, 101)]
+    )
+    held = journal.memory_bytes()
+    assert 100 * 1000 < held < 100 * 1300  # the entries' bytes, and a little for Python's objects
+    journal.commit(
+        [
+            JournalEntry(
+                "a", 101, Snapshot(LedgerState({}, {}, set(), set(), [], ApplyCounts()), 1, ApplyCounts(), [])
+            )
+        ]
+    )
+    assert journal.memory_bytes() < 1000  # the snapshot let the entries go
+    journal.commit([JournalEntry("a", 102, Persisted(["x" * 1000]))])
+    after = journal.memory_bytes()
+    journal.close()
+    reopened = LogJournal(tmp_path)
+    assert reopened.memory_bytes() == after
+    reopened.commit([ForgetWriter("a")])
+    assert reopened.memory_bytes() == 0
+    reopened.close()

@@ -438,5 +438,9 @@ class Journal(Protocol):
         """How many entries the journal holds."""
         ...
 
+    def memory_bytes(self) -> int:
+        """Memory the journal's live state takes in this process (0 where it is not held in memory)."""
+        ...
+
     def close(self) -> None:
         """Close the journal's file."""

@@ -53,11 +53,16 @@ LOAD_THREADS = 4
 
 
 class CheckpointTable:
-    """Known checkpoints by name, loaded and unloaded under ``budget_bytes``."""
+    """Known checkpoints by name, loaded and unloaded under ``budget_bytes``.
 
-    def __init__(self, core: Core, budget_bytes: int) -> None:
+    ``also_held`` says how much of the budget other things take (the writers' journal's live state):
+    the loaded sets get what is left.
+    """
+
+    def __init__(self, core: Core, budget_bytes: int, also_held: Callable[[], int] = lambda: 0) -> None:
         self._core = core
         self.budget_bytes = budget_bytes
+        self._also_held = also_held
         self.known: dict[str, Checkpoint] = {}
         self.resetting: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -257,10 +262,13 @@ class CheckpointTable:
         return bool(cp.pins or self._core.sessions.live(cp.name) or cp.name in self.resetting)
 
     def unload_idle(self) -> None:
-        """Unload the least recently used idle checkpoints while the loaded ones exceed the budget."""
+        """Unload the least recently used idle checkpoints while the loaded ones exceed the budget.
+
+        What the writers' journal holds is taken off the budget first.
+        """
         for cp in choose_unloads(
             self.known.values(),
-            self.budget_bytes,
+            max(0, self.budget_bytes - self._also_held()),
             busy=self.busy,
             used_before=self._core.real_clock() - UNLOAD_IDLE_S,
         ):

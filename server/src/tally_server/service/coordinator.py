@@ -84,7 +84,8 @@ class CoordinatorService:
         settle_ms: the settle window (0: complete at once, as NeMo Curator does).
         lease_ttl_s: how long a writer that sends nothing stays open.
         progress_interval_s: how often completed counts are sampled.
-        memory_budget_bytes: loaded completed sets beyond this are unloaded while idle.
+        memory_budget_bytes: loaded completed sets beyond this (less the memory the writers' journal
+            holds) are unloaded while idle.
         journal_snapshot_deltas: how many deltas of a writer's journal give way to a snapshot.
         clock: real monotonic seconds (leases and settling run on a stall clock over it).
         wall_clock: epoch seconds, for what people read.
@@ -138,7 +139,7 @@ class CoordinatorService:
             stats=self.stats,
             journal_snapshot_deltas=journal_snapshot_deltas,
         )
-        self._checkpoints = CheckpointTable(core, memory_budget_bytes)
+        self._checkpoints = CheckpointTable(core, memory_budget_bytes, also_held=journal.memory_bytes)
         self._durability = Durability(core, self._checkpoints)
         self._claims = Claims(core, self._checkpoints)
         self._writers = Writers(core, self._checkpoints, self._durability, self._claims)
@@ -289,6 +290,10 @@ class CoordinatorService:
     def journal_entries(self) -> int:
         """Entries the writers' journal holds."""
         return self._journal.entries()
+
+    def journal_memory_bytes(self) -> int:
+        """Memory the writers' journal holds (counted against the checkpoints' memory budget)."""
+        return self._journal.memory_bytes()
 
     @property
     def registry_events_dropped(self) -> int:

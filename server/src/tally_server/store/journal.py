@@ -152,6 +152,10 @@ class LmdbJournal:
         with self._env.begin() as txn:
             return int(txn.stat(self._entries)["entries"])
 
+    def memory_bytes(self) -> int:
+        """Always 0: the entries stay in the LMDB file (its pages are the kernel's cache)."""
+        return 0
+
     def close(self) -> None:
         """Close the journal's LMDB file."""
         self._env.close()
@@ -308,6 +312,10 @@ class NoJournal:
         return 0
 
     def entries(self) -> int:
+        """Always 0: nothing is kept."""
+        return 0
+
+    def memory_bytes(self) -> int:
         """Always 0: nothing is kept."""
         return 0
 

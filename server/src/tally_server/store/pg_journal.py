@@ -215,6 +215,10 @@ class PgJournal:
             logger.debug("journal entries: %s", postgres.cause(exc))
         return self._entries
 
+    def memory_bytes(self) -> int:
+        """Always 0: the entries stay in the database."""
+        return 0
+
     def close(self) -> None:
         """Release the database connections."""
         self._engine.dispose()
