@@ -8,13 +8,21 @@ the data pages, then the meta page).
 
 All or nothing: at open, records apply up to the first one cut short or failing its checksum, and
 the file is truncated there (a commit is acknowledged only once synced, so that record never was).
-A write that fails is truncated away too, so a later record never follows a partial one.
+A write that fails is truncated away too, so a later record never follows a partial one; if even
+the truncation fails, the journal refuses every commit (saying why and what to do) until one
+manages it, and a restart drops the partial record by its checksum.
 
-The live state (who each writer is, its entries' bytes by index) is kept in memory: ``entries()``
-and ``size_bytes()`` cost nothing, and when the log has grown well past the live state it is
-rewritten (a temporary file, synced, renamed over the log, the directory synced: a crash leaves the
-old log or the new one, whole). A data directory with the former LMDB journal (``journal.mdb``)
-is migrated at open the same way.
+The live state (who each writer is, its entries' bytes by index) is kept in memory: ``entries()``,
+``size_bytes()`` and ``memory_bytes()`` cost nothing (the last is counted against the checkpoints'
+memory budget). When the log has grown well past the live state it is rewritten in a thread of its
+own, beside the commits: the live state as of an offset of the log to a temporary file, synced;
+then the records committed since, copied as they are (most unlocked, the last few under the lock),
+synced; the file renamed over the log, the directory synced and the commits' file descriptor
+swapped, all under the lock. A crash leaves the old log or the new one, whole, with every
+acknowledged commit; a rewrite that fails (a full disk) leaves the old log and is tried again once
+the log has grown by ``COMPACT_MIN_BYTES`` more. At open, a mostly dead log is rewritten in place
+before anything else, and a data directory with the former LMDB journal (``journal.mdb``) is
+migrated the same way.
 """
 
 from __future__ import annotations
