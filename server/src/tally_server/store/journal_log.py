@@ -254,7 +254,11 @@ class LogJournal:
             for op in decoded:
                 self._apply(op)
             if self._should_compact():
-                self._start_compaction()
+                try:
+                    self._start_compaction()
+                except (OSError, RuntimeError) as exc:  # no fd or thread to spare: the commit stands
+                    self._compact_at = self._end + COMPACT_MIN_BYTES
+                    log.warning("could not start rewriting the writers' journal %s: %s", self.path, exc)
 
     def _write(self, record: bytes) -> None:
         try:
@@ -307,14 +311,19 @@ class LogJournal:
             name="tally-journal-rewrite",
             daemon=True,
         )
-        self._compactor.start()
+        try:
+            self._compactor.start()
+        except BaseException:
+            self._compactor = None
+            os.close(source)
+            raise
 
     def _compact(
         self, opened: dict[str, bytes], entries: dict[str, dict[int, bytes]], at: int, source: int
     ) -> None:
         """The rewrite's thread: the live state as of offset ``at`` of the log, then what follows it."""
         temp = self._data_dir / _TEMP_FILENAME
-        before, fd = self._end, -1
+        before, fd, swapped = self._end, -1, False
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             end = 0
@@ -336,6 +345,7 @@ class LogJournal:
                 os.replace(temp, self.path)
                 # The new log is the log now: every later commit goes to it, whatever happens next.
                 old, self._fd, self._end, self._dirty, fd = self._fd, fd, end, False, -1
+                swapped = True
                 with contextlib.suppress(OSError):
                     os.close(old)
                 self.rewrite_hook("renamed")
@@ -350,7 +360,14 @@ class LogJournal:
                     os.unlink(temp)
             with self._lock:
                 self._compact_at = self._end + COMPACT_MIN_BYTES  # not again before grown that much more
-            if isinstance(exc, OSError):  # the old log stays, whole, and takes the commits
+            if isinstance(exc, OSError) and swapped:  # only the directory's sync failed
+                log.warning(
+                    "rewrote the writers' journal %s but could not sync its directory (tried again "
+                    "before the next commit): %s",
+                    self.path,
+                    exc,
+                )
+            elif isinstance(exc, OSError):  # the old log stays, whole, and takes the commits
                 log.warning(
                     "could not rewrite the writers' journal %s (keeping it as it is; will try again "
                     "once it has grown by %d bytes): %s",
