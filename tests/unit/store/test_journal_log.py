@@ -20,7 +20,7 @@ import pytest
 from tally_server.domain.journal import Completing, JournaledWriter, Persisted, Snapshot
 from tally_server.domain.ledger import ApplyCounts, LedgerState
 from tally_server.domain.ports import CompletionWriteError, ForgetWriter, JournalEntry, JournalOp, OpenJournal
-from tally_server.store import journal_log
+from tally_server.store import journal_format, journal_log
 from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
 from tally_server.store.journal_log import LOG_FILENAME, LogJournal
 from tests.property.test_journal_log_model import Model
@@ -62,10 +62,10 @@ def load(data_dir: Path) -> list[JournaledWriter]:
 
 def last_record_at(path: Path) -> int:
     """The offset of the log's last record (walking the records from the header on)."""
-    data, at, last = path.read_bytes(), journal_log._HEADER.size, -1
+    data, at, last = path.read_bytes(), journal_format.HEADER.size, -1
     while at < len(data):
-        length, _ = journal_log._RECORD.unpack_from(data, at)
-        last, at = at, at + journal_log._RECORD.size + length
+        length, _ = journal_format.RECORD.unpack_from(data, at)
+        last, at = at, at + journal_format.RECORD.size + length
     assert at == len(data) and last > 0
     return last
 
@@ -80,7 +80,7 @@ def torn(kind: str, data: bytes, last: int) -> bytes:
     if kind == "only its length":
         return data[: last + 4]
     assert kind == "a byte flipped"
-    middle = last + journal_log._RECORD.size + 5
+    middle = last + journal_format.RECORD.size + 5
     return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1 :]
 
 
@@ -118,10 +118,10 @@ def test_a_log_that_is_not_ours_or_is_newer_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"SQLite format 3\0" + b"\0" * 100)
     with pytest.raises(OSError, match="is not a Tally journal"):  # tally serve says so and exits
         LogJournal(tmp_path)
-    path.write_bytes(journal_log._HEADER.pack(journal_log.MAGIC, journal_log.FORMAT_VERSION + 1))
+    path.write_bytes(journal_format.HEADER.pack(journal_format.MAGIC, journal_format.FORMAT_VERSION + 1))
     with pytest.raises(OSError, match="journal format 2"):
         LogJournal(tmp_path)
-    assert path.stat().st_size == journal_log._HEADER.size  # left alone
+    assert path.stat().st_size == journal_format.HEADER.size  # left alone
 
 
 def test_a_mostly_dead_log_is_rewritten_and_keeps_the_live_state(
@@ -361,12 +361,12 @@ CRASHING_CHILD = """
 import os, signal, sys, threading
 from pathlib import Path
 
-from tally_server.store import journal_log
+from tally_server.store import journal_format, journal_log
 from tally_server.store.journal_log import LogJournal
 from tests.unit.store.test_journal_log import churn
 
 journal_log.COMPACT_MIN_BYTES = 8 << 10
-journal_log._REWRITE_RECORD_BYTES = 1 << 10  # the live state in many writes: a crash can cut it
+journal_format.REWRITE_RECORD_BYTES = 1 << 10  # the live state in many writes: a crash can cut it
 data_dir, point, wait = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "wait"
 reached, more = threading.Event(), threading.Event()
 

@@ -30,48 +30,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tally.integrations.nemo_format import describe_error, fsync_dir
 from tally_server.domain.journal import JournaledWriter
-from tally_server.domain.ports import CompletionWriteError, ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.domain.ports import CompletionWriteError, JournalOp
+from tally_server.store import journal_format as fmt
 from tally_server.store.disk import write_error
 from tally_server.store.journal import (
     LMDB_JOURNAL_FILENAME,
     LmdbJournal,
     decode_entry,
     decode_opened,
-    encode_entry,
-    encode_opened,
 )
 
 log = logging.getLogger(__name__)
 
 LOG_FILENAME = "journal.log"
 _TEMP_FILENAME = ".journal.log.tmp"
-MAGIC = b"TALLYJNL"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sI")
-_RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
-_U32 = struct.Struct("<I")
-_INDEX = struct.Struct("<Q")
-# Kinds of op: open a writer, append an entry (a snapshot drops the entries before it), forget a
-# writer; and put an entry as it is (a rewritten log's entries: the live state, nothing to drop).
-_OPEN, _ENTRY, _FORGET, _PUT = b"O", b"E", b"F", b"P"
-_SNAPSHOT_KIND = b"S"  # encode_entry's kind byte for a Snapshot
 
 #: The log is rewritten from the live state once it is past both of these (module-level so that
 #: tests can lower them): big enough that rewriting is rare, and mostly dead records.
 COMPACT_MIN_BYTES = 64 << 20
 COMPACT_RATIO = 4
-#: A rewritten log holds records of about this size (each writer's ops, split when bigger).
-_REWRITE_RECORD_BYTES = 1 << 20
-#: A replaced log's blocks are freed this many at a time.
-_RELEASE_STEP_BYTES = 4 << 20
 #: Per-op overhead counted into the live state's size (kind, lengths, index).
 _OP_OVERHEAD = 1 + 4 + 8 + 4
 #: Memory per entry or writer held, beyond its bytes: the bytes object, its key, its dict slot
@@ -152,31 +136,31 @@ class LogJournal:
     def _replay(self) -> None:
         size = os.fstat(self._fd).st_size
         with os.fdopen(os.dup(self._fd), "rb") as reader:
-            header = reader.read(_HEADER.size)
-            if len(header) < _HEADER.size:
+            header = reader.read(fmt.HEADER.size)
+            if len(header) < fmt.HEADER.size:
                 raise OSError(f"{self.path} is not a Tally journal (shorter than its header)")
-            magic, version = _HEADER.unpack(header)
-            if magic != MAGIC:
+            magic, version = fmt.HEADER.unpack(header)
+            if magic != fmt.MAGIC:
                 raise OSError(f"{self.path} is not a Tally journal (magic {magic!r})")
-            if version != FORMAT_VERSION:
+            if version != fmt.FORMAT_VERSION:
                 raise OSError(
-                    f"{self.path} is journal format {version}; this Tally reads format {FORMAT_VERSION} "
+                    f"{self.path} is journal format {version}; this Tally reads format {fmt.FORMAT_VERSION} "
                     "(written by a newer Tally? run that version, or move the file away to lose its writers)"
                 )
-            end = _HEADER.size
+            end = fmt.HEADER.size
             while True:
-                prefix = reader.read(_RECORD.size)
-                if len(prefix) < _RECORD.size:
+                prefix = reader.read(fmt.RECORD.size)
+                if len(prefix) < fmt.RECORD.size:
                     break
-                length, crc = _RECORD.unpack(prefix)
-                if length == 0 or end + _RECORD.size + length > size:
+                length, crc = fmt.RECORD.unpack(prefix)
+                if length == 0 or end + fmt.RECORD.size + length > size:
                     break  # zeros, or cut short
                 payload = reader.read(length)
                 if len(payload) < length or zlib.crc32(payload) != crc:
                     break
-                for op in _decode_ops(payload):
+                for op in fmt.decode_ops(payload):
                     self._apply(op)
-                end += _RECORD.size + length
+                end += fmt.RECORD.size + length
         self._end = end
         if end < size:
             log.warning(
@@ -192,10 +176,10 @@ class LogJournal:
 
     def _apply(self, op: tuple[bytes, str, int, bytes]) -> None:
         kind, handle, index, raw = op
-        if kind == _OPEN:
+        if kind == fmt.OPEN:
             self._put_opened(handle, raw)
-        elif kind == _ENTRY or kind == _PUT:
-            self._put_entry(handle, index, raw, snapshot=kind == _ENTRY)
+        elif kind == fmt.ENTRY or kind == fmt.PUT:
+            self._put_entry(handle, index, raw, snapshot=kind == fmt.ENTRY)
         else:
             self._forget(handle)
 
@@ -208,7 +192,7 @@ class LogJournal:
 
     def _put_entry(self, handle: str, index: int, raw: bytes, *, snapshot: bool = True) -> None:
         indexed = self._entries.setdefault(handle, {})
-        if snapshot and raw[:1] == _SNAPSHOT_KIND:  # a snapshot replaces everything before it
+        if snapshot and raw[:1] == fmt.SNAPSHOT_KIND:  # a snapshot replaces everything before it
             for before in [i for i in indexed if i < index]:
                 self._drop(handle, indexed.pop(before))
         old = indexed.get(index)
@@ -235,9 +219,9 @@ class LogJournal:
         """Append ``ops`` as one record and sync it; durable when this returns, all or nothing."""
         if not ops:
             return
-        decoded = [_op(op) for op in ops]
-        payload = b"".join(_encode_op(*op) for op in decoded)
-        record = _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+        decoded = [fmt.journal_op(op) for op in ops]
+        payload = b"".join(fmt.encode_op(*op) for op in decoded)
+        record = fmt.RECORD.pack(len(payload), zlib.crc32(payload)) + payload
         with self._lock:
             try:
                 if self._fd < 0:
@@ -262,7 +246,7 @@ class LogJournal:
 
     def _write(self, record: bytes) -> None:
         try:
-            _write_all(self._fd, record, self._end)
+            fmt.write_all(self._fd, record, self._end)
             os.fdatasync(self._fd)
         except OSError as exc:
             # Nothing of this record may stay for a later one to follow: cut it off now, or
@@ -327,19 +311,19 @@ class LogJournal:
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             end = 0
-            for chunk in _chunks(_live_records(opened, entries)):
-                end = _write_all(fd, chunk, end)
+            for chunk in fmt.chunks(fmt.live_records(opened, entries)):
+                end = fmt.write_all(fd, chunk, end)
                 self._checkpoint("writing")
             os.fdatasync(fd)
             self._checkpoint("written")
             # The records committed meanwhile, as they are (a record before the log's end never
             # changes): most of them unlocked, the few committed while copying under the lock.
-            end, at = _copy(source, at, self._end, fd, end)
+            end, at = fmt.copy(source, at, self._end, fd, end)
             self._checkpoint("caught up")
             with self._lock:
                 if self._closing:
                     raise _Closed
-                end, at = _copy(source, at, self._end, fd, end)
+                end, at = fmt.copy(source, at, self._end, fd, end)
                 os.fsync(fd)
                 self._checkpoint("swapping")
                 os.replace(temp, self.path)
@@ -352,7 +336,7 @@ class LogJournal:
                 self._sync_dir()
             self.rewrite_hook("rewrote")
             with contextlib.suppress(OSError):  # the close frees the rest
-                _release(source)
+                fmt.release(source)
         except BaseException as exc:
             if fd >= 0:
                 os.close(fd)
@@ -410,8 +394,8 @@ class LogJournal:
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             end = 0
-            for chunk in _chunks(_live_records(self._opened, self._entries)):
-                end = _write_all(fd, chunk, end)
+            for chunk in fmt.chunks(fmt.live_records(self._opened, self._entries)):
+                end = fmt.write_all(fd, chunk, end)
             os.fsync(fd)
             os.replace(temp, self.path)
             fsync_dir(self._data_dir)
@@ -473,120 +457,6 @@ class _Stuck(OSError):
 
 def _no_hook(point: str) -> None:
     pass
-
-
-# --- records ---------------------------------------------------------------------------------------
-
-
-def _op(op: JournalOp) -> tuple[bytes, str, int, bytes]:
-    if isinstance(op, OpenJournal):
-        return _OPEN, op.opened.handle, 0, encode_opened(op.opened)
-    if isinstance(op, JournalEntry):
-        return _ENTRY, op.handle, op.index, encode_entry(op.entry)
-    if isinstance(op, ForgetWriter):
-        return _FORGET, op.handle, 0, b""
-    raise TypeError(f"unknown journal op {op!r}")  # pragma: no cover - guarded by the type checker
-
-
-def _encode_op(kind: bytes, handle: str, index: int, raw: bytes) -> bytes:
-    name = handle.encode()
-    if kind == _FORGET:
-        return kind + _U32.pack(len(name)) + name
-    if kind == _OPEN:
-        return kind + _U32.pack(len(name)) + name + _U32.pack(len(raw)) + raw
-    return kind + _U32.pack(len(name)) + name + _INDEX.pack(index) + _U32.pack(len(raw)) + raw
-
-
-def _decode_ops(payload: bytes) -> Iterator[tuple[bytes, str, int, bytes]]:
-    view, at = memoryview(payload), 0
-    while at < len(view):
-        kind = bytes(view[at : at + 1])
-        (n,) = _U32.unpack_from(view, at + 1)
-        handle = bytes(view[at + 5 : at + 5 + n]).decode()
-        at += 5 + n
-        index = 0
-        if kind == _FORGET:
-            yield kind, handle, 0, b""
-            continue
-        if kind == _ENTRY or kind == _PUT:
-            (index,) = _INDEX.unpack_from(view, at)
-            at += _INDEX.size
-        elif kind != _OPEN:
-            raise ValueError(f"unknown journal op kind {kind!r} in a record whose checksum matched")
-        (n,) = _U32.unpack_from(view, at)
-        raw = bytes(view[at + 4 : at + 4 + n])
-        at += 4 + n
-        yield kind, handle, index, raw
-
-
-def _write_all(fd: int, data: bytes, at: int) -> int:
-    """Write ``data`` at offset ``at`` (again after a short write); the offset after it."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, at)
-        view, at = view[written:], at + written
-    return at
-
-
-def _record(ops: list[bytes]) -> bytes:
-    payload = b"".join(ops)
-    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def _live_records(opened: dict[str, bytes], entries: dict[str, dict[int, bytes]]) -> Iterator[bytes]:
-    """A log holding just this live state: the header, then records of about a megabyte."""
-    yield _HEADER.pack(MAGIC, FORMAT_VERSION)
-    ops: list[bytes] = []
-    size = 0
-    for handle in sorted(opened.keys() | entries.keys()):
-        if handle in opened:
-            ops.append(_encode_op(_OPEN, handle, 0, opened[handle]))
-            size += len(ops[-1])
-        for index, raw in sorted(entries.get(handle, {}).items()):
-            ops.append(_encode_op(_PUT, handle, index, raw))
-            size += len(ops[-1])
-            if size >= _REWRITE_RECORD_BYTES:
-                yield _record(ops)
-                ops, size = [], 0
-    if ops:
-        yield _record(ops)
-
-
-def _copy(source: int, start: int, stop: int, fd: int, at: int) -> tuple[int, int]:
-    """Copy bytes ``start:stop`` of ``source`` to ``fd`` at ``at``: the offsets after them, in each."""
-    while start < stop:
-        data = os.pread(source, min(stop - start, _REWRITE_RECORD_BYTES), start)
-        if not data:
-            raise OSError(f"the writers' journal ended at {start}, before its last record's end {stop}")
-        at = _write_all(fd, data, at)
-        start += len(data)
-    return at, start
-
-
-def _chunks(parts: Iterable[bytes]) -> Iterator[bytes]:
-    """``parts`` joined into writes of about a rewritten record's size."""
-    pending: list[bytes] = []
-    size = 0
-    for part in parts:
-        pending.append(part)
-        size += len(part)
-        if size >= _REWRITE_RECORD_BYTES:
-            yield b"".join(pending)
-            pending, size = [], 0
-    if pending:
-        yield b"".join(pending)
-
-
-def _release(old: int) -> None:
-    """Free an old log's blocks a few megabytes at a time (it is unlinked; this is its last fd).
-
-    Freeing them all at once, at the close, is one big filesystem transaction that the commits'
-    syncs would wait for (tens of milliseconds for a log of a hundred megabytes on ext4).
-    """
-    size = os.fstat(old).st_size
-    while size > 0:
-        size = max(0, size - _RELEASE_STEP_BYTES)
-        os.ftruncate(old, size)
 
 
 def _remove_lmdb(path: Path) -> None:
