@@ -27,13 +27,18 @@ from tally_server.store.journal_log import LogJournal
 
 
 class _Rewrites(logging.Handler):
+    """When each rewrite started (a line this checkout logs at DEBUG; none before) and ended."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.started: list[float] = []
+        self.ended: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "rewrote" in record.getMessage():
-            self.count += 1
+        if "rewriting the writers' journal" in record.getMessage():
+            self.started.append(time.perf_counter())
+        elif "rewrote" in record.getMessage():
+            self.ended.append(time.perf_counter())
 
 
 def main() -> None:
@@ -46,7 +51,7 @@ def main() -> None:
     journal_log.COMPACT_MIN_BYTES = args.min_mib << 20
     rewrites = _Rewrites()
     logging.getLogger(journal_log.__name__).addHandler(rewrites)
-    logging.getLogger(journal_log.__name__).setLevel(logging.INFO)
+    logging.getLogger(journal_log.__name__).setLevel(logging.DEBUG)
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         journal = LogJournal(Path(folder))
         journal_log.COMPACT_MIN_BYTES = 1 << 40  # build the live state without a rewrite
@@ -61,23 +66,35 @@ def main() -> None:
         journal_log.COMPACT_MIN_BYTES = args.min_mib << 20
         opened = Opened("hot", "cp/x", "writer-hot", "host", 7, {}, {}, 1.5, "tok")
         journal.commit([OpenJournal(opened)])
-        latencies: list[float] = []
+        commits: list[tuple[float, float]] = []  # (start, end)
         for i in range(args.commits):  # the same few entries over and over: dead records
             started = time.perf_counter()
             journal.commit([JournalEntry("hot", 1 + i % 4, Persisted([blob]))])
-            latencies.append(time.perf_counter() - started)
+            commits.append((started, time.perf_counter()))
         if hasattr(journal, "wait_rewritten"):
             journal.wait_rewritten()
         journal.close()
-    ms = sorted(x * 1000 for x in latencies)
+    ms = sorted((end - start) * 1000 for start, end in commits)
+    # The commit that triggered each rewrite: the one it started in (in the background), or, where
+    # nothing says it started, the one it ended in (inside the commit).
+    marks = rewrites.started or rewrites.ended
+    triggering = [next((e - s) * 1000 for s, e in commits if s <= t <= e) for t in marks]
+    windows = list(zip(rewrites.started, rewrites.ended, strict=False)) if rewrites.started else []
+    during = [(e - s) * 1000 for s, e in commits if any(a <= e and s <= b for a, b in windows)]
     print(
         f"live state {args.live_mib} MiB, rewrite past {args.min_mib} MiB, {args.commits} commits, "
-        f"{rewrites.count} rewrites, load {os.getloadavg()[0]:.1f}"
+        f"{len(rewrites.ended)} rewrites, load {os.getloadavg()[0]:.1f}"
     )
     print(
         f"commit latency ms: median {statistics.median(ms):.2f}  p99 {ms[int(len(ms) * 0.99)]:.2f}  "
         f"max {ms[-1]:.1f}  slowest five {', '.join(f'{x:.1f}' for x in ms[-5:])}"
     )
+    print(f"the commits that triggered a rewrite, ms: {', '.join(f'{x:.1f}' for x in triggering)}")
+    if windows:
+        print(
+            f"rewrites took ms: {', '.join(f'{(b - a) * 1000:.0f}' for a, b in windows)}; the {len(during)} "
+            f"commits made meanwhile: median {statistics.median(during):.2f}, max {max(during):.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -286,6 +286,12 @@ class LogJournal:
         The commits go on appending to the old log meanwhile; the rewrite copies what they appended
         after it has written the live state, the last of it under the lock, then swaps the logs.
         """
+        log.debug(
+            "rewriting the writers' journal %s in the background (%d bytes, about %d live)",
+            self.path,
+            self._end,
+            self._live,
+        )
         opened = dict(self._opened)
         entries = {handle: dict(indexed) for handle, indexed in self._entries.items()}
         source = os.dup(self._fd)  # the old log, to copy from: still open when the commits' fd is swapped
