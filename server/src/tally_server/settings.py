@@ -97,7 +97,8 @@ class Settings(BaseSettings):
         gt=0,
         description="Memory for loaded completed-id sets, in MiB. Past it, checkpoints without live "
         "writers are unloaded, least recently used first, and loaded again when next asked about; "
-        "status and listings never load them.",
+        "status and listings never load them. The writers' journal log's live state in memory counts "
+        "against it too.",
     )
     journal: bool = Field(
         default=True,
