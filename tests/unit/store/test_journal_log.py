@@ -559,3 +559,32 @@ def test_the_memory_the_live_state_takes_follows_it(tmp_path: Path) -> None:
     reopened.commit([ForgetWriter("a")])
     assert reopened.memory_bytes() == 0
     reopened.close()
+
+
+def test_closing_during_a_rewrite_stops_it_and_keeps_the_old_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 8 << 10)
+    journal = LogJournal(tmp_path)
+    pauses = Pauses("written")
+    journal.rewrite_hook = pauses
+    commits = churn(60)
+    done = 0
+    while journal._compactor is None:
+        journal.commit(commits[done])
+        done += 1
+    assert pauses.reached["written"].wait(60)
+    size = journal.size_bytes()
+    waiting = threading.Event()  # close() said the rewrite must stop, and waits for it
+    wait_rewritten = journal.wait_rewritten
+    monkeypatch.setattr(journal, "wait_rewritten", lambda: (waiting.set(), wait_rewritten()))
+    closing = threading.Thread(target=journal.close)
+    closing.start()
+    assert waiting.wait(60)
+    pauses.go["written"].set()
+    closing.join(60)
+    assert not closing.is_alive()
+    assert "swapping" not in pauses.seen  # stopped before the swap
+    assert not (tmp_path / ".journal.log.tmp").exists()
+    assert (tmp_path / LOG_FILENAME).stat().st_size == size  # the old log, as it was
+    assert load(tmp_path) == model_of(commits[:done])
