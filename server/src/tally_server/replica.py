@@ -9,7 +9,8 @@ replica until it takes the lock itself:
   same):
 
   - ``AreCompleted``, ``ListCompleted`` (and ``GetCursor``'s check) from the database's committed
-    completions. A completion
+    completions (``AreCompleted`` partly from this replica's cache of ids it has seen completed,
+    which is never staler than the database: ``replica_cache``). A completion
     is committed before the owner counts it completed, and an un-complete (an anomaly) is committed
     before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed what
     the owner would not, and a flushed completion is seen by every replica at once.
@@ -383,7 +384,7 @@ class ReplicaReads:
         return _VIEW.validate_python(found)
 
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
-        """Parallel booleans from the committed completions."""
+        """Parallel booleans from the committed completions (and the cache of them, see ``replica_cache``)."""
         validation.checkpoint_name(checkpoint, self.limits)
         ids = validation.source_ids(source_ids, self.limits)
         done = await asyncio.to_thread(self._reader.are_completed, checkpoint, ids)
