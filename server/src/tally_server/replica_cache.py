@@ -99,12 +99,15 @@ class CompletedCache:
         with self._lock:
             entry = self._entries.get(checkpoint)
             if entry is None:
-                return Asked(None, [False] * len(keys), list(dict.fromkeys(keys)), [])
+                return Asked(None, [False] * len(keys), list(keys), [])
             self._entries.move_to_end(checkpoint)
             cached = list(map(entry.ids.__contains__, keys))
             number = entry.number
-        lacking = list(dict.fromkeys(k for k, c in zip(keys, cached, strict=True) if not c))
-        held = list(dict.fromkeys(k for k, c in zip(keys, cached, strict=True) if c))
+        if all(cached):  # the usual case once warm: no partition
+            return Asked(number, cached, [], list(keys))
+        # Duplicates are left in (the database answers each; the rows go into a set).
+        lacking = [k for k, c in zip(keys, cached, strict=True) if not c]
+        held = [k for k, c in zip(keys, cached, strict=True) if c]
         return Asked(number, cached, lacking, held)
 
     def settle(
@@ -118,8 +121,11 @@ class CompletedCache:
         """
         same = number is not None and number == asked.number
         if same:
-            answers = [c or k in found for k, c in zip(keys, asked.cached, strict=True)]
             hits = sum(asked.cached)
+            if found:
+                answers = [c or k in found for k, c in zip(keys, asked.cached, strict=True)]
+            else:
+                answers = list(asked.cached)
         else:
             answers = [k in found for k in keys]
             hits = 0
