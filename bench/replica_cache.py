@@ -5,8 +5,9 @@
 Starts an owner and a replica (``tally serve --store``) on a scratch database, completes ``--ids``
 sources, then one caller asks the replica for all of them (shuffled) ``--calls`` times, after 20
 calls of warm-up. Prints one JSON line: ids/s, the replica process's CPU per id, the CPU per id of
-every ``postgres`` process on this machine (so: a PostgreSQL on this machine, and nothing else busy
-on it), the load and the replica's ``tally_replica_cache_*`` series. ``--cache-ids 0`` turns the
+the PostgreSQL backends serving the scratch database (those alive from start to end of the
+measured calls; read from ``/proc``, so PostgreSQL must run on this machine), the load and the
+replica's ``tally_replica_cache_*`` series. ``--cache-ids 0`` turns the
 replica's cache off. To measure another checkout's server, put its ``client/src`` and
 ``server/src`` first on ``PYTHONPATH`` (the option is then ignored).
 """
@@ -35,15 +36,19 @@ def cpu_seconds(pid: int | str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def postgres_cpu_seconds() -> float:
-    total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "postgres":
-                total += cpu_seconds(pid)
-        except OSError:
-            pass  # gone meanwhile
-    return total
+def backends(admin: sa.Engine, database: str) -> dict[int, float]:
+    """CPU seconds so far of each PostgreSQL backend serving ``database`` (a PostgreSQL on this machine)."""
+    with admin.connect() as conn:
+        pids = conn.execute(
+            sa.text("SELECT pid FROM pg_stat_activity WHERE datname = :name"), {"name": database}
+        ).scalars()
+        found = {}
+        for pid in pids:
+            try:
+                found[int(pid)] = cpu_seconds(pid)
+            except OSError:
+                pass  # gone meanwhile
+        return found
 
 
 def main() -> None:
@@ -76,14 +81,15 @@ def main() -> None:
                     assert all(client.are_completed("bench/reads", ids))
                 replica0, pg0, t0 = (
                     cpu_seconds(replica.process.pid),
-                    postgres_cpu_seconds(),
+                    backends(admin, name),
                     time.perf_counter(),
                 )
                 for _ in range(args.calls):
                     client.are_completed("bench/reads", ids)
                 seconds = time.perf_counter() - t0
                 replica_s = cpu_seconds(replica.process.pid) - replica0
-                pg_s = postgres_cpu_seconds() - pg0
+                pg1 = backends(admin, name)
+                pg_s = sum(pg1[pid] - pg0[pid] for pid in pg0.keys() & pg1.keys())
             asked = args.calls * len(ids)
             metrics = httpx.get(f"http://{replica.http_address}/metrics").text.splitlines()
             print(
