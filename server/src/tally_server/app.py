@@ -33,6 +33,7 @@ from tally_server.http_api.app import create_app
 from tally_server.listen import bind_http
 from tally_server.loop_load import new_event_loop
 from tally_server.metrics import Metrics
+from tally_server.replica_cache import CompletedCache
 from tally_server.service import CoordinatorService
 from tally_server.service.bridge import ServiceBridge
 from tally_server.settings import Settings, split_listen
@@ -515,7 +516,7 @@ async def _serve_as_replica(
     http_sock = bind_http(settings.http_listen)
     route = replica.OwnerRoute()
     metrics = replica.ReplicaMetrics(lock.holder, route)
-    reader = replica.CompletedReader(lock.url)
+    reader = replica.CompletedReader(lock.url, CompletedCache(settings.replica_cache_ids), metrics)
     tls = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         trusted = settings.tls_cert.read_bytes()

@@ -9,7 +9,8 @@ replica until it takes the lock itself:
   same):
 
   - ``AreCompleted``, ``ListCompleted`` (and ``GetCursor``'s check) from the database's committed
-    completions. A completion
+    completions (``AreCompleted`` partly from this replica's cache of ids it has seen completed,
+    which is never staler than the database: ``replica_cache``). A completion
     is committed before the owner counts it completed, and an un-complete (an anomaly) is committed
     before the ``ApplyDeltas`` that caused it is answered, so a replica never says completed what
     the owner would not, and a flushed completion is seen by every replica at once.
@@ -74,6 +75,7 @@ from tally_server.http_api.request_context import RequestMiddleware
 from tally_server.http_api.routes import admin, checkpoints, failures, status, totals
 from tally_server.listen import add_grpc_port
 from tally_server.metrics import CONTENT_TYPE, LATENCY_BUCKETS, new_registry
+from tally_server.replica_cache import CompletedCache
 from tally_server.service import CoordinatorService
 from tally_server.service.failures import failures_limit
 from tally_server.service.status import (
@@ -98,6 +100,7 @@ from tally_server.service.views import (
     SourceFailuresView,
     WriterPage,
 )
+from tally_server.store.pg_arrays import bytea_array
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     TRANSIENT,
@@ -174,6 +177,19 @@ _ARE_COMPLETED = (
     "SELECT array_agg(t.id) FROM unnest(%b::bytea[]) AS t(id) WHERE (SELECT true FROM completed c "
     "WHERE c.checkpoint = %b AND c.source_id = t.id LIMIT 1)"
 )
+# The same with the replica's cache (``replica_cache``), in one statement, so one snapshot: the
+# checkpoint's ``uncompleted`` number now, the ids the cache lacks that are completed, and the ids
+# it holds that are completed if the number is not the one they are held under (else those are not
+# looked up: a one-time filter skips their probes). Parameters: the lacking ids, the checkpoint,
+# the held ids, the number they are held under (NULL: none), the checkpoint twice more.
+_PROBE = "(SELECT true FROM completed c WHERE c.checkpoint = %b AND c.source_id = t.id LIMIT 1)"
+_ARE_COMPLETED_CACHED = (
+    "SELECT n.uncompleted, "
+    f"(SELECT array_agg(t.id) FROM unnest(%b::bytea[]) AS t(id) WHERE {_PROBE}), "
+    "(SELECT array_agg(t.id) FROM unnest(%b::bytea[]) AS t(id) "
+    f"WHERE n.uncompleted IS DISTINCT FROM %b::int8 AND {_PROBE}) "
+    "FROM (SELECT (SELECT uncompleted FROM completion_checkpoints WHERE checkpoint = %b) AS uncompleted) AS n"
+)
 
 
 class OwnerRoute:
@@ -216,11 +232,22 @@ class CompletedReader:
     Each read is one statement in autocommit, on its own snapshot of committed rows, on a pooled
     connection lent without a ping: a connection a database restart cut fails its read, which then
     runs once more on a new pool (reads are idempotent).
+
+    ``are_completed`` keeps the completed ids it has read in ``cache`` (``replica_cache``: whole
+    checkpoints, under each checkpoint's ``uncompleted`` number) and asks the database only for the
+    ids it lacks, with the number, in one statement; ``replica_cache`` says why an id answered from
+    the cache is one the database still holds completed.
     """
 
-    def __init__(self, url: sa.URL) -> None:
+    def __init__(
+        self, url: sa.URL, cache: CompletedCache | None = None, metrics: ReplicaMetrics | None = None
+    ) -> None:
         self.url = url
         self._engine = create_engine(url, pre_ping=False, autocommit=True)
+        self.cache = cache if cache is not None else CompletedCache(0)
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.cache_ids.set_function(lambda: self.cache.size)
 
     def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
         """Parallel booleans: whether each id has a committed completion in the checkpoint.
@@ -231,15 +258,48 @@ class CompletedReader:
         keys = list(map(str.encode, source_ids))
         if not keys:
             return []
+        if self.cache.max_ids == 0:
+            return self._uncached(checkpoint, keys)
+        asked = self.cache.ask(checkpoint, keys)
+        params = (
+            bytea_array(asked.lacking),
+            checkpoint,
+            bytea_array(asked.held),
+            asked.number,
+            checkpoint,
+            checkpoint,
+        )
 
+        def query(conn: sa.Connection) -> tuple[int | None, list[bytes] | None, list[bytes] | None]:
+            raw = conn.connection.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            with raw.cursor(binary=True) as cursor:
+                row = cursor.execute(_ARE_COMPLETED_CACHED, params).fetchone()
+            assert row is not None  # one row, always
+            return row[0], row[1], row[2]
+
+        number, lacking, held = self._read(query, checkpoint)
+        settled = self.cache.settle(checkpoint, keys, asked, number, {*(lacking or ()), *(held or ())})
+        if self._metrics is not None:
+            self._metrics.cache_hits.inc(settled.hits)
+            self._metrics.cache_misses.inc(len(keys) - settled.hits)
+            if settled.dropped:
+                self._metrics.cache_dropped.inc()
+            if settled.evicted:
+                self._metrics.cache_evicted.inc(settled.evicted)
+        return settled.answers
+
+    def _uncached(self, checkpoint: str, keys: list[bytes]) -> list[bool]:
         def query(conn: sa.Connection) -> list[bytes] | None:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             with raw.cursor(binary=True) as cursor:
-                row = cursor.execute(_ARE_COMPLETED, (keys, checkpoint)).fetchone()
+                row = cursor.execute(_ARE_COMPLETED, (bytea_array(keys), checkpoint)).fetchone()
             return None if row is None else row[0]
 
         done = set(self._read(query, checkpoint) or ())
+        if self._metrics is not None:
+            self._metrics.cache_misses.inc(len(keys))
         return list(map(done.__contains__, keys))
 
     def completed_after(self, checkpoint: str, after: str, limit: int) -> list[str]:
@@ -324,7 +384,7 @@ class ReplicaReads:
         return _VIEW.validate_python(found)
 
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
-        """Parallel booleans from the committed completions."""
+        """Parallel booleans from the committed completions (and the cache of them, see ``replica_cache``)."""
         validation.checkpoint_name(checkpoint, self.limits)
         ids = validation.source_ids(source_ids, self.limits)
         done = await asyncio.to_thread(self._reader.are_completed, checkpoint, ids)
@@ -545,6 +605,34 @@ class ReplicaMetrics:
         self.local_reads = Counter(
             "tally_replica_are_completed_calls",
             "are_completed calls this replica answered from the database itself.",
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "tally_replica_cache_hits",
+            "Ids asked of this replica (are_completed, and the completed checks of its other reads) "
+            "answered from its cache of completed ids, without asking the database.",
+            registry=self.registry,
+        )
+        self.cache_misses = Counter(
+            "tally_replica_cache_misses",
+            "Ids asked of this replica that it looked up in the database (not in its cache, or the "
+            "checkpoint's cache could be stale).",
+            registry=self.registry,
+        )
+        self.cache_dropped = Counter(
+            "tally_replica_cache_dropped",
+            "Times a checkpoint's cached ids were dropped because one of its completions went (a reset, "
+            "a delete, an anomaly) or the checkpoint is gone.",
+            registry=self.registry,
+        )
+        self.cache_evicted = Counter(
+            "tally_replica_cache_evicted",
+            "Checkpoints evicted from this replica's cache to keep it within replica_cache_ids.",
+            registry=self.registry,
+        )
+        self.cache_ids = Gauge(
+            "tally_replica_cache_ids",
+            "Completed ids held in this replica's cache, over every checkpoint.",
             registry=self.registry,
         )
         self.local_calls = Counter(

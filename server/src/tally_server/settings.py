@@ -64,6 +64,15 @@ class Settings(BaseSettings):
         "dashboard); default HOSTNAME-PID. Unique per store.",
         json_schema_extra={"default_text": "HOSTNAME-PID"},
     )
+    replica_cache_ids: int = Field(
+        default=2_000_000,
+        ge=0,
+        description="With store, on a replica: how many completed ids it keeps in memory to answer "
+        "are_completed without asking the database for them (about 100 bytes each); whole checkpoints "
+        "are evicted past it, least recently asked first. A checkpoint's cached ids are trusted only "
+        "while none of its completions has gone (the store numbers each removal), so they are never "
+        "staler than the database. 0: every id is asked of the database.",
+    )
     advertise_host: str | None = Field(
         default=None,
         max_length=253,

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -84,7 +85,7 @@ def make_pre_revision_store(url: str) -> None:
 
 def test_an_empty_store_is_made_at_head_with_exactly_pg_schemas_tables(registry_postgres_url: str) -> None:
     PgJournal(registry_postgres_url).close()
-    assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head() == "s0002"
+    assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head() == "s0003"
     assert set(pg_schema.metadata.tables) | {pg_schema.VERSION_TABLE} == tables(registry_postgres_url)
     # The drift guard: a change to pg_schema without a revision fails here.
     assert drift(registry_postgres_url) == []
@@ -99,7 +100,7 @@ def test_a_store_made_before_revisions_is_adopted_with_its_rows(
         journal = PgJournal(registry_postgres_url)
     said = [r.getMessage() for r in caplog.records]
     assert any("predates schema revisions: adopting it at revision s0001" in m for m in said), said
-    assert any("from schema revision s0001 to s0002" in m for m in said), said
+    assert any("from schema revision s0001 to s0003" in m for m in said), said
     try:
         assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head()
         engine = engine_on(registry_postgres_url)
@@ -151,7 +152,7 @@ def test_a_store_a_newer_tally_upgraded_is_refused_and_left_as_it_is(registry_po
     with pytest.raises(StoreSchemaError) as refused:
         PgJournal(registry_postgres_url)
     message = str(refused.value)
-    assert "s0099" in message and "newer Tally" in message and "s0002" in message
+    assert "s0099" in message and "newer Tally" in message and "s0003" in message
     assert "PASSWORD" not in message
     with pytest.raises(StoreSchemaError):
         StoreLock(store_url(registry_postgres_url), "me").acquire()
@@ -181,3 +182,88 @@ def test_the_registry_and_the_store_share_a_database_each_at_its_own_revision(
     assert REGISTRY_REVISIONS.current(engine_on(registry_postgres_url)) == REGISTRY_REVISIONS.head()
     assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head()
     assert drift(registry_postgres_url) == []
+
+
+def numbers(url: str) -> dict[str, int]:
+    """Each checkpoint's ``uncompleted`` number (revision s0003)."""
+    engine = engine_on(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT checkpoint, uncompleted FROM completion_checkpoints"))
+            return {name: int(number) for name, number in rows}
+    finally:
+        engine.dispose()
+
+
+def run(url: str, *statements: str) -> None:
+    engine = engine_on(url)
+    try:
+        with engine.begin() as conn:
+            for statement in statements:
+                conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
+def test_a_store_at_s0002_is_upgraded_in_place_and_every_removal_changes_the_checkpoints_number(
+    registry_postgres_url: str,
+) -> None:
+    """Revision s0003: a number per checkpoint for rows already there, and triggers that replace it
+    whenever a statement removes one of its completions (DELETE, UPDATE, TRUNCATE), never with a
+    number given before; inserts leave it."""
+    url = registry_postgres_url
+    engine = engine_on(url)
+    with engine.connect() as conn:
+        command.upgrade(REVISIONS.config(conn), "s0002")
+        conn.commit()
+    engine.dispose()
+    run(
+        url,
+        "INSERT INTO completion_checkpoints (checkpoint, created_at) VALUES ('cp/a', 1), ('cp/b', 2)",
+        "INSERT INTO completed (checkpoint, source_id, origin) VALUES "
+        "('cp/a', 'x', 'w1'), ('cp/a', 'y', 'w1'), ('cp/a', 'y', 'w2'), ('cp/b', 'x', 'w1')",
+    )
+    assert REVISIONS.current(engine_on(url)) == "s0002"
+    with PgCompletionStore(url) as store:  # opening the store upgrades it
+        assert REVISIONS.current(engine_on(url)) == REVISIONS.head()
+        assert store.load("cp/a").completed == {"x", "y"}  # the rows are still there
+    assert drift(url) == []
+    seen = numbers(url)
+    assert len(set(seen.values())) == 2  # a number of its own for each row already there
+
+    def changed(statement: str) -> set[str]:
+        nonlocal seen
+        before = numbers(url)
+        run(url, statement)
+        after = numbers(url)
+        for name in set(before) & set(after):
+            if after[name] != before[name]:
+                assert after[name] not in set(seen.values()), (name, after[name])  # never one given before
+        seen = {**seen, **{f"{name}@{after[name]}": after[name] for name in after}}
+        return {name for name in set(before) | set(after) if before.get(name) != after.get(name)}
+
+    assert changed("INSERT INTO completed VALUES ('cp/a', 'z', 'w1'), ('cp/b', 'z', 'w1')") == set()
+    assert changed("INSERT INTO completed VALUES ('cp/a', 'z', 'w1') ON CONFLICT DO NOTHING") == set()
+    assert changed("DELETE FROM completed WHERE checkpoint = 'cp/a' AND source_id = 'x'") == {"cp/a"}
+    assert changed("DELETE FROM completed WHERE checkpoint = 'cp/a' AND source_id = 'none'") == set()
+    assert changed("UPDATE completed SET source_id = 'q' WHERE checkpoint = 'cp/b' AND source_id = 'z'") == {
+        "cp/b"
+    }
+    assert changed("DELETE FROM completed WHERE source_id = 'y' OR source_id = 'q'") == {"cp/a", "cp/b"}
+    assert changed("TRUNCATE completed") == {"cp/a", "cp/b"}
+    # A checkpoint deleted and made again gets a number never given before.
+    assert changed("DELETE FROM completion_checkpoints WHERE checkpoint = 'cp/a'") == {"cp/a"}
+    assert changed("INSERT INTO completion_checkpoints (checkpoint, created_at) VALUES ('cp/a', 3)") == {
+        "cp/a"
+    }
+    # A rolled-back removal leaves the number as it was.
+    before = numbers(url)
+    engine = engine_on(url)
+    with engine.connect() as conn:
+        conn.execute(sa.text("INSERT INTO completed VALUES ('cp/a', 'r', 'w1')"))
+        conn.commit()
+        before = numbers(url)
+        conn.execute(sa.text("DELETE FROM completed WHERE checkpoint = 'cp/a'"))
+        conn.rollback()
+    engine.dispose()
+    assert numbers(url) == before

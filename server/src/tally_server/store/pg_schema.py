@@ -30,6 +30,9 @@ completed_table = sa.Table(
 # The index that tables created before it was dropped still have (``PgCompletionStore`` drops it).
 LEGACY_INDEXES = ("ix_completed_origin",)
 
+# Where each checkpoint's ``uncompleted`` number comes from (never the same value twice).
+UNCOMPLETED_SEQUENCE = sa.Sequence("completion_uncompleted_seq", metadata=metadata)
+
 # A checkpoint with a completion store of its own (what a checkpoint's folder is on LMDB): made by
 # its first completion, gone when a reset moves its rows to the trash.
 completion_checkpoints_table = sa.Table(
@@ -37,6 +40,16 @@ completion_checkpoints_table = sa.Table(
     metadata,
     sa.Column("checkpoint", sa.Text(), primary_key=True),
     sa.Column("created_at", sa.Double[float](), nullable=False),
+    # A number from UNCOMPLETED_SEQUENCE, taken when the row is made and again, by triggers on
+    # ``completed`` (revision s0003, not declared here), by every statement that removes one of the
+    # checkpoint's rows (DELETE, UPDATE, TRUNCATE), in that statement's transaction. While it is the
+    # same, none of the checkpoint's completions has gone: replicas cache completed ids under it.
+    sa.Column(
+        "uncompleted",
+        sa.BigInteger(),
+        server_default=sa.text("nextval('completion_uncompleted_seq')"),
+        nullable=False,
+    ),
 )
 
 # Rows of reset checkpoints, never deleted: ``stamp`` tells resets apart (the trash folder's name on LMDB).
