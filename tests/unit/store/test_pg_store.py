@@ -302,8 +302,8 @@ def test_the_holders_renewal_never_waits_for_a_commit_in_flight(
     postgres_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A commit's transaction that has read the epoch (READ_EPOCH, its first statement) and is still
-    open does not hold up the holder's renewal (nor a commit the renewal): with FOR SHARE it did,
-    for as long as the commit took. Every session here gives up on a lock after a second."""
+    open does not hold up the holder's renewal: with FOR SHARE it did, for as long as the commit
+    took. Every session here gives up on a lock after a second."""
     wait_for_locks_at_most(postgres_url, "1s")
     url = store_url(postgres_url)
     engine = sa.create_engine(url)

@@ -97,7 +97,7 @@ _LET_GO = sa.text("UPDATE store_epoch SET renewed_at = 0 WHERE id = 1 AND epoch 
 # FOR KEY SHARE: only an UPDATE that changes a key of the row waits for it, and ``epoch`` is one
 # (unique, store revision s0004), so the bump waits for every commit in flight that read the old
 # epoch; the holder's renewals, which change ``renewed_at`` alone, do not (FOR SHARE made them wait
-# behind commits, and later commits behind a renewal that waited).
+# until no commit held the row).
 READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR KEY SHARE"
 _READ_EPOCH = sa.text(READ_EPOCH)
 # How often a standby tries the lock while another coordinator holds it.
