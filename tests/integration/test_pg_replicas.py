@@ -131,7 +131,10 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
             params={"checkpoint": "rep/run", "source_id": "a", "token": 1},
         )
         assert fenced.status_code == 200 and fenced.json()["current"] is False, fenced.text
-        assert "tally_replica_up" not in httpx.get(f"http://{owner.http_address}/metrics").text
+        owners = httpx.get(f"http://{owner.http_address}/metrics").text
+        assert "tally_replica_up" not in owners
+        assert "tally_store_lease_renew_seconds_count" in owners  # its lock's renewals, one a second
+        assert "tally_store_lease_renew_seconds" not in forwarded  # a replica renews no lock
 
 
 def test_refusals_at_the_owner_come_back_through_the_replica_unchanged(

@@ -404,6 +404,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
         # The HTTP transport runs on its own loop and sees the service through the bridge.
         bridged = cast(CoordinatorService, ServiceBridge(service, loop))
         metrics = Metrics(bridged, settings.data_dir)  # one registry, fed by both transports and the store
+        if store_lock is not None:
+            metrics.watch_store_lock(store_lock)
         await service.start()
         grpc_server, grpc_port, health = build_server(
             service,

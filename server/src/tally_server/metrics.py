@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tally_server.service import CoordinatorService
+    from tally_server.store.postgres import StoreLock
 
 import tally_server
 
@@ -299,6 +300,20 @@ class Metrics:
             buckets=BATCH_BUCKETS,
         )
         service.stats.commit_observers.append(self._observe_commit)
+
+    def watch_store_lock(self, lock: StoreLock) -> None:
+        """``tally_store_lease_renew_seconds``: each renewal of the PostgreSQL store's lock (owners only).
+
+        A standby takes over from a holder silent for ``TAKE_OVER_AFTER_S``: renewals that take a
+        good part of that are worth an alert before they cost a failover.
+        """
+        renew = Histogram(
+            "tally_store_lease_renew_seconds",
+            "Time one renewal of the PostgreSQL store's lock took (once a second, on its own session).",
+            registry=self.registry,
+            buckets=COMMIT_BUCKETS,
+        )
+        lock.renew_observers.append(renew.observe)
 
     def _observe_commit(self, seconds: float, ops: int, sources: int) -> None:
         self.commit_duration.observe(seconds)

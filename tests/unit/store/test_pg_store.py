@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
+    READ_EPOCH,
     Fenced,
     StoreInUse,
     StoreLock,
@@ -278,6 +280,86 @@ def test_a_coordinator_whose_store_was_taken_while_its_lock_session_was_gone_sto
         # It let the lock go again: a coordinator started anew takes the store.
         with StoreLock(url) as anew:
             assert anew.epoch == (other.epoch or 0) + 1
+
+
+def wait_for_locks_at_most(url: str, timeout: str) -> None:
+    """Every new session of ``url``'s database gives up waiting for a lock after ``timeout``."""
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            name = sa.make_url(url).database
+            conn.execute(sa.text(f"ALTER DATABASE \"{name}\" SET lock_timeout = '{timeout}'"))
+    finally:
+        admin.dispose()
+
+
+def lock_session(lock: StoreLock) -> int:
+    assert lock._conn is not None
+    return int(lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def test_the_holders_renewal_never_waits_for_a_commit_in_flight(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A commit's transaction that has read the epoch (READ_EPOCH, its first statement) and is still
+    open does not hold up the holder's renewal: with FOR SHARE it did, for as long as the commit
+    took. Every session here gives up on a lock after a second."""
+    wait_for_locks_at_most(postgres_url, "1s")
+    url = store_url(postgres_url)
+    engine = sa.create_engine(url)
+    with StoreLock(url) as lock, PgCompletionStore(postgres_url, lock) as store, engine.connect() as commit:
+        took: list[float] = []
+        lock.renew_observers.append(took.append)
+        pid = lock_session(lock)
+        before = rows(postgres_url, "SELECT renewed_at FROM store_epoch")
+        assert commit.execute(sa.text(READ_EPOCH)).scalar() == lock.epoch  # a commit in flight
+        with caplog.at_level(logging.DEBUG, logger="tally_server.store.postgres"):
+            lock.check()  # renews at once (FOR SHARE: a lock timeout, then StoreUnreachable)
+        assert len(took) == 1 and took[0] < 0.5
+        assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == []
+        assert lock_session(lock) == pid  # the same session: the renewal did not fail
+        assert rows(postgres_url, "SELECT renewed_at FROM store_epoch") > before
+        store.commit([PutCompleted("cp/r", "w", ["b"])])  # other commits go on beside it
+        commit.execute(sa.text("INSERT INTO completed VALUES ('cp/r', 'a', 'w')"))
+        commit.commit()
+        assert store.load("cp/r").completed == {"a", "b"}
+    engine.dispose()
+
+
+def test_a_takeover_still_waits_for_every_commit_in_flight_and_fences_the_next(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The epoch is a key (revision s0004): its bump waits for commits that read it FOR KEY SHARE,
+    though the renewal and the letting go (updates of the same row) went through meanwhile; once the
+    commit in flight ends, the bump goes on and the deposed holder's next commit is fenced."""
+    wait_for_locks_at_most(postgres_url, "1s")
+    url = store_url(postgres_url)
+    engine = sa.create_engine(url)
+    first = StoreLock(url)
+    first.acquire()
+    store = PgCompletionStore(postgres_url, first)
+    with engine.connect() as commit, caplog.at_level(logging.WARNING, logger="tally_server.store.postgres"):
+        assert commit.execute(sa.text(READ_EPOCH)).scalar() == first.epoch  # a commit in flight ...
+        commit.execute(sa.text("INSERT INTO completed VALUES ('cp/t', 'a', 'w')"))  # ... and its write
+        first.check()  # renewed (a new version of the row) ...
+        first.release()  # ... and let go (another) without waiting for it
+        assert caplog.records == []
+        assert rows(postgres_url, "SELECT epoch, renewed_at FROM store_epoch") == [(first.epoch, 0)]
+        second = StoreLock(url)
+        with pytest.raises(StoreUnreachable, match="lock timeout"):
+            second.acquire()  # the bump waits for the commit in flight (here: gives up after 1 s)
+        assert rows(postgres_url, "SELECT epoch FROM store_epoch") == [(first.epoch,)]
+        commit.commit()  # the commit in flight ends, under the epoch it read
+    second.acquire()  # and the bump goes on
+    try:
+        assert first.epoch is not None and second.epoch == first.epoch + 1
+        with pytest.raises(Fenced, match=f"its epoch is {first.epoch}, the store's is {second.epoch}"):
+            store.commit([PutCompleted("cp/t", "w", ["b"])])
+        assert store.load("cp/t").completed == {"a"}
+    finally:
+        second.release()
+        store.close()
+        engine.dispose()
 
 
 def test_a_database_made_before_keeps_working_without_its_second_index(postgres_url: str) -> None:

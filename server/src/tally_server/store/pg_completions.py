@@ -320,7 +320,7 @@ class PgCompletionStore:
             with raw.pipeline():
                 if self._store_lock is not None:
                     epoch.execute(_BEGIN)
-                    epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR SHARE
+                    epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR KEY SHARE
                 if first is not None:
                     first(cursor)
                 if new:

@@ -94,9 +94,13 @@ journal_entries_table = sa.Table(
 
 
 # The store's fencing epoch: one row, bumped by each coordinator that takes the store's lock. Every
-# commit of completions or journal entries reads it (FOR SHARE) in its own transaction and goes on
-# only if it is still the epoch its coordinator took: a coordinator deposed by another (after its
-# lock's session ended) can change nothing, and the bump waits for its commits in flight.
+# commit of completions or journal entries reads it (FOR KEY SHARE) in its own transaction and goes
+# on only if it is still the epoch its coordinator took: a coordinator deposed by another (after its
+# lock's session ended) can change nothing, and the bump waits for its commits in flight. It waits
+# because ``epoch`` is a key (the unique constraint, revision s0004): an UPDATE that changes a key
+# takes FOR UPDATE, which conflicts with FOR KEY SHARE, while one that changes only ``renewed_at``
+# (the holder's renewal every second) takes FOR NO KEY UPDATE, which does not: renewals never wait
+# for commits, nor commits for renewals.
 store_epoch_table = sa.Table(
     "store_epoch",
     metadata,
@@ -107,6 +111,7 @@ store_epoch_table = sa.Table(
     # The database's clock when the holder last showed it is alive (see ``StoreLock.check``); a
     # standby takes over from a holder that stops renewing (paused, hung) though it keeps its session.
     sa.Column("renewed_at", sa.Double[float](), nullable=True),
+    sa.UniqueConstraint("epoch", name="uq_store_epoch_epoch"),
 )
 
 # The replicas serving the store (``store.replicas``): each renews its row every second while it

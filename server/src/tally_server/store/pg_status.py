@@ -17,10 +17,17 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from tally_server.store import pg_revisions
-from tally_server.store.postgres import TRANSIENT, again_if_cut, create_engine, display, read_error
+from tally_server.store.postgres import (
+    READ_EPOCH,
+    TRANSIENT,
+    again_if_cut,
+    create_engine,
+    display,
+    read_error,
+)
 
 _DB_NOW = "extract(epoch from clock_timestamp())"
-_EPOCH = sa.text("SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE")
+_EPOCH = sa.text(READ_EPOCH)  # what commits read: a takeover's bump waits for this write too
 _UPSERT = sa.text(
     "INSERT INTO checkpoint_status (checkpoint, status, epoch, published_at) "
     f"SELECT c, s::jsonb, :epoch, {_DB_NOW} FROM unnest(:names, :statuses) AS t(c, s) "

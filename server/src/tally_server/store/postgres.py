@@ -46,7 +46,8 @@ STORE_LOCK_KEY = int.from_bytes(b"tallystr", "big")
 _CONNECT_TIMEOUT_S = 10
 _LOCK_WAIT_S = 2.0
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
-# Taking the lock bumps the fencing epoch; the UPDATE waits for commits in flight that read the old one.
+# Taking the lock bumps the fencing epoch; the UPDATE waits for commits in flight that read the old one
+# (it changes a key, ``epoch``: FOR UPDATE on the row, see READ_EPOCH).
 _DB_NOW = "extract(epoch from clock_timestamp())"
 _BUMP_EPOCH = sa.text(
     "INSERT INTO store_epoch (id, epoch, holder, since, renewed_at) "
@@ -54,6 +55,8 @@ _BUMP_EPOCH = sa.text(
     "ON CONFLICT (id) DO UPDATE SET epoch = store_epoch.epoch + 1, holder = excluded.holder, "
     "since = excluded.since, renewed_at = excluded.renewed_at RETURNING epoch"
 )
+# Renewing, keeping the epoch and letting go change ``renewed_at`` alone: FOR NO KEY UPDATE on the
+# row, which commits' FOR KEY SHARE reads do not hold up (see READ_EPOCH).
 _RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch")
 # Taking the lock again after our own session ended: the epoch stays ours if no one took the store.
 _KEEP_EPOCH = sa.text(
@@ -91,7 +94,11 @@ _INCUMBENT = sa.text(
 # A holder stopping cleanly marks the store as let go: a standby takes it at once, no grace.
 _LET_GO = sa.text("UPDATE store_epoch SET renewed_at = 0 WHERE id = 1 AND epoch = :epoch")
 # What StoreLock.fence reads; a commit sends it first in its pipeline of writes (check_epoch).
-READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR SHARE"
+# FOR KEY SHARE: only an UPDATE that changes a key of the row waits for it, and ``epoch`` is one
+# (unique, store revision s0004), so the bump waits for every commit in flight that read the old
+# epoch; the holder's renewals, which change ``renewed_at`` alone, do not (FOR SHARE made them wait
+# until no commit held the row).
+READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR KEY SHARE"
 _READ_EPOCH = sa.text(READ_EPOCH)
 # How often a standby tries the lock while another coordinator holds it.
 _STANDBY_POLL_S = 0.5
@@ -378,6 +385,8 @@ class StoreLock:
         # check() runs on a worker thread while release() may run at shutdown.
         self._mutex = threading.RLock()
         self._released = False
+        # Called with the seconds each renewal took (``tally_store_lease_renew_seconds``).
+        self.renew_observers: list[Callable[[float], None]] = []
 
     def acquire(self, wait_s: float = _LOCK_WAIT_S) -> None:
         """Take the lock, waiting up to ``wait_s`` for a holder that is going away.
@@ -486,8 +495,9 @@ class StoreLock:
     def fence(self, conn: Connection) -> None:
         """Inside a commit's transaction: go on only while the store's epoch is still ours.
 
-        Reads the epoch ``FOR SHARE``, so a coordinator taking over (whose bump updates that row)
-        waits until this transaction ends, and every later commit of ours sees its epoch.
+        Reads the epoch ``FOR KEY SHARE`` (``READ_EPOCH``), so a coordinator taking over (whose
+        bump changes that key of the row) waits until this transaction ends, and every later commit
+        of ours sees its epoch. The holder's renewals do not wait for it.
 
         Raises:
             Fenced: another coordinator took the store over; nothing may be written.
@@ -612,7 +622,12 @@ class StoreLock:
         conn = self._conn
         if conn is not None:
             try:
+                started = time.perf_counter()
                 conn.execute(_RENEW, {"epoch": self.epoch})  # alive: a standby leaves us be
+                took = time.perf_counter() - started
+                logger.debug("renewed the lock of store %s in %.2f ms", display(self.url), took * 1000)
+                for observe in self.renew_observers:
+                    observe(took)
                 return
             except TRANSIENT as exc:
                 logger.warning(
