@@ -111,7 +111,10 @@ store_epoch_table = sa.Table(
     # The database's clock when the holder last showed it is alive (see ``StoreLock.check``); a
     # standby takes over from a holder that stops renewing (paused, hung) though it keeps its session.
     sa.Column("renewed_at", sa.Double[float](), nullable=True),
-    sa.UniqueConstraint("epoch", name="uq_store_epoch_epoch"),
+    # Makes ``epoch`` a key column: a bump (which changes it) takes FOR UPDATE and waits for commits
+    # reading FOR KEY SHARE, while renewals (``renewed_at`` alone) do not (revision s0004). With
+    # ``id`` in it, one row per shard (docs/scale-out.md, "What comes next") may share an epoch.
+    sa.UniqueConstraint("id", "epoch", name="uq_store_epoch_id_epoch"),
 )
 
 # The replicas serving the store (``store.replicas``): each renews its row every second while it

@@ -1,4 +1,4 @@
-"""``store_epoch.epoch`` made a key (unique), so commits can read it FOR KEY SHARE.
+"""``store_epoch.epoch`` made a key column (unique with ``id``), so commits can read it FOR KEY SHARE.
 
 Revision ID: s0004
 Revises: s0003
@@ -14,7 +14,9 @@ up to a quarter of a second, out of the few seconds a standby leaves a silent ho
 PostgreSQL's row locks tell keys apart: an ``UPDATE`` takes ``FOR UPDATE`` on the row only when it
 changes a column of a unique index a foreign key could use (plain, not partial nor on an
 expression, not deferrable), otherwise ``FOR NO KEY UPDATE``; ``FOR KEY SHARE`` conflicts with the
-first and not the second. With this constraint the bump, which changes ``epoch``, takes ``FOR
+first and not the second. The constraint is on ``(id, epoch)``: every column of such an index is a
+key column, so ``epoch`` is one, while rows of their own (the per-shard leases planned in
+docs/scale-out.md) may hold equal epochs. With this constraint the bump, which changes ``epoch``, takes ``FOR
 UPDATE`` and still waits for commits reading ``FOR KEY SHARE``; updates of ``renewed_at`` alone
 (renewal, keeping the epoch, letting go) no longer do, and commits no longer wait for them.
 
@@ -37,12 +39,12 @@ down_revision: str | None = "s0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-CONSTRAINT = "uq_store_epoch_epoch"
+CONSTRAINT = "uq_store_epoch_id_epoch"
 
 
 def upgrade() -> None:
     """Add the unique constraint (one row: instant)."""
-    op.create_unique_constraint(CONSTRAINT, "store_epoch", ["epoch"])
+    op.create_unique_constraint(CONSTRAINT, "store_epoch", ["id", "epoch"])
 
 
 def downgrade() -> None:
