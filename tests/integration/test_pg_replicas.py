@@ -134,6 +134,7 @@ def test_a_replica_forwards_a_writer_to_the_owner_and_answers_reads_itself(
         owners = httpx.get(f"http://{owner.http_address}/metrics").text
         assert "tally_replica_up" not in owners
         assert "tally_store_lease_renew_seconds_count" in owners  # its lock's renewals, one a second
+        assert "tally_store_lease_renew_seconds_bucket" in owners  # what TallyStoreLeaseRenewalSlow reads
         assert "tally_store_lease_renew_seconds" not in forwarded  # a replica renews no lock
 
 
