@@ -9,6 +9,7 @@ the data directory's ``checkpoints/``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -202,6 +203,21 @@ def test_a_reset_moves_rows_to_the_trash_table(tmp_path: Path, postgres_url: str
         with client.writer("pg/reset", writer_id="again") as w:  # starts over
             w.apply_deltas(tree("a"))
         assert client.are_completed("pg/reset", ["a", "b"]) == [True, False]
+        # The command line says where the rows went, not a folder of the data directory.
+        said = subprocess.run(
+            [str(Path(sys.executable).with_name("tally")), "reset", "pg/reset", "--yes", "--force"],
+            env={**os.environ, "TALLY_ADDRESS": server.grpc_address, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert said.returncode == 0, said.stderr
+        assert re.fullmatch(
+            r"reset pg/reset: moved the completions of 1 writer to table completed_trash \(checkpoint "
+            r"'pg/reset', stamp '\S+'\) in the store; closed 0 live writers\n",
+            said.stdout,
+        ), said.stdout
+        assert client.are_completed("pg/reset", ["a"]) == [False]
 
 
 def test_a_loaded_checkpoint_answers_from_memory_never_from_the_database(

@@ -647,7 +647,7 @@ def reset(
             )
             question = (
                 f"Reset {checkpoint}: forget its {count(current.completed_count, 'completed source')}"
-                f"{closing}? (the files move to the server's trash folder)"
+                f"{closing}? (they move to the server's trash; nothing is deleted)"
             )
             try:
                 confirmed = typer.confirm(question, default=False)
@@ -664,9 +664,13 @@ def reset(
         except tally.FailedPrecondition as exc:
             hint = "" if force else " (tally reset --force does that)"
             raise fail(exc.message + hint) from None
-    moved = (
-        f"moved {count(result.files_moved, 'file')} to {result.moved_to} in the server's data directory"
-        if result.moved_to
-        else "no files to move"
-    )
+    if not result.moved_to:
+        moved = "no files to move"
+    elif result.moved_to.startswith("table "):  # a PostgreSQL store: rows, one set per writer's origin
+        writers = count(result.files_moved, "writer")
+        moved = f"moved the completions of {writers} to {result.moved_to} in the store"
+    else:
+        moved = (
+            f"moved {count(result.files_moved, 'file')} to {result.moved_to} in the server's data directory"
+        )
     out.print(f"reset {checkpoint}: {moved}; closed {count(result.writers_closed, 'live writer')}")
