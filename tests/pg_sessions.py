@@ -25,12 +25,16 @@ def end_sessions(url: str, pids: list[int] | None = None) -> int:
         admin.dispose()
 
 
-def allow_connections(url: str, allow: bool) -> None:
-    """``ALTER DATABASE ... ALLOW_CONNECTIONS``: the test's own database "down" (false) or back."""
+def alter_database(url: str, clause: str) -> None:
+    """``ALTER DATABASE <url's database> <clause>``, as the administrator (new sessions see it)."""
     admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
-            name = sa.make_url(url).database
-            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allow).lower()}'))
+            conn.execute(sa.text(f'ALTER DATABASE "{sa.make_url(url).database}" {clause}'))
     finally:
         admin.dispose()
+
+
+def allow_connections(url: str, allow: bool) -> None:
+    """``ALTER DATABASE ... ALLOW_CONNECTIONS``: the test's own database "down" (false) or back."""
+    alter_database(url, f"ALLOW_CONNECTIONS {str(allow).lower()}")

@@ -33,3 +33,26 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+class Filler:
+    """Takes every free block of a volume but ``leave`` bytes, and gives them back on demand."""
+
+    def __init__(self, volume: Path) -> None:
+        self.path = volume / "filler"
+
+    def fill(self, leave: int = 0) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        if leave:
+            os.truncate(self.path, os.path.getsize(self.path) - leave)
+        free = os.statvfs(self.path.parent)
+        assert free.f_bavail * free.f_frsize == leave
+
+    def free(self) -> None:
+        self.path.unlink()

@@ -7,7 +7,6 @@ cases of the store itself.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from tally_server.domain.ports import CompletionWriteError, PutCompleted
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tests.nemo_format import nemo_read
-from tests.small_disk import mount, small_tmpfs
+from tests.small_disk import Filler, mount, small_tmpfs
 
 SIZE_KB = 512
 
@@ -28,29 +27,6 @@ def volume(tmp_path: Path) -> Iterator[Path]:
     """A private tmpfs of SIZE_KB, unmounted afterwards."""
     with small_tmpfs(tmp_path / "volume", f"{SIZE_KB}k") as volume:
         yield volume
-
-
-class Filler:
-    """Takes every free block of a volume but ``leave`` bytes, and gives them back on demand."""
-
-    def __init__(self, volume: Path) -> None:
-        self.path = volume / "filler"
-
-    def fill(self, leave: int = 0) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            with contextlib.suppress(OSError):
-                while True:
-                    os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
-        if leave:
-            os.truncate(self.path, os.path.getsize(self.path) - leave)
-        free = os.statvfs(self.path.parent)
-        assert free.f_bavail * free.f_frsize == leave
-
-    def free(self) -> None:
-        self.path.unlink()
 
 
 def folder_of(data_dir: Path, checkpoint: str) -> Path:

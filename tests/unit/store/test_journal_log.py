@@ -5,7 +5,6 @@ tried again later), a former LMDB journal is migrated, and a full disk leaves no
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from tally_server.store import journal_format, journal_log
 from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal
 from tally_server.store.journal_log import LOG_FILENAME, LogJournal
 from tests.property.test_journal_log_model import Model
-from tests.small_disk import small_tmpfs
+from tests.small_disk import Filler, small_tmpfs
 from tests.unit.store.test_journal import batch, who
 
 
@@ -227,16 +226,8 @@ def test_a_full_disk_leaves_no_partial_record_behind(small_disk: Path) -> None:
     journal = LogJournal(small_disk)
     journal.commit(history()[0])
     size = journal.size_bytes()
-    filler = small_disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    os.truncate(filler, filler.stat().st_size - 32 * 4096)  # room for part of the next record
+    filler = Filler(small_disk)
+    filler.fill(leave=32 * 4096)  # room for part of the next record
     big = JournalEntry("a", 1, Completing([f"source-{i:06d}" for i in range(20_000)]))
     with pytest.raises(CompletionWriteError, match="is full") as failed:
         journal.commit([big])
@@ -244,7 +235,7 @@ def test_a_full_disk_leaves_no_partial_record_behind(small_disk: Path) -> None:
     assert (small_disk / LOG_FILENAME).stat().st_size == size  # the partial record cut off
     assert journal.size_bytes() == size and journal.entries() == 0
 
-    filler.unlink()
+    filler.free()
     journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
     journal.close()
     assert [(w.opened.handle, w.entries) for w in load(small_disk)] == [("a", [Persisted(["s"])]), ("b", [])]
@@ -444,16 +435,8 @@ def test_a_rewrite_the_disk_has_no_room_for_keeps_the_log_and_is_tried_again(
         commit([JournalEntry("a", index, Persisted([f"{index:04d}" * 250]))])
     for index in range(1, 201):  # ~200 KiB dead: entry 1 over and over
         commit([JournalEntry("a", 1, Persisted([f"{index:04d}" * 250]))])
-    filler = small_disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    os.truncate(filler, filler.stat().st_size - 8 * 4096)  # room for commits, not for the live state
+    filler = Filler(small_disk)
+    filler.fill(leave=8 * 4096)  # room for commits, not for the live state
 
     monkeypatch.setattr(journal_log, "COMPACT_MIN_BYTES", 16 << 10)
     monkeypatch.setattr(journal_log, "COMPACT_RATIO", 2)
@@ -471,7 +454,7 @@ def test_a_rewrite_the_disk_has_no_room_for_keeps_the_log_and_is_tried_again(
         assert len([r for r in caplog.records if "rewrite" in r.getMessage()]) == 1
         assert journal.load() == model.load()
 
-        filler.unlink()  # room again: once the log has grown a little more, the rewrite is retried
+        filler.free()  # room again: once the log has grown a little more, the rewrite is retried
         big = journal.size_bytes()
         index = 6
         while not [r for r in caplog.records if "rewrote" in r.getMessage()]:
@@ -499,16 +482,8 @@ def test_a_partial_record_that_cannot_be_cut_off_refuses_commits_until_it_is(
     journal.commit(history()[0])
     path = small_disk / LOG_FILENAME
     size = journal.size_bytes()
-    filler = small_disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    os.truncate(filler, filler.stat().st_size - 32 * 4096)  # room for part of the next record
+    filler = Filler(small_disk)
+    filler.fill(leave=32 * 4096)  # room for part of the next record
     if subprocess.run(["chattr", "+a", str(path)], capture_output=True).returncode != 0:
         pytest.skip("this kernel's tmpfs has no append-only attribute (chattr +a)")
     try:
@@ -518,7 +493,7 @@ def test_a_partial_record_that_cannot_be_cut_off_refuses_commits_until_it_is(
         assert "Operation not permitted" in str(failed.value) and "restart tally serve" in str(failed.value)
         partial = path.stat().st_size
         assert partial > size  # the partial record is there
-        filler.unlink()  # room again, but the partial record still cannot be cut off
+        filler.free()  # room again, but the partial record still cannot be cut off
         with pytest.raises(CompletionWriteError, match="accepts no commit until it can"):
             journal.commit([JournalEntry("a", 1, Persisted(["s"]))])
         assert path.stat().st_size == partial  # nothing appended after it

@@ -40,7 +40,7 @@ from tally_server.store.postgres import (
 )
 from tally_server.store.replicas import ReplicaBoard
 from tests.conftest import POSTGRES_ADMIN_URL
-from tests.pg_sessions import allow_connections, end_sessions
+from tests.pg_sessions import allow_connections, alter_database, end_sessions
 
 pytestmark = pytest.mark.postgres
 
@@ -284,13 +284,7 @@ def test_a_coordinator_whose_store_was_taken_while_its_lock_session_was_gone_sto
 
 def wait_for_locks_at_most(url: str, timeout: str) -> None:
     """Every new session of ``url``'s database gives up waiting for a lock after ``timeout``."""
-    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            name = sa.make_url(url).database
-            conn.execute(sa.text(f"ALTER DATABASE \"{name}\" SET lock_timeout = '{timeout}'"))
-    finally:
-        admin.dispose()
+    alter_database(url, f"SET lock_timeout = '{timeout}'")
 
 
 def lock_session(lock: StoreLock) -> int:
