@@ -291,6 +291,26 @@ def test_when_the_owner_goes_a_replica_takes_over_and_writers_on_every_replica_l
         assert len(took) == 1, [s.log()[-2000:] for s in others]
 
 
+def test_a_stop_asked_while_a_replica_takes_the_store_over_is_not_lost(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """SIGTERM the owner, then SIGTERM the replica the moment it says it is taking the store over:
+    its replica's servers are closing and the coordinator is not up yet. The stop is kept: the
+    coordinator comes up and shuts down gracefully at once (exit 0). Found in a test's teardown
+    under load: the replica's own handlers were gone by then (the default action killed it) or
+    the stop they had recorded was dropped (it served on, 60 s until the test killed it)."""
+    with replicas(tmp_path, postgres_url, 2, settle_ms=0) as (owner, replica):
+        assert owner.terminate() == 0  # lets the store go: the replica takes it at once
+        wait_until(lambda: "taking over store" in replica.log(), timeout=30, what="the takeover", every=0.002)
+        replica.process.send_signal(signal.SIGTERM)
+        try:
+            code = replica.process.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, replica.log()[-3000:]
+        assert "shutdown complete" in replica.log()
+
+
 def test_a_replica_stopped_and_a_paused_owner_cost_the_writers_on_each_replica_nothing(
     tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -373,10 +373,14 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
         # Two live coordinators under one name would forward to each other: refused here, in one line.
         await asyncio.to_thread(check_name_free, store_lock.url, store_lock.holder)
     loop = asyncio.get_running_loop()
-    if store_lock is not None and settings.standby:
-        stopping = threading.Event()
+    # From here on SIGTERM/SIGINT are kept, not lost: a stop asked while a standby or a replica takes
+    # the store over (after its wait has ended, before the coordinator's own handlers are in place)
+    # shuts the coordinator down gracefully as soon as it is up.
+    stopping = threading.Event()
+    if store_lock is not None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
+    if store_lock is not None and settings.standby:
         # The database was reached checking the name: an outage from here on is waited out.
         if not await asyncio.to_thread(store_lock.wait_for, stopping, reached=True):
             log.info("standby stopped before taking over")
@@ -389,7 +393,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             log.info("owning store %s (epoch %s)", display(store_lock.url), store_lock.epoch)
         except StoreInUse as exc:
             log.info("%s: serving as a replica of it", exc.holder_text)
-            bound = await _serve_as_replica(settings, store_lock, authorizer, credentials, ssl_options)
+            bound = await _serve_as_replica(
+                settings, store_lock, authorizer, credentials, ssl_options, stopping
+            )
             if bound is None:
                 log.info("replica stopped before taking the store over")
                 datadir_lock.release()
@@ -452,6 +458,9 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stopping.is_set():
+        log.info("a stop was asked while taking the store over: shutting down at once")
+        stop.set()
 
     await grpc_server.start()
     health_task = loop.create_task(_mirror_readiness(service, health), name="tally-health")
@@ -508,11 +517,12 @@ async def _serve_as_replica(
     authorizer: Authorizer,
     credentials: grpc.ServerCredentials | None,
     ssl_options: dict[str, Any],
+    stopping: threading.Event,
 ) -> Settings | None:
     """Serve as a replica of the store (``tally_server.replica``) until its lock is ours.
 
     Returns the settings with the ports the replica bound (the coordinator serves on the same ones),
-    or None if SIGTERM/SIGINT came first.
+    or None if ``stopping`` (SIGTERM/SIGINT, the caller's handlers) was set first.
     """
     loop = asyncio.get_running_loop()
     http_sock = bind_http(settings.http_listen)
@@ -569,9 +579,6 @@ async def _serve_as_replica(
         **ssl_options,
     )
     http = _Uvicorn(config)
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     halt = threading.Event()
     await asyncio.to_thread(replica.poll_owner, board, route)
     await server.start()
@@ -603,8 +610,6 @@ async def _serve_as_replica(
         reader.close()
         statuses.close()
         registry.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
     if not took:
         await asyncio.to_thread(board.leave)
     board.close()
