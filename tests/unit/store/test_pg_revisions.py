@@ -205,6 +205,17 @@ def run(url: str, *statements: str) -> None:
         engine.dispose()
 
 
+def upgrade_to(url: str, revision: str) -> None:
+    """Make ``url``'s store as it was at ``revision`` (an older Tally's store, to be upgraded)."""
+    engine = engine_on(url)
+    try:
+        with engine.connect() as conn:
+            command.upgrade(REVISIONS.config(conn), revision)
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
 def test_a_store_at_s0002_is_upgraded_in_place_and_every_removal_changes_the_checkpoints_number(
     registry_postgres_url: str,
 ) -> None:
@@ -212,11 +223,7 @@ def test_a_store_at_s0002_is_upgraded_in_place_and_every_removal_changes_the_che
     whenever a statement removes one of its completions (DELETE, UPDATE, TRUNCATE), never with a
     number given before; inserts leave it."""
     url = registry_postgres_url
-    engine = engine_on(url)
-    with engine.connect() as conn:
-        command.upgrade(REVISIONS.config(conn), "s0002")
-        conn.commit()
-    engine.dispose()
+    upgrade_to(url, "s0002")
     run(
         url,
         "INSERT INTO completion_checkpoints (checkpoint, created_at) VALUES ('cp/a', 1), ('cp/b', 2)",
@@ -272,14 +279,10 @@ def test_a_store_at_s0002_is_upgraded_in_place_and_every_removal_changes_the_che
 def test_a_store_at_s0003_is_upgraded_in_place_and_its_epoch_becomes_a_key(
     registry_postgres_url: str,
 ) -> None:
-    """Revision s0004: a unique constraint on ``store_epoch.epoch`` (what makes a bump wait for commits
+    """Revision s0004: a unique constraint on ``store_epoch (id, epoch)`` (what makes a bump wait for commits
     reading it FOR KEY SHARE), added under a store a coordinator served; its epoch goes on from there."""
     url = registry_postgres_url
-    engine = engine_on(url)
-    with engine.connect() as conn:
-        command.upgrade(REVISIONS.config(conn), "s0003")
-        conn.commit()
-    engine.dispose()
+    upgrade_to(url, "s0003")
     run(url, "INSERT INTO store_epoch (id, epoch, holder, since, renewed_at) VALUES (1, 7, 'old', 1, 0)")
 
     def keys() -> list[list[str]]:
