@@ -697,7 +697,7 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self._name = name
         self._route = route
         self.metrics = metrics
-        self._channel_for = channel_for
+        self.relay = Relay(name, channel_for, metrics.forwarded)
         # The owner's servicer and token checks, over this replica's reads.
         self._servicer = CoordinatorServicer(cast(CoordinatorService, reads))
         self._auth = AuthInterceptor(authorizer, reads.checkpoint_of)
@@ -766,62 +766,92 @@ class GrpcForwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             response_serializer=response_type.SerializeToString,
         )
 
-    def _target(self, context: Any) -> tuple[Owner, grpc.aio.Channel, list[tuple[str, Any]]]:
+    def _unary(self, method: str) -> Callable[[bytes, Any], Any]:
+        async def forward(request: bytes, context: Any) -> bytes:
+            return await self.relay.unary(method, self._route.current, request, context)
+
+        return forward
+
+    def _stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        def forward(request: bytes, context: Any) -> AsyncIterator[bytes]:
+            return self.relay.stream(method, self._route.current, request, context)
+
+        return forward
+
+
+class Relay:
+    """Sends a gRPC call on as it came (bytes, metadata, bearer token) and answers with what comes back.
+
+    Used by a replica for the calls its owner answers (``GrpcForwarder``) and, on a store of several
+    shards, by every coordinator for the calls of shards another one owns (``sharding``).
+
+    Args:
+        name: this coordinator's replica name (sent along, so a call is never forwarded twice).
+        channel_for: the channel to an address.
+        forwarded: counts calls by transport and outcome (``ok``, ``refused``, ``unreachable``).
+    """
+
+    def __init__(self, name: str, channel_for: Callable[[str], grpc.aio.Channel], forwarded: Counter) -> None:
+        self._name = name
+        self._channel_for = channel_for
+        self._forwarded = forwarded
+
+    def _target(
+        self, context: Any, owner_of: Callable[[], Owner]
+    ) -> tuple[Owner, grpc.aio.Channel, list[tuple[str, Any]]]:
         metadata = _forwarded_metadata(context.invocation_metadata())
         came_from = next((v for k, v in metadata if k == FORWARDED_BY), None)
         if came_from is not None:
             raise Unavailable(_loop(came_from, self._name))
-        owner = self._route.current()
+        owner = owner_of()
         return owner, self._channel_for(owner.grpc_address), [*metadata, (FORWARDED_BY, self._name)]
 
     async def _refused(self, context: Any, owner: Owner, err: grpc.aio.AioRpcError) -> None:
         """Answer with the owner's status; an owner that cannot be reached says so, naming it."""
         trailing = tuple(err.trailing_metadata() or ())
         if err.code() == grpc.StatusCode.UNAVAILABLE and not trailing:
-            self.metrics.forwarded.labels("grpc", "unreachable").inc()
+            self._forwarded.labels("grpc", "unreachable").inc()
             raise Unavailable(
-                f"the store's owner {owner.name} at {owner.grpc_address} cannot be reached from this "
-                f"replica ({err.details()}); retry in a few seconds (a replica takes the store over "
-                "within seconds when its owner is gone)"
+                f"the owner {owner.name} at {owner.grpc_address} cannot be reached from replica "
+                f"{self._name} ({err.details()}); retry in a few seconds (another replica takes over "
+                "within seconds when an owner is gone)"
             )
-        self.metrics.forwarded.labels("grpc", "refused").inc()
+        self._forwarded.labels("grpc", "refused").inc()
         await context.abort(err.code(), err.details() or "", trailing_metadata=trailing)
 
-    def _unary(self, method: str) -> Callable[[bytes, Any], Any]:
-        async def forward(request: bytes, context: Any) -> bytes:
-            owner, channel, metadata = self._target(context)
-            call = channel.unary_unary(method, None, None)(
-                request,
-                metadata=metadata,
-                timeout=context.time_remaining(),
-            )
-            try:
-                response: bytes = await call
-                trailing = await call.trailing_metadata()
-            except grpc.aio.AioRpcError as err:
-                await self._refused(context, owner, err)
-                raise  # unreachable: _refused raises or aborts
-            context.set_trailing_metadata(tuple(trailing or ()))
-            self.metrics.forwarded.labels("grpc", "ok").inc()
-            return response
+    async def unary(self, method: str, owner_of: Callable[[], Owner], request: bytes, context: Any) -> bytes:
+        """Forward one unary call to ``owner_of()`` (read after the loop check) and return its answer."""
+        owner, channel, metadata = self._target(context, owner_of)
+        call = channel.unary_unary(method, None, None)(
+            request,
+            metadata=metadata,
+            timeout=context.time_remaining(),
+        )
+        try:
+            response: bytes = await call
+            trailing = await call.trailing_metadata()
+        except grpc.aio.AioRpcError as err:
+            await self._refused(context, owner, err)
+            raise  # unreachable: _refused raises or aborts
+        context.set_trailing_metadata(tuple(trailing or ()))
+        self._forwarded.labels("grpc", "ok").inc()
+        return response
 
-        return forward
-
-    def _stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
-        async def forward(request: bytes, context: Any) -> AsyncIterator[bytes]:
-            owner, channel, metadata = self._target(context)
-            call = channel.unary_stream(method, None, None)(
-                request,
-                metadata=metadata,
-                timeout=context.time_remaining(),
-            )
-            try:
-                async for item in call:
-                    yield item
-            except grpc.aio.AioRpcError as err:
-                await self._refused(context, owner, err)
-
-        return forward
+    async def stream(
+        self, method: str, owner_of: Callable[[], Owner], request: bytes, context: Any
+    ) -> AsyncIterator[bytes]:
+        """Forward one server-streaming call; yields the owner's messages as they come."""
+        owner, channel, metadata = self._target(context, owner_of)
+        call = channel.unary_stream(method, None, None)(
+            request,
+            metadata=metadata,
+            timeout=context.time_remaining(),
+        )
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as err:
+            await self._refused(context, owner, err)
 
 
 class GrpcChannels:
@@ -914,37 +944,7 @@ def http_app(
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def forward(request: Request) -> Response:
-        came_from = request.headers.get(FORWARDED_BY)
-        if came_from is not None:
-            return _error(503, ErrorCode.UNAVAILABLE, _loop(came_from, name))
-        try:
-            owner = route.current()
-        except Unavailable as exc:
-            return _error(503, ErrorCode.UNAVAILABLE, exc.message)
-        if not owner.http_address:
-            return _error(503, ErrorCode.UNAVAILABLE, f"the store's owner {owner.name} has no HTTP address")
-        url = httpx.URL(
-            f"{scheme}://{owner.http_address}{request.url.path}", query=request.url.query.encode()
-        )
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _SET_ANEW]
-        headers += [(FORWARDED_BY, name), (REQUEST_ID_KEY, logs.request_id.get())]
-        outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
-        try:
-            answer = await client.send(outgoing, stream=True)
-        except httpx.TransportError as exc:
-            metrics.forwarded.labels("http", "unreachable").inc()
-            return _error(
-                503,
-                ErrorCode.UNAVAILABLE,
-                f"the store's owner {owner.name} at {owner.http_address} cannot be reached from this "
-                f"replica ({exc}); retry in a few seconds (a replica takes the store over within seconds "
-                "when its owner is gone)",
-            )
-        metrics.forwarded.labels("http", "ok" if answer.status_code < 400 else "refused").inc()
-        kept = {k: v for k, v in answer.headers.items() if k.lower() not in _SET_ANEW}
-        return StreamingResponse(
-            answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=_closing(answer)
-        )
+        return await relay_http(request, route.current, client, scheme, name, metrics.forwarded)
 
     async def unknown_yet(request: Request, _exc: Exception) -> Response:
         return await forward(request)
@@ -958,6 +958,51 @@ def http_app(
     ]
     app.router.routes.append(Route("/{path:path}", forward, methods=methods))
     return app
+
+
+async def relay_http(
+    request: Request,
+    owner_of: Callable[[], Owner],
+    client: httpx.AsyncClient,
+    scheme: str,
+    name: str,
+    forwarded: Counter,
+    body: bytes | None = None,
+) -> Response:
+    """Send an HTTP request on as it came to ``owner_of()`` and stream its answer back.
+
+    ``body``: the request's body when the caller has read it already (to route it).
+    """
+    came_from = request.headers.get(FORWARDED_BY)
+    if came_from is not None:
+        return _error(503, ErrorCode.UNAVAILABLE, _loop(came_from, name))
+    try:
+        owner = owner_of()
+    except Unavailable as exc:
+        return _error(503, ErrorCode.UNAVAILABLE, exc.message)
+    if not owner.http_address:
+        return _error(503, ErrorCode.UNAVAILABLE, f"the owner {owner.name} has no HTTP address")
+    url = httpx.URL(f"{scheme}://{owner.http_address}{request.url.path}", query=request.url.query.encode())
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _SET_ANEW]
+    headers += [(FORWARDED_BY, name), (REQUEST_ID_KEY, logs.request_id.get())]
+    content = body if body is not None else await request.body()
+    outgoing = client.build_request(request.method, url, headers=headers, content=content)
+    try:
+        answer = await client.send(outgoing, stream=True)
+    except httpx.TransportError as exc:
+        forwarded.labels("http", "unreachable").inc()
+        return _error(
+            503,
+            ErrorCode.UNAVAILABLE,
+            f"the owner {owner.name} at {owner.http_address} cannot be reached from replica {name} "
+            f"({exc}); retry in a few seconds (another replica takes over within seconds when an "
+            "owner is gone)",
+        )
+    forwarded.labels("http", "ok" if answer.status_code < 400 else "refused").inc()
+    kept = {k: v for k, v in answer.headers.items() if k.lower() not in _SET_ANEW}
+    return StreamingResponse(
+        answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=_closing(answer)
+    )
 
 
 def _loop(came_from: str, here: str) -> str:
