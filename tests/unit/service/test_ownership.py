@@ -192,3 +192,28 @@ def test_without_a_predicate_a_coordinator_owns_every_checkpoint(settings: Setti
             assert await again.are_completed("b/two", ["x"]) == [True]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("owns", "drops"), [(None, True), (a_side, False)])
+def test_statuses_are_published_without_dropping_other_owners_rows(
+    tmp_path: Path, owns: Callable[[str], bool] | None, drops: bool
+) -> None:
+    published: list[tuple[list[str], list[str] | None]] = []
+
+    def publish(changed: Any, keep: Any) -> bool:
+        published.append((sorted(changed), None if keep is None else sorted(keep)))
+        return True
+
+    async def main() -> None:
+        async with serving(Settings(data_dir=tmp_path / "data", settle_ms=0), owns) as svc:
+            svc.serve_replicas("replica-a", lambda: ReplicasView([], 0, answered_by=""), publish)
+            await svc.open_writer("a/one", writer_id="w")
+            await svc.loop("status").run_once()
+
+    asyncio.run(main())
+    # The first publication replaces the table's rows where one coordinator owns the whole store;
+    # a coordinator owning some checkpoints leaves the other rows to their owners.
+    # (The status loop also runs by itself every half second: what it published is checked alike.)
+    assert any("a/one" in changed for changed, _ in published)
+    assert [keep is not None for _, keep in published][:1] == [drops]
+    assert all(keep in (None, [], ["a/one"]) if drops else keep is None for _, keep in published)
