@@ -72,10 +72,13 @@ def build_service(
     settings: Settings,
     loop_idle: Sequence[Callable[[], float]] = (),
     fence: StoreLock | Callable[[Connection], None] | None = None,
+    owns: Callable[[str], bool] | None = None,
 ) -> CoordinatorService:
     """Build the coordinator service the settings describe, on its stores (creating the data directory).
 
     ``fence`` (the store lock's): every write to a PostgreSQL store checks the store's epoch first.
+    ``owns``: the checkpoints (by name) this coordinator owns, where several share the store (see
+    ``CoordinatorService``); None: all of them.
     """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     completions: CompletionStore
@@ -124,6 +127,7 @@ def build_service(
         memory_budget_bytes=settings.checkpoint_memory_mb << 20,
         loop_idle=loop_idle,
         joint_commit=joint_commit,
+        owns=owns,
     )
 
 

@@ -74,6 +74,24 @@ class Unavailable(TallyServerError):
     code = ErrorCode.UNAVAILABLE
 
 
+class NotOwned(Unavailable):
+    """The checkpoint named belongs to another coordinator of the store (its shard's owner).
+
+    UNAVAILABLE, so the SDK retries: the replicas route calls to a checkpoint's owner, so this is
+    only answered while ownership moves between coordinators.
+    """
+
+    def __init__(self, checkpoint: str, replica: str = "") -> None:
+        here = f"this coordinator (replica {replica!r})" if replica else "this coordinator"
+        super().__init__(
+            f"checkpoint {checkpoint!r} is not owned by {here}: it belongs to its shard's owner "
+            "elsewhere; retry (calls are routed to the owner, so this is only seen while ownership "
+            "moves between coordinators)",
+            checkpoint=checkpoint,
+            replica=replica,
+        )
+
+
 class Unauthenticated(TallyServerError):
     """The request carries no valid token."""
 

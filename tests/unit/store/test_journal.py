@@ -7,6 +7,7 @@ is still read to migrate a data directory, so the semantics tests run on both. T
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -16,7 +17,13 @@ from tally_server.domain import validation
 from tally_server.domain.journal import Applied, Completing, Opened, Persisted, Reverted, Snapshot
 from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
 from tally_server.domain.ports import ForgetWriter, JournalEntry, OpenJournal
-from tally_server.store.journal import LMDB_JOURNAL_FILENAME, LmdbJournal, decode_entry, encode_entry
+from tally_server.store.journal import (
+    LMDB_JOURNAL_FILENAME,
+    LmdbJournal,
+    NoJournal,
+    decode_entry,
+    encode_entry,
+)
 from tally_server.store.journal_log import LogJournal
 
 JOURNALS = pytest.mark.parametrize("journal_class", [LogJournal, LmdbJournal])
@@ -43,6 +50,28 @@ def test_entries_come_back_in_order_per_writer(tmp_path: Path, journal_class: ty
     assert loaded["a"].entries == [*(batch(i) for i in range(1, 12)), Persisted(["s"])]
     assert loaded["a"].last_index == 12
     assert loaded["b"].entries == [Completing(["s"])]
+
+
+@JOURNALS
+def test_load_with_owns_brings_back_only_the_owned_checkpoints_writers(
+    tmp_path: Path, journal_class: type[LogJournal]
+) -> None:
+    journal = journal_class(tmp_path)
+    where = {"a": "a/1", "b": "b/1", "c": "a/2"}
+    journal.commit([OpenJournal(replace(who(h), checkpoint=cp)) for h, cp in where.items()])
+    journal.commit([JournalEntry(h, 1, batch(i)) for i, h in enumerate(where, 1)])
+    mine = journal.load(lambda name: name.startswith("a/"))
+    assert [(w.opened.handle, w.entries, w.last_index) for w in mine] == [
+        ("a", [batch(1)], 1),
+        ("c", [batch(3)], 1),
+    ]
+    assert journal.load(lambda name: False) == []
+    assert [w.opened.handle for w in journal.load()] == ["a", "b", "c"]  # the others stay journaled
+    journal.close()
+
+
+def test_no_journal_loads_nothing_whatever_it_owns() -> None:
+    assert NoJournal().load(lambda name: True) == NoJournal().load() == []
 
 
 @JOURNALS

@@ -110,10 +110,10 @@ def test_a_store_made_before_revisions_is_adopted_with_its_rows(
         assert filled == {"h1": "cp/a", "h2": "cp/b", "h3": "cp/a"}  # from each row's opened bytes
         everyone = {w.opened.handle: w for w in journal.load()}
         assert set(everyone) == {"h1", "h2", "h3"}
-        assert [w.opened.handle for w in journal.load(["cp/a"])] == ["h1", "h3"]
-        assert [w.opened.handle for w in journal.load(["cp/b", "cp/none"])] == ["h2"]
-        assert journal.load([]) == []
-        (h1,) = [w for w in journal.load(["cp/a"]) if w.opened.handle == "h1"]
+        assert [w.opened.handle for w in journal.load(checkpoints=["cp/a"])] == ["h1", "h3"]
+        assert [w.opened.handle for w in journal.load(checkpoints=["cp/b", "cp/none"])] == ["h2"]
+        assert journal.load(checkpoints=[]) == []
+        (h1,) = [w for w in journal.load(checkpoints=["cp/a"]) if w.opened.handle == "h1"]
         assert h1.entries == everyone["h1"].entries and len(h1.entries) == 1 and h1.last_index == 1
     finally:
         journal.close()
@@ -136,8 +136,8 @@ def test_rows_written_without_the_checkpoint_are_still_found_by_checkpoint(
                 {"o": encode_opened(opened("old", "cp/a"))},
             )
         engine.dispose()
-        assert [w.opened.handle for w in journal.load(["cp/a"])] == ["old"]
-        assert journal.load(["cp/b"]) == []
+        assert [w.opened.handle for w in journal.load(checkpoints=["cp/a"])] == ["old"]
+        assert journal.load(checkpoints=["cp/b"]) == []
     finally:
         journal.close()
 

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import psycopg
@@ -24,7 +25,7 @@ from tally_server.domain.ports import (
     PutCompleted,
 )
 from tally_server.settings import Settings
-from tally_server.store.journal import encode_entry
+from tally_server.store.journal import encode_entry, encode_opened
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_status import StatusBoard
@@ -552,6 +553,51 @@ def test_journal_entries_come_back_in_order_and_snapshots_drop_what_came_before(
     stored = rows(registry_postgres_url, "SELECT entry FROM journal_entries WHERE idx = 15")
     assert bytes(stored[0][0]) == encode_entry(batch(15))
     journal.close()
+
+
+def test_journal_load_with_owns_brings_back_only_the_owned_checkpoints_writers(
+    registry_postgres_url: str,
+) -> None:
+    """Found from the journal's own rows: no registry row is needed (none is written here)."""
+    journal = PgJournal(registry_postgres_url)
+    try:
+        journal.commit([OpenJournal(replace(who(h), checkpoint=cp)) for h, cp in WHERE.items()])
+        journal.commit([JournalEntry(h, 1, batch(i)) for i, h in enumerate(WHERE, 1)])
+        # Rows of a Tally of before the checkpoint column: decoded to tell.
+        engine = sa.create_engine(registry_postgres_url)
+        with engine.begin() as conn:
+            for handle, cp in (("old-a", "a/3"), ("old-b", "b/2")):
+                conn.execute(
+                    sa.text("INSERT INTO journal_writers (handle, opened) VALUES (:h, :o)"),
+                    {"h": handle, "o": encode_opened(replace(who(handle), checkpoint=cp))},
+                )
+        engine.dispose()
+        asked: list[str] = []
+
+        def owns(name: str) -> bool:
+            asked.append(name)
+            return name.startswith("a/")
+
+        mine = journal.load(owns)
+        assert [(w.opened.handle, w.opened.checkpoint) for w in mine] == [
+            ("a1", "a/1"),
+            ("a2", "a/1"),
+            ("a3", "a/2"),
+            ("old-a", "a/3"),
+        ]
+        assert [w.entries for w in mine] == [[batch(1)], [batch(2)], [batch(3)], []]
+        assert [w.last_index for w in mine] == [1, 1, 1, 0]
+        # Each checkpoint the column names is asked about once; the legacy rows' after decoding.
+        assert sorted(asked) == ["a/1", "a/2", "a/3", "b/1", "b/2"]
+        assert [w.opened.handle for w in journal.load(lambda name: False)] == []
+        assert [w.opened.handle for w in journal.load(owns, checkpoints=["a/2", "b/1"])] == ["a3"]
+        assert {w.opened.handle for w in journal.load()} == {*WHERE, "old-a", "old-b"}
+    finally:
+        journal.close()
+
+
+# Journaled writers by handle, and their checkpoints.
+WHERE = {"a1": "a/1", "a2": "a/1", "a3": "a/2", "b1": "b/1"}
 
 
 def _refuse_on_insert(url: str, table: str, condition: str) -> None:

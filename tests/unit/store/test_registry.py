@@ -8,8 +8,10 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from tally_server.domain.ports import CheckpointRecord, EventRecord, ProgressRecord, WriterRecord
+from tally_server.store import registry as registry_module
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
 
 
@@ -99,6 +101,49 @@ def test_mark_open_writers(registry: SqlRegistry) -> None:
     assert {w.handle: w.state for w in registry.list_writers("run")} == {"h-1": "lost", "h-3": "closed"}
     assert registry.list_writers("run")[1] == closed
     assert registry.mark_open_writers("lost", 1_700_000_300.0) == []
+
+
+def test_mark_open_writers_of_owned_checkpoints_leaves_the_others_open(
+    registry: SqlRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry_module, "_HANDLES_PER_STATEMENT", 2)  # several statements
+    mine = [writer(f"h-{i}", checkpoint=f"a/{i % 2}", opened_at=1_700_000_000.0 + i) for i in range(5)]
+    theirs = [writer("h-b", checkpoint="b/0"), writer("h-c", checkpoint="c")]
+    registry.write_batch(writers=[*mine, *theirs, writer("h-x", checkpoint="a/0", state="closed")])
+
+    marked = registry.mark_open_writers("lost", 1_700_000_200.0, ["h-3"], lambda name: name.startswith("a/"))
+
+    assert [(w.handle, w.state, w.closed_at) for w in marked] == [
+        (h, "lost", 1_700_000_200.0) for h in ("h-0", "h-1", "h-2", "h-4")
+    ]
+    assert marked[0].labels == writer("h-0").labels
+    states = {w.handle: w.state for cp in ("a/0", "a/1", "b/0", "c") for w in registry.list_writers(cp)}
+    assert states == {
+        "h-0": "lost", "h-1": "lost", "h-2": "lost", "h-3": "open", "h-4": "lost",
+        "h-x": "closed", "h-b": "open", "h-c": "open",
+    }  # fmt: skip
+    assert registry.mark_open_writers("lost", 1_700_000_300.0, (), lambda name: False) == []
+    assert [w.handle for w in registry.mark_open_writers("lost", 1_700_000_300.0)] == ["h-b", "h-c", "h-3"]
+
+
+@pytest.mark.postgres
+def test_a_writer_opened_while_owned_writers_are_marked_is_left_open(registry_postgres_url: str) -> None:
+    """Between the read of the open writers and their update, another coordinator opens one."""
+    with SqlRegistry(registry_postgres_url) as registry, SqlRegistry(registry_postgres_url) as other:
+        registry.write_batch(writers=[writer("h-old", checkpoint="a/1")])
+        opened: list[str] = []
+
+        def open_meanwhile(conn: object, cursor: object, statement: str, *args: object) -> None:
+            if statement.lstrip().upper().startswith("UPDATE WRITERS") and not opened:
+                opened.append("h-new")
+                other.write_batch(writers=[writer("h-new", checkpoint="a/1", opened_at=1_700_000_001.0)])
+
+        sa.event.listen(registry._engine, "before_cursor_execute", open_meanwhile)
+        marked = registry.mark_open_writers("lost", 1_700_000_200.0, (), lambda name: True)
+
+        assert opened == ["h-new"]
+        assert [w.handle for w in marked] == ["h-old"]
+        assert {w.handle: w.state for w in registry.list_writers("a/1")} == {"h-old": "lost", "h-new": "open"}
 
 
 def test_events_newest_first_with_paging(registry: SqlRegistry) -> None:

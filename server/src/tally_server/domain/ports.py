@@ -299,10 +299,18 @@ class Registry(Protocol):
     def list_writers(self, checkpoint: str) -> list[WriterRecord]:
         """The checkpoint's writers, oldest first."""
 
-    def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
+    def mark_open_writers(
+        self,
+        state: str,
+        at: float,
+        keep: Collection[str] = (),
+        owns: Callable[[str], bool] | None = None,
+    ) -> list[WriterRecord]:
         """After a restart, set every writer still ``open`` and not in ``keep`` to ``state``.
 
-        ``keep`` holds the handles the journal brought back. Returns the writers changed.
+        ``keep`` holds the handles the journal brought back; ``owns``: only writers of the
+        checkpoints it accepts change (others belong to other live coordinators), None: all.
+        Returns the writers changed.
         """
         ...
 
@@ -426,8 +434,11 @@ class Journal(Protocol):
         """Apply ``ops`` in order, durably, all or nothing."""
         ...
 
-    def load(self) -> list[JournaledWriter]:
-        """Every journaled writer with its entries in order."""
+    def load(self, owns: Callable[[str], bool] | None = None) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order.
+
+        ``owns``: only the writers of the checkpoints it accepts (by name); None: every writer.
+        """
         ...
 
     def size_bytes(self) -> int:

@@ -96,7 +96,12 @@ class CheckpointTable:
         A folder on disk that the registry does not know yet (one NeMo Curator wrote, placed in
         the data directory) is adopted and read at once, so its first status is exact; with
         ``create`` a new checkpoint is registered.
+
+        Every call naming a checkpoint comes through here (or :meth:`existing`): one naming a
+        checkpoint this coordinator does not own is refused with ``NotOwned`` before anything is
+        read or written.
         """
+        self._core.check_owned(name)
         cp = self.known.get(name)
         if cp is not None:
             return cp

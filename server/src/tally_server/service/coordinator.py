@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
@@ -62,6 +62,7 @@ from tally_server.service.views import (
 from tally_server.service.writers import Writers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Background loop periods, in seconds.
 _CLOCK_TICK_S = 0.1
@@ -94,6 +95,12 @@ class CoordinatorService:
             ``loop_load``), so lease time slows while one is saturated; empty: only stalls pause it.
         joint_commit: commits a group's journal entries and completions in one transaction, where
             both live in one database (the PostgreSQL store); None: the journal first, then the files.
+        owns: which checkpoints (by name) this coordinator owns, where several share one store
+            (each owning some shards); None: every checkpoint of the store. Only owned checkpoints
+            are restored at start (their writers from the journal; only their stale open writers
+            are marked lost) and known: a call naming another is refused with ``NotOwned``
+            (UNAVAILABLE, retried), and store-wide lists (checkpoints, status, gauges) show owned
+            checkpoints only. Writer handles need no check: another's are simply unknown here.
     """
 
     def __init__(
@@ -113,6 +120,7 @@ class CoordinatorService:
         sleep: Sleep = asyncio.sleep,
         loop_idle: Sequence[Callable[[], float]] = (),
         joint_commit: JointCommit | None = None,
+        owns: Callable[[str], bool] | None = None,
     ) -> None:
         self.limits = limits
         self.settle_ms = settle_ms
@@ -138,6 +146,7 @@ class CoordinatorService:
             bookkeeping=RegistryWriter(registry, lambda fn: core.registry_write(fn)),
             stats=self.stats,
             journal_snapshot_deltas=journal_snapshot_deltas,
+            owns=owns,
         )
         self._checkpoints = CheckpointTable(core, memory_budget_bytes, also_held=journal.memory_bytes)
         self._durability = Durability(core, self._checkpoints)
@@ -162,29 +171,41 @@ class CoordinatorService:
     async def start(self) -> None:
         """Restore the known checkpoints and every journaled writer, then start the loops.
 
-        The checkpoints' id sets are not loaded here.
+        Only the checkpoints this coordinator owns (``owns``): what the registry holds of others
+        is left alone, their writers stay open and their claims held. The checkpoints' id sets are
+        not loaded here.
         """
         core = self._core
+        owns = core.owns
+        mine: Callable[[str], bool] = owns if owns is not None else lambda name: True
         core.committer.start()
-        records = await core.registry_read(core.registry.list_checkpoints)
-        counts = await core.registry_read(core.registry.latest_counts)
+        records = [r for r in await core.registry_read(core.registry.list_checkpoints) if mine(r.name)]
+        counts = _owned(await core.registry_read(core.registry.latest_counts), mine)
         self._checkpoints.restore(records, counts)
         failures: dict[str, dict[str, int]] = {}
         for failed in await core.registry_read(core.registry.list_failures):
-            failures.setdefault(failed.checkpoint, {})[failed.source_id] = failed.attempts
-        self._failures.restore(failures, await core.registry_read(core.registry.list_budgets))
-        self._totals.restore(*await core.registry_read(core.registry.list_declared))
-        journaled = await core.committer.run(self._journal.load)
+            if mine(failed.checkpoint):
+                failures.setdefault(failed.checkpoint, {})[failed.source_id] = failed.attempts
+        budgets = _owned(await core.registry_read(core.registry.list_budgets), mine)
+        self._failures.restore(failures, budgets)
+        declared, declared_counts = await core.registry_read(core.registry.list_declared)
+        self._totals.restore(_owned(declared, mine), _owned(declared_counts, mine))
+        journaled = await core.committer.run(self._journal.load, owns)
         restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
-        await self._claims.restore(await core.registry_read(core.registry.live_claims), restored)
+        # Another coordinator's claims must not be released here (their writers are not restored).
+        claims = [c for c in await core.registry_read(core.registry.live_claims) if mine(c.checkpoint)]
+        await self._claims.restore(claims, restored)
         if restored:
             log.info(
                 "restored %s from the journal; each has a whole lease to come back",
                 count(len(restored), "writer"),
             )
         keep = [session.handle for session in restored]
-        lost = await core.registry_write(core.registry.mark_open_writers, WriterState.LOST, core.wall(), keep)
+        # Another coordinator's open writers are live there: only this one's are marked.
+        lost = await core.registry_write(
+            core.registry.mark_open_writers, WriterState.LOST, core.wall(), keep, owns
+        )
         for record in lost:
             core.event(
                 record.checkpoint,
@@ -320,7 +341,11 @@ class CoordinatorService:
         await self._core.bookkeeping.flush()
 
     async def _publish_status(self) -> None:
-        """Publish the checkpoints' statuses that changed, for the store's replicas (PostgreSQL only)."""
+        """Publish the checkpoints' statuses that changed, for the store's replicas (PostgreSQL only).
+
+        A coordinator owning only some checkpoints never drops the other rows: they are other
+        coordinators' to publish.
+        """
         publish = self._core.publish_status
         if publish is None:
             return
@@ -330,7 +355,8 @@ class CoordinatorService:
         renamed = published.keys() != views.keys() or not self._status_published_once
         if not changed and not renamed:
             return
-        if await self._core.registry_write(publish, changed, list(views) if renamed else None):
+        keep = list(views) if renamed and self._core.owns is None else None
+        if await self._core.registry_write(publish, changed, keep):
             self._published_status, self._status_published_once = views, True
 
     async def _progress_step(self) -> None:
@@ -542,3 +568,8 @@ class CoordinatorService:
     async def reset_checkpoint(self, name: str, *, force: bool = False) -> ResetResult:
         """Start a checkpoint over; its files go to the trash folder."""
         return await self._admin.reset_checkpoint(name, force=force)
+
+
+def _owned(by_checkpoint: dict[str, T], owns: Callable[[str], bool]) -> dict[str, T]:
+    """The entries of the checkpoints ``owns`` accepts."""
+    return {name: value for name, value in by_checkpoint.items() if owns(name)}

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from tally_server.domain.events import EventKind
 from tally_server.domain.ports import CompletionStore, EventRecord, Registry
 from tally_server.domain.validation import Limits
-from tally_server.errors import Unavailable
+from tally_server.errors import NotOwned, Unavailable
 from tally_server.service.committer import GroupCommitter
 from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.sessions import SessionTable
@@ -69,6 +69,8 @@ class Core:
     # keep, drops the others') for the replicas to answer status reads from (blocking; False if the
     # store is no longer this coordinator's). See ``store.pg_status``.
     publish_status: Callable[[Mapping[str, Any], Sequence[str] | None], bool] | None = None
+    # Which checkpoints this coordinator owns (None: all of them; see ``CoordinatorService``).
+    owns: Callable[[str], bool] | None = None
     _behind: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:
@@ -113,6 +115,11 @@ class Core:
         """Refuse work (UNAVAILABLE) while the coordinator is starting or shutting down."""
         if not self.accepting:
             raise Unavailable("the coordinator is shutting down; retry against the restarted coordinator")
+
+    def check_owned(self, checkpoint: str) -> None:
+        """Refuse (UNAVAILABLE, :class:`NotOwned`) a call naming a checkpoint another coordinator owns."""
+        if self.owns is not None and not self.owns(checkpoint):
+            raise NotOwned(checkpoint, self.owner_name)
 
     def check_reads(self) -> None:
         """Refuse reads of completions (UNAVAILABLE) while the store's ownership is unconfirmed."""

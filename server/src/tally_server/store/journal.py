@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import struct
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +113,17 @@ class LmdbJournal:
                 if not cursor.delete():
                     return
 
-    def load(self) -> list[JournaledWriter]:
-        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+    def load(self, owns: Callable[[str], bool] | None = None) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on).
+
+        ``owns``: only the writers of the checkpoints it accepts (their entries are not read).
+        """
         found: list[JournaledWriter] = []
         with self._env.begin() as txn:
             for handle, raw in txn.cursor(db=self._writers):
                 writer = JournaledWriter(decode_opened(raw))
+                if owns is not None and not owns(writer.opened.checkpoint):
+                    continue
                 prefix = handle + b":"
                 with txn.cursor(db=self._entries) as cursor:
                     if cursor.set_range(prefix):
@@ -303,8 +308,8 @@ class NoJournal:
     def commit(self, ops: Sequence[JournalOp]) -> None:
         """Keep nothing."""
 
-    def load(self) -> list[JournaledWriter]:
-        """Nothing is journaled, so nothing comes back."""
+    def load(self, owns: Callable[[str], bool] | None = None) -> list[JournaledWriter]:
+        """Nothing is journaled, so nothing comes back (whatever ``owns`` accepts)."""
         return []
 
     def size_bytes(self) -> int:

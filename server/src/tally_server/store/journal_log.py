@@ -414,12 +414,17 @@ class LogJournal:
             os.close(self._fd)
         self._fd, self._end, self._dirty = fd, end, False
 
-    def load(self) -> list[JournaledWriter]:
-        """Every journaled writer with its entries in order (from its newest snapshot on)."""
+    def load(self, owns: Callable[[str], bool] | None = None) -> list[JournaledWriter]:
+        """Every journaled writer with its entries in order (from its newest snapshot on).
+
+        ``owns``: only the writers of the checkpoints it accepts.
+        """
         found: list[JournaledWriter] = []
         with self._lock:
             for handle in sorted(self._opened, key=str.encode):
                 writer = JournaledWriter(decode_opened(self._opened[handle]))
+                if owns is not None and not owns(writer.opened.checkpoint):
+                    continue
                 for index, raw in sorted(self._entries.get(handle, {}).items()):
                     writer.entries.append(decode_entry(raw))
                     writer.last_index = index

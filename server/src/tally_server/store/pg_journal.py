@@ -7,6 +7,7 @@ per commit, so a group of entries of many writers costs one WAL flush.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -164,26 +165,44 @@ class PgJournal:
         if rows:
             _put_entries(cursor, rows)
 
-    def load(self, checkpoints: Collection[str] | None = None) -> list[JournaledWriter]:
+    def load(
+        self,
+        owns: Callable[[str], bool] | None = None,
+        *,
+        checkpoints: Collection[str] | None = None,
+    ) -> list[JournaledWriter]:
         """Every journaled writer with its entries in order (from its newest snapshot on).
 
-        ``checkpoints``: only the writers of these checkpoints (found by the ``checkpoint`` column;
-        a row written without it, by a Tally of before that column, is decoded to tell).
+        ``owns``: only the writers of the checkpoints it accepts. The checkpoints the journal holds
+        writers of are read first and only the accepted ones' writers loaded, whether the registry
+        knows those checkpoints or not (one made just before a crash may have journal rows and no
+        registry row yet). ``checkpoints``: only the writers of these checkpoints. Both are found by
+        the ``checkpoint`` column; a row written without it, by a Tally of before that column, is
+        decoded to tell.
         """
         e, w = journal_entries_table.c, journal_writers_table.c
         writers = sa.select(w.handle, w.opened).order_by(w.handle)
         entries = sa.select(e.handle, e.idx, e.entry).order_by(e.handle, e.idx)
-        if checkpoints is not None:
-            wanted = set(checkpoints)
-            writers = writers.where(sa.or_(w.checkpoint.in_(sorted(wanted)), w.checkpoint.is_(None)))
+        named = None if checkpoints is None else set(checkpoints)
+
+        @functools.cache  # asked once per checkpoint, however many writers it has
+        def accepted(name: str) -> bool:
+            return (named is None or name in named) and (owns is None or owns(name))
+
         try:
             with self._engine.connect() as conn:
+                wanted = named
+                if owns is not None:
+                    held = conn.execute(sa.select(w.checkpoint).where(w.checkpoint.is_not(None)).distinct())
+                    wanted = {str(name) for name in held.scalars() if accepted(str(name))}
+                if wanted is not None:
+                    writers = writers.where(sa.or_(w.checkpoint.in_(sorted(wanted)), w.checkpoint.is_(None)))
                 found = {
                     str(handle): JournaledWriter(decode_opened(bytes(raw)))
                     for handle, raw in conn.execute(writers)
                 }
-                if checkpoints is not None:
-                    found = {h: jw for h, jw in found.items() if jw.opened.checkpoint in wanted}
+                if wanted is not None:
+                    found = {h: jw for h, jw in found.items() if accepted(jw.opened.checkpoint)}
                     entries = entries.where(e.handle.in_(sorted(found)))
                 for handle, index, raw in conn.execution_options(stream_results=True).execute(entries):
                     writer = found.get(handle)

@@ -50,6 +50,8 @@ from tally_server.store.registry_schema import (
 REGISTRY_FILENAME = "registry.sqlite3"
 
 _SUPPORTED_DIALECTS = ("sqlite", "postgresql")
+# Handles named in one statement at most (SQLite's limit on bound parameters is 32,766).
+_HANDLES_PER_STATEMENT = 1000
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -165,24 +167,61 @@ class SqlRegistry:
         return [writer_record(row) for row in rows]
 
     @_transient_as_unavailable
-    def mark_open_writers(self, state: str, at: float, keep: Collection[str] = ()) -> list[WriterRecord]:
+    def mark_open_writers(
+        self,
+        state: str,
+        at: float,
+        keep: Collection[str] = (),
+        owns: Callable[[str], bool] | None = None,
+    ) -> list[WriterRecord]:
         """Set every writer still ``open`` and not in ``keep`` (handles) to ``state``, closed at ``at``.
 
         Returns the writers changed.
 
         Called after a restart: writers the journal brought back stay open; the others' pending
-        state did not survive the old process.
+        state did not survive the old process. ``owns``: only writers of the checkpoints it accepts
+        change; the others' belong to other coordinators of the store, live, and stay open.
         """
         w = writers_table.c
         condition = w.state == WriterState.OPEN
         if keep:
             condition = sa.and_(condition, w.handle.not_in(list(keep)))
         with self._engine.begin() as conn:
+            if owns is not None:
+                return self._mark_owned(conn, condition, state, at, owns)
             # One statement, so a writer opened concurrently is either updated and returned or
             # left alone, never updated silently.
             rows = conn.execute(
                 sa.update(writers_table)
                 .where(condition)
+                .values(state=state, closed_at=at)
+                .returning(*writers_table.c)
+            ).all()
+        return sorted((writer_record(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
+
+    @staticmethod
+    def _mark_owned(
+        conn: Connection,
+        condition: sa.ColumnElement[bool],
+        state: str,
+        at: float,
+        owns: Callable[[str], bool],
+    ) -> list[WriterRecord]:
+        """``mark_open_writers`` of the owned checkpoints' writers, in the caller's transaction.
+
+        The open rows are locked as they are read (``FOR UPDATE``; SQLite has one writer anyway)
+        and only those owned are updated, by handle and still open: a writer opened meanwhile is
+        not among them, so it is left alone, never updated silently.
+        """
+        w = writers_table.c
+        found = conn.execute(sa.select(w.handle, w.checkpoint).where(condition).with_for_update()).all()
+        handles = sorted(str(row.handle) for row in found if owns(str(row.checkpoint)))
+        rows: list[Any] = []
+        for start in range(0, len(handles), _HANDLES_PER_STATEMENT):
+            chunk = handles[start : start + _HANDLES_PER_STATEMENT]
+            rows += conn.execute(
+                sa.update(writers_table)
+                .where(w.handle.in_(chunk), w.state == WriterState.OPEN)
                 .values(state=state, closed_at=at)
                 .returning(*writers_table.c)
             ).all()

@@ -1,0 +1,219 @@
+"""A coordinator that owns only some of its store's checkpoints (issue #11, per-checkpoint ownership).
+
+Two services on one store with complementary predicates, run one after the other (the store's
+locks are not this level's business): each restores, marks and answers only its own checkpoints,
+and leaves the other's writers open and claims held. On the default stores (LMDB files, SQLite
+registry, the log journal) and on the PostgreSQL store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tally_server.app import build_service
+from tally_server.domain.checkpoint import WriterState
+from tally_server.errors import ErrorCode, NotOwned, Unavailable
+from tally_server.service import CoordinatorService
+from tally_server.service.views import ReplicasView
+from tally_server.settings import Settings
+from tally_server.store.registry import SqlRegistry
+from tests.integration.workload import tree
+
+
+def a_side(name: str) -> bool:
+    return name.startswith("a/")
+
+
+def b_side(name: str) -> bool:
+    return not name.startswith("a/")
+
+
+@pytest.fixture(params=["lmdb", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    """Settings of a coordinator on the default stores, or on a fresh PostgreSQL database."""
+    if request.param == "lmdb":
+        return Settings(data_dir=tmp_path / "data", settle_ms=0)
+    url: str = request.getfixturevalue("postgres_url")
+    return Settings(data_dir=tmp_path / "data", settle_ms=0, store=url)
+
+
+@asynccontextmanager
+async def serving(
+    settings: Settings, owns: Callable[[str], bool] | None, **overrides: Any
+) -> AsyncIterator[CoordinatorService]:
+    """A started service on the settings' stores; shut down (writers left open) on exit."""
+    service = build_service(settings.model_copy(update=overrides), owns=owns)
+    await service.start()
+    try:
+        yield service
+    finally:
+        service.stop_accepting()
+        await service.shutdown()
+
+
+def registry_of(settings: Settings) -> SqlRegistry:
+    return SqlRegistry(settings.resolved_registry_url())
+
+
+def states(settings: Settings, checkpoint: str) -> dict[str, str]:
+    """Writer id → state, as the registry holds them."""
+    with registry_of(settings) as registry:
+        return {w.writer_id: w.state for w in registry.list_writers(checkpoint)}
+
+
+def test_each_of_two_coordinators_restores_and_marks_only_its_own_checkpoints(settings: Settings) -> None:
+    async def main() -> None:
+        # Writers open when a coordinator without a journal stopped: open in the registry, and
+        # nothing brings them back.
+        async with serving(settings, None, journal=False) as everything:
+            await everything.open_writer("a/stale", writer_id="sa")
+            await everything.open_writer("b/stale", writer_id="sb")
+
+        async with serving(settings, a_side) as a:
+            assert a.stats.writers_restored == 0
+            wa = await a.open_writer("a/live", writer_id="wa")
+            await a.apply_deltas(wa.handle, tree("x"))
+            assert [c.state for c in await a.acquire(wa.handle, ["ca"])] == ["acquired"]
+            names = [c.name for c in (await a.list_checkpoints()).checkpoints]
+            assert names == ["a/live", "a/stale"]
+        assert states(settings, "a/stale") == {"sa": WriterState.LOST}
+        assert states(settings, "b/stale") == {"sb": WriterState.OPEN}  # B's, B is live
+
+        async with serving(settings, b_side) as b:
+            assert b.stats.writers_restored == 0  # wa is A's
+            assert b.checkpoint_of(wa.handle) is None
+            assert [c.name for c in (await b.list_checkpoints()).checkpoints] == ["b/stale"]
+            wb = await b.open_writer("b/live", writer_id="wb")
+            assert [c.state for c in await b.acquire(wb.handle, ["cb"])] == ["acquired"]
+            with pytest.raises(NotOwned, match="'a/live'"):
+                await b.get_checkpoint("a/live")
+        assert states(settings, "b/stale") == {"sb": WriterState.LOST}
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}  # not marked by B
+
+        async with serving(settings, a_side) as a:
+            # Only its own writer comes back from the journal, where it was.
+            assert a.stats.writers_restored == 1
+            assert a.checkpoint_of(wa.handle) == "a/live" and a.checkpoint_of(wb.handle) is None
+            view = await a.get_checkpoint("a/live")
+            assert view.completed_count == 1 and [w.writer_id for w in view.writers] == ["wa"]
+            assert (await a.token_is_current("a/live", "ca", 1)).current
+            assert [c.name for c in (await a.list_checkpoints()).checkpoints] == ["a/live", "a/stale"]
+        # B's writer and its claim survived A's start.
+        assert states(settings, "b/live") == {"wb": WriterState.OPEN}
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}
+        with registry_of(settings) as registry:
+            claims = {(c.checkpoint, c.source_id, c.writer_id) for c in registry.live_claims()}
+        assert claims == {("a/live", "ca", "wa"), ("b/live", "cb", "wb")}
+
+        async with serving(settings, b_side) as b:
+            assert b.stats.writers_restored == 1 and b.checkpoint_of(wb.handle) == "b/live"
+            assert (await b.token_is_current("b/live", "cb", 1)).current
+
+    asyncio.run(main())
+
+
+def unowned_calls(svc: CoordinatorService, cp: str) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Every call naming a checkpoint, on ``cp``."""
+
+    async def watch() -> object:
+        async for view in svc.watch(cp):
+            return view
+        return None
+
+    return {
+        "open_writer": lambda: svc.open_writer(cp, writer_id="w"),
+        "are_completed": lambda: svc.are_completed(cp, ["s"]),
+        "get_checkpoint": lambda: svc.get_checkpoint(cp),
+        "list_writers": lambda: svc.list_writers(cp, include_closed=True),
+        "list_events": lambda: svc.list_events(cp),
+        "progress": lambda: svc.progress(cp),
+        "watch": watch,
+        "get_cursor": lambda: svc.get_cursor(cp, "s"),
+        "list_completed": lambda: svc.list_completed(cp),
+        "list_failures": lambda: svc.list_failures(cp),
+        "retry_failed": lambda: svc.retry_failed(cp),
+        "set_failure_budget": lambda: svc.set_failure_budget(cp, 3),
+        "token_is_current": lambda: svc.token_is_current(cp, "s", 1),
+        "declare_sources": lambda: svc.declare_sources(cp, ["s"], 5),
+        "list_remaining": lambda: svc.list_remaining(cp),
+        "import_completed": lambda: svc.import_completed(cp, ["s"], import_id="imp"),
+        "reset_checkpoint": lambda: svc.reset_checkpoint(cp, force=True),
+    }
+
+
+def test_a_call_naming_a_checkpoint_it_does_not_own_is_refused_and_changes_nothing(
+    settings: Settings,
+) -> None:
+    async def main() -> None:
+        async with serving(settings, None) as everything:  # b/other exists, with a writer
+            await everything.open_writer("b/other", writer_id="w0")
+        async with serving(settings, a_side) as a:
+            a.serve_replicas("replica-a", lambda: ReplicasView([], 0, answered_by="replica-a"))
+            await a.open_writer("a/mine", writer_id="wa")
+            for cp in ("b/other", "b/new"):
+                for name, call in unowned_calls(a, cp).items():
+                    with pytest.raises(NotOwned) as refused:
+                        await call()
+                    error = refused.value
+                    assert isinstance(error, Unavailable) and error.code is ErrorCode.UNAVAILABLE, name
+                    assert f"checkpoint {cp!r} is not owned by this coordinator" in error.message, name
+                    assert "replica 'replica-a'" in error.message and "retry" in error.message, name
+                    assert error.details == {"checkpoint": cp, "replica": "replica-a"}, name
+            assert [c.name for c in (await a.list_checkpoints()).checkpoints] == ["a/mine"]
+            assert await a.are_completed("a/mine", ["s"]) == [False]  # its own are answered
+        with registry_of(settings) as registry:
+            assert [r.name for r in registry.list_checkpoints()] == ["a/mine", "b/other"]
+            assert [w.writer_id for w in registry.list_writers("b/other")] == ["w0"]
+            assert registry.list_failures("b/other") == [] and registry.budget_of("b/other") == 0
+            assert registry.list_declared() == ({}, {})
+            assert registry.list_events("b/new") == []
+        assert states(settings, "b/other") == {"w0": WriterState.OPEN}
+        assert not (settings.data_dir / "checkpoints" / "b").exists()
+
+    asyncio.run(main())
+
+
+def test_without_a_predicate_a_coordinator_owns_every_checkpoint(settings: Settings) -> None:
+    async def main() -> None:
+        async with serving(settings, None) as first:
+            for cp in ("a/one", "b/two"):
+                opened = await first.open_writer(cp, writer_id="w")
+                await first.apply_deltas(opened.handle, tree("x"))
+        async with serving(settings, None) as again:
+            assert again.stats.writers_restored == 2
+            names = [c.name for c in (await again.list_checkpoints()).checkpoints]
+            assert names == ["a/one", "b/two"]
+            assert await again.are_completed("b/two", ["x"]) == [True]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("owns", "drops"), [(None, True), (a_side, False)])
+def test_statuses_are_published_without_dropping_other_owners_rows(
+    tmp_path: Path, owns: Callable[[str], bool] | None, drops: bool
+) -> None:
+    published: list[tuple[list[str], list[str] | None]] = []
+
+    def publish(changed: Any, keep: Any) -> bool:
+        published.append((sorted(changed), None if keep is None else sorted(keep)))
+        return True
+
+    async def main() -> None:
+        async with serving(Settings(data_dir=tmp_path / "data", settle_ms=0), owns) as svc:
+            svc.serve_replicas("replica-a", lambda: ReplicasView([], 0, answered_by=""), publish)
+            await svc.open_writer("a/one", writer_id="w")
+            await svc.loop("status").run_once()
+
+    asyncio.run(main())
+    # The first publication replaces the table's rows where one coordinator owns the whole store;
+    # a coordinator owning some checkpoints leaves the other rows to their owners.
+    # (The status loop also runs by itself every half second: what it published is checked alike.)
+    assert any("a/one" in changed for changed, _ in published)
+    assert [keep is not None for _, keep in published][:1] == [drops]
+    assert all(keep in (None, [], ["a/one"]) if drops else keep is None for _, keep in published)
