@@ -436,6 +436,7 @@ class StoreLock:
         self._key = lock_key(shard)
         self._named = None if shard == 0 else shard  # messages name shards other than the first
         self._read_epoch = read_epoch(shard)
+        self._read_epoch_text = sa.text(self._read_epoch)
         self._engine: Engine | None = None
         self._conn: Connection | None = None
         # check() runs on a worker thread while release() may run at shutdown.
@@ -558,7 +559,7 @@ class StoreLock:
         Raises:
             Fenced: another coordinator took the store over; nothing may be written.
         """
-        self.check_epoch(conn.execute(sa.text(self._read_epoch)).scalar())
+        self.check_epoch(conn.execute(self._read_epoch_text).scalar())
 
     @property
     def shards(self) -> frozenset[int]:
