@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from tally_server.store import pg_revisions, pg_schema
 from tally_server.store.pg_status import StatusBoard
-from tally_server.store.postgres import store_url
+from tally_server.store.postgres import StoreLock, store_url
 
 pytestmark = pytest.mark.postgres
 
@@ -17,11 +16,9 @@ def test_only_the_owner_of_the_current_epoch_publishes_and_a_full_publish_drops_
 ) -> None:
     url = store_url(postgres_url)
     engine = sa.create_engine(url)
-    pg_revisions.upgrade_store(engine, "the test's store")
-    with engine.begin() as conn:
-        conn.execute(sa.insert(pg_schema.store_epoch_table).values(id=1, epoch=2, holder="b", since=0.0))
-    epoch = {"now": 2}
-    owner = StatusBoard(url, lambda: epoch["now"])
+    lock = StoreLock(url, "b")
+    lock.acquire()
+    owner = StatusBoard(url, lock)
     replica = StatusBoard(url)
     try:
         assert owner.publish({"a": {"completed_count": 1}, "b/c": {"completed_count": 2}}, ["a", "b/c"])
@@ -33,11 +30,18 @@ def test_only_the_owner_of_the_current_epoch_publishes_and_a_full_publish_drops_
         # A full publish (the names to keep) drops checkpoints the owner no longer knows.
         assert owner.publish({}, ["a"])
         assert replica.names() == ["a"]
-        # A deposed owner (the store's epoch moved on) writes nothing.
-        epoch["now"] = 1
-        assert not owner.publish({"a": {"completed_count": 99}, "new": {}}, ["a", "new"])
+        with engine.connect() as conn:  # each row is written with its shard and the owner's epoch
+            rows = conn.execute(sa.text("SELECT checkpoint, shard, epoch FROM checkpoint_status")).all()
+        assert [tuple(row) for row in rows] == [("a", 0, lock.epoch)]
+        # A deposed owner (another took the store: the store's epoch moved on) writes nothing.
+        lock.release()
+        with StoreLock(url, "c"):
+            assert not owner.publish({"a": {"completed_count": 99}, "new": {}}, ["a", "new"])
         assert replica.statuses(["a", "new"]) == {"a": {"completed_count": 5}}
+        with pytest.raises(RuntimeError, match="no fence"):  # a replica's board only reads
+            replica.publish({"a": {}})
     finally:
+        lock.release()
         owner.close()
         replica.close()
         engine.dispose()

@@ -57,6 +57,7 @@ from tally_server.store.postgres import (
 )
 from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
+from tally_server.store.shards import Fence
 
 log = logging.getLogger(__name__)
 # On the PostgreSQL store, how long the event loop may keep the GIL from a thread that wants it back
@@ -71,14 +72,14 @@ PG_SWITCH_INTERVAL_S = 0.001
 def build_service(
     settings: Settings,
     loop_idle: Sequence[Callable[[], float]] = (),
-    fence: StoreLock | Callable[[Connection], None] | None = None,
+    fence: Fence | Callable[[Connection], None] | None = None,
     owns: Callable[[str], bool] | None = None,
 ) -> CoordinatorService:
     """Build the coordinator service the settings describe, on its stores (creating the data directory).
 
-    ``fence`` (the store lock's): every write to a PostgreSQL store checks the store's epoch first.
-    ``owns``: the checkpoints (by name) this coordinator owns, where several share the store (see
-    ``CoordinatorService``); None: all of them.
+    ``fence`` (the store lock, or a ``ShardFence`` of the shards held): every write to a PostgreSQL
+    store checks the epochs of the fence's shards first. ``owns``: the checkpoints (by name) this
+    coordinator owns, where several share the store (see ``CoordinatorService``); None: all of them.
     """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     completions: CompletionStore
@@ -92,9 +93,7 @@ def build_service(
         completions = pg_completions = PgCompletionStore(settings.store, fence)
         try:
             if settings.journal:
-                journal = pg_journal = PgJournal(
-                    settings.store, fence.fence if isinstance(fence, StoreLock) else fence
-                )
+                journal = pg_journal = PgJournal(settings.store, fence)
                 # One database: a group's journal entries and completions in one transaction.
                 joint_commit = functools.partial(pg_completions.commit_group, pg_journal)
         except BaseException:
@@ -454,8 +453,7 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             settings.advertised(settings.http_listen, http_port),
         )
         await asyncio.to_thread(board.announce)
-        lock = store_lock
-        status_board = await asyncio.to_thread(StatusBoard, lock.url, lambda: lock.epoch)
+        status_board = await asyncio.to_thread(StatusBoard, store_lock.url, store_lock)
         service.serve_replicas(
             store_lock.holder, functools.partial(replica.list_replicas, board), status_board.publish
         )

@@ -85,7 +85,7 @@ def make_pre_revision_store(url: str) -> None:
 
 def test_an_empty_store_is_made_at_head_with_exactly_pg_schemas_tables(registry_postgres_url: str) -> None:
     PgJournal(registry_postgres_url).close()
-    assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head() == "s0004"
+    assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head() == "s0005"
     assert set(pg_schema.metadata.tables) | {pg_schema.VERSION_TABLE} == tables(registry_postgres_url)
     # The drift guard: a change to pg_schema without a revision fails here.
     assert drift(registry_postgres_url) == []
@@ -100,7 +100,7 @@ def test_a_store_made_before_revisions_is_adopted_with_its_rows(
         journal = PgJournal(registry_postgres_url)
     said = [r.getMessage() for r in caplog.records]
     assert any("predates schema revisions: adopting it at revision s0001" in m for m in said), said
-    assert any("from schema revision s0001 to s0004" in m for m in said), said
+    assert any("from schema revision s0001 to s0005" in m for m in said), said
     try:
         assert REVISIONS.current(engine_on(registry_postgres_url)) == REVISIONS.head()
         engine = engine_on(registry_postgres_url)
@@ -152,7 +152,7 @@ def test_a_store_a_newer_tally_upgraded_is_refused_and_left_as_it_is(registry_po
     with pytest.raises(StoreSchemaError) as refused:
         PgJournal(registry_postgres_url)
     message = str(refused.value)
-    assert "s0099" in message and "newer Tally" in message and "s0004" in message
+    assert "s0099" in message and "newer Tally" in message and "s0005" in message
     assert "PASSWORD" not in message
     with pytest.raises(StoreSchemaError):
         StoreLock(store_url(registry_postgres_url), "me").acquire()
@@ -294,7 +294,7 @@ def test_a_store_at_s0003_is_upgraded_in_place_and_its_epoch_becomes_a_key(
 
     assert keys() == []
     with StoreLock(store_url(url), "new") as lock:  # taking the store upgrades it
-        assert REVISIONS.current(engine_on(url)) == REVISIONS.head() == "s0004"
+        assert REVISIONS.current(engine_on(url)) == REVISIONS.head() == "s0005"
         assert lock.epoch == 8
     assert keys() == [["id", "epoch"]]
     assert drift(url) == []

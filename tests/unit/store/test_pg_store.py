@@ -210,7 +210,8 @@ def test_status_and_replica_rows_are_written_though_the_session_ends_after_the_p
     """The pool's ping passed, then the session ended (a restart ends them all within milliseconds):
     publishing statuses and renewing a replica's row run once more on a new connection."""
     url = store_url(postgres_url)
-    board, replicas = StatusBoard(url, epoch=lambda: 1), ReplicaBoard(url, "r1", "h:1", "h:2")
+    lock = StoreLock(url, "r1")
+    board, replicas = StatusBoard(url, lock), ReplicaBoard(url, "r1", "h:1", "h:2")
     cut: list[int] = []
 
     def end_this_session_once(conn: sa.Connection, *_: object) -> None:
@@ -219,7 +220,7 @@ def test_status_and_replica_rows_are_written_though_the_session_ends_after_the_p
             end_sessions(postgres_url, cut)
 
     try:
-        with StoreLock(url, "r1"):  # epoch 1, held by "r1"
+        with lock:  # epoch 1, held by "r1"
             for engine in (board._engine, replicas._engine):
                 cut.clear()
                 with engine.connect():  # a pooled connection, pinged before its next use

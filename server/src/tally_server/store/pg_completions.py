@@ -44,6 +44,7 @@ from tally_server.store.pg_schema import (
     completion_checkpoints_table,
     store_probe_table,
 )
+from tally_server.store.shards import Fence
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +134,15 @@ class PgCompletionStore:
 
     remote = True  # every lookup is a query: the service holds loaded ids in memory
 
-    def __init__(
-        self, url: str, fence: postgres.StoreLock | Callable[[Connection], None] | None = None
-    ) -> None:
+    def __init__(self, url: str, fence: Fence | Callable[[Connection], None] | None = None) -> None:
         """``fence``: called first in every transaction that writes (see ``StoreLock.fence``).
 
-        The store's lock itself: commits send its epoch read with their writes (one round trip
-        less) and check it before they commit (``StoreLock.check_epoch``).
+        A ``Fence`` (the store's lock, or the shards' ``ShardFence``): commits send its epoch read
+        (``Fence.statement``) with their writes (one round trip less) and check it before they
+        commit (``Fence.check_rows``).
         """
-        self._store_lock = fence if isinstance(fence, postgres.StoreLock) else None
-        self._fence = fence.fence if isinstance(fence, postgres.StoreLock) else fence
+        self._read_fence = fence if isinstance(fence, Fence) else None
+        self._fence = fence.fence if isinstance(fence, Fence) else fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
@@ -281,7 +281,7 @@ class PgCompletionStore:
         """One transaction: the fence, then ``first`` and the ops in order, then the commit.
 
         The writes go in one pipeline on psycopg's own connection: one round trip for all of them,
-        however many ops and entries, and for ``BEGIN`` and the store lock's epoch read before them
+        however many ops and entries, and for ``BEGIN`` and the fence's epoch read before them
         (checked once they are through, before the commit). The connection is in autocommit mode
         and the pipeline sends ``BEGIN`` itself: psycopg's own ``BEGIN`` waits for its answer
         before the pipeline goes on (a round trip more, which on a busy machine cost as much as
@@ -314,13 +314,14 @@ class PgCompletionStore:
         tolerant: bool,
     ) -> None:
         with raw.cursor() as epoch, raw.cursor() as cursor:
-            if self._store_lock is None:
+            if self._read_fence is None:
                 cursor.execute(_BEGIN)
                 self._fenced(conn)  # its statements run in the transaction just begun
             with raw.pipeline():
-                if self._store_lock is not None:
+                if self._read_fence is not None:
                     epoch.execute(_BEGIN)
-                    epoch.execute(postgres.READ_EPOCH)  # first in the transaction, FOR KEY SHARE
+                    read, params = self._read_fence.statement()  # first in the transaction, FOR KEY SHARE
+                    epoch.execute(read, params or None)
                 if first is not None:
                     first(cursor)
                 if new:
@@ -340,9 +341,8 @@ class PgCompletionStore:
                     else:  # pragma: no cover - guarded by the type checker
                         raise TypeError(f"unknown completion op {op!r}")
                 _put(cursor, puts, tolerant)
-            if self._store_lock is not None:
-                row = epoch.fetchone()
-                self._store_lock.check_epoch(None if row is None else int(row[0]))
+            if self._read_fence is not None:
+                self._read_fence.check_rows(epoch.fetchall())
             cursor.execute(_COMMIT)  # durable on return (synchronous_commit is on)
 
     def _fenced(self, conn: Connection) -> None:

@@ -22,6 +22,7 @@ from tally_server.store import pg_revisions, postgres
 from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
 from tally_server.store.pg_arrays import bytea_array
 from tally_server.store.pg_schema import journal_entries_table, journal_writers_table
+from tally_server.store.shards import Fence
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,9 @@ class PgJournal:
         postgres.StoreUnreachable: the database cannot be reached, or its tables cannot be created.
     """
 
-    def __init__(self, url: str, fence: Callable[[Connection], None] | None = None) -> None:
-        """``fence``: called first in every transaction that writes (see ``StoreLock.fence``)."""
-        self._fence = fence
+    def __init__(self, url: str, fence: Fence | Callable[[Connection], None] | None = None) -> None:
+        """``fence``: called first in every transaction that writes (a ``Fence``'s ``fence``)."""
+        self._fence = fence.fence if isinstance(fence, Fence) else fence
         self._url = postgres.store_url(url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
         # Metrics read these while the database may be down: they then show the last known values.

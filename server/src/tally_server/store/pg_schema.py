@@ -114,6 +114,7 @@ store_epoch_table = sa.Table(
     # Makes ``epoch`` a key column: a bump (which changes it) takes FOR UPDATE and waits for commits
     # reading FOR KEY SHARE, while renewals (``renewed_at`` alone) do not (revision s0004). With
     # ``id`` in it, one row per shard (docs/scale-out.md, "What comes next") may share an epoch.
+    # Shard k's row is ``id = k + 1`` (``postgres.StoreLock``): a one-shard store's is ``id = 1``.
     sa.UniqueConstraint("id", "epoch", name="uq_store_epoch_id_epoch"),
 )
 
@@ -144,4 +145,20 @@ checkpoint_status_table = sa.Table(
     sa.Column("epoch", sa.BigInteger(), nullable=False),
     # The database's clock when the owner last wrote this row (it writes only rows that changed).
     sa.Column("published_at", sa.Double[float](), nullable=False),
+    # The checkpoint's shard (``store.shards.shard_of``): an owner drops rows of its own shards only
+    # (revision s0005). Empty in rows published before the store recorded its layout, until then.
+    sa.Column("shard", sa.Integer(), nullable=True),
+)
+
+# How many shards the store has (``store.shards``): one row, written once by the first coordinator
+# that serves the store with shards (``prepare_layout``, revision s0005) and never changed, since a
+# checkpoint's shard is a hash of its name modulo that number. Empty in a store no coordinator
+# served since the upgrade: it then has one shard.
+store_layout_table = sa.Table(
+    "store_layout",
+    metadata,
+    sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
+    sa.Column("shards", sa.Integer(), nullable=False),
+    sa.CheckConstraint("id = 1", name="ck_store_layout_one_row"),
+    sa.CheckConstraint("shards BETWEEN 1 AND 256", name="ck_store_layout_shards"),
 )

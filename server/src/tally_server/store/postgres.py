@@ -6,6 +6,8 @@ owns a store at a time: :class:`StoreLock` holds a session-level advisory lock f
 ``tally serve``, the way ``datadir_lock`` does for a data directory, and takes the store's fencing
 epoch with it. Other coordinators on the store serve as replicas (``tally_server.replica``): they
 answer reads from the database and forward writers' calls to the owner until they take the lock.
+A store may also be split into shards, each locked and fenced on its own (``StoreLock(shard=k)``,
+``store.shards``); shard 0 is the whole store's lock and epoch row of before shards.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -42,7 +44,11 @@ TRANSIENT_RAW = (*TRANSIENT, psycopg.OperationalError, psycopg.InterfaceError)
 _RESOURCES = "53"
 _DISK_FULL = "53100"
 # The advisory lock key of a store (one store per database): "tallystr" as a big-endian bigint.
+# Shard k of a store (``store.shards``) is locked under ``STORE_LOCK_KEY + k``: shard 0 is the key
+# every store had before shards, so a one-shard store is locked exactly as it always was.
 STORE_LOCK_KEY = int.from_bytes(b"tallystr", "big")
+# Shards a store may have (``store_layout.shards``, 1..MAX_SHARDS; shard numbers 0..MAX_SHARDS-1).
+MAX_SHARDS = 256
 _CONNECT_TIMEOUT_S = 10
 _LOCK_WAIT_S = 2.0
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
@@ -51,19 +57,19 @@ _TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k)")
 _DB_NOW = "extract(epoch from clock_timestamp())"
 _BUMP_EPOCH = sa.text(
     "INSERT INTO store_epoch (id, epoch, holder, since, renewed_at) "
-    f"VALUES (1, 1, :holder, :since, {_DB_NOW}) "
+    f"VALUES (:id, 1, :holder, :since, {_DB_NOW}) "
     "ON CONFLICT (id) DO UPDATE SET epoch = store_epoch.epoch + 1, holder = excluded.holder, "
     "since = excluded.since, renewed_at = excluded.renewed_at RETURNING epoch"
 )
 # Renewing, keeping the epoch and letting go change ``renewed_at`` alone: FOR NO KEY UPDATE on the
 # row, which commits' FOR KEY SHARE reads do not hold up (see READ_EPOCH).
-_RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch")
+_RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = :id AND epoch = :epoch")
 # Taking the lock again after our own session ended: the epoch stays ours if no one took the store.
 _KEEP_EPOCH = sa.text(
-    f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = 1 AND epoch = :epoch RETURNING epoch"
+    f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = :id AND epoch = :epoch RETURNING epoch"
 )
-_EPOCH_NOW = sa.text("SELECT epoch FROM store_epoch WHERE id = 1")
-_SILENT_FOR = sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_epoch WHERE id = 1")
+_EPOCH_NOW = sa.text("SELECT epoch FROM store_epoch WHERE id = :id")
+_SILENT_FOR = sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_epoch WHERE id = :id")
 _END_HOLDER = sa.text(
     "SELECT pg_terminate_backend(l.pid) FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
     "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
@@ -89,17 +95,38 @@ _INCUMBENT = sa.text(
     "EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
     "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
     "AND l.classid::bigint = :hi AND l.objid::bigint = :lo) AS held "
-    "FROM store_epoch e WHERE e.id = 1"
+    "FROM store_epoch e WHERE e.id = :id"
 )
 # A holder stopping cleanly marks the store as let go: a standby takes it at once, no grace.
-_LET_GO = sa.text("UPDATE store_epoch SET renewed_at = 0 WHERE id = 1 AND epoch = :epoch")
-# What StoreLock.fence reads; a commit sends it first in its pipeline of writes (check_epoch).
+_LET_GO = sa.text("UPDATE store_epoch SET renewed_at = 0 WHERE id = :id AND epoch = :epoch")
+# What StoreLock.fence reads (shard 0's; ``read_epoch`` for others); a commit sends it first in its
+# pipeline of writes (``StoreLock.statement``) and checks it before it commits (``check_rows``).
 # FOR KEY SHARE: only an UPDATE that changes a key of the row waits for it, and ``epoch`` is one
 # (unique, store revision s0004), so the bump waits for every commit in flight that read the old
 # epoch; the holder's renewals, which change ``renewed_at`` alone, do not (FOR SHARE made them wait
 # until no commit held the row).
 READ_EPOCH = "SELECT epoch FROM store_epoch WHERE id = 1 FOR KEY SHARE"
-_READ_EPOCH = sa.text(READ_EPOCH)
+
+
+def read_epoch(shard: int) -> str:
+    """``READ_EPOCH`` for shard ``shard`` (its row is ``store_epoch.id = shard + 1``; shard 0's is it).
+
+    The id is written into the text (an ``int``, checked by ``StoreLock``): a statement without
+    parameters, as commits have always sent it.
+    """
+    return READ_EPOCH if shard == 0 else READ_EPOCH.replace("id = 1", f"id = {int(shard) + 1}")
+
+
+def lock_key(shard: int) -> int:
+    """The advisory lock key of shard ``shard`` of a store (shard 0's is ``STORE_LOCK_KEY``)."""
+    return STORE_LOCK_KEY + shard
+
+
+def _key_halves(key: int) -> dict[str, int]:
+    """``pg_locks`` shows a bigint advisory key as two 32-bit halves (``classid``, ``objid``)."""
+    return {"hi": key >> 32, "lo": key & 0xFFFFFFFF}
+
+
 # How often a standby tries the lock while another coordinator holds it.
 _STANDBY_POLL_S = 0.5
 _LOCK_SESSION = (
@@ -305,14 +332,22 @@ class Fenced(CompletionWriteError):
     seconds); its writers' calls fail as UNAVAILABLE and go on at the coordinator that took over.
     """
 
-    def __init__(self, url: sa.URL, mine: int, now: int | None) -> None:
+    def __init__(self, url: sa.URL, mine: int, now: int | None, shard: int | None = None) -> None:
+        what = _of_store(url, shard, "the PostgreSQL")
         super().__init__(
-            f"this coordinator no longer owns the PostgreSQL store {display(url)}: its epoch is {mine}, "
+            f"this coordinator no longer owns {what}: its epoch is {mine}, "
             f"the store's is {now}; another coordinator took over and this one is stopping, so retry "
             "against the one that took over",
             path=display(url),
             disk_full=False,
         )
+        self.shard = shard
+
+
+def _of_store(url: sa.URL, shard: int | None, kind: str = "") -> str:
+    """How messages name a store, or one of its shards (None: the whole store, or shard 0 of it)."""
+    store = f"{kind} store {display(url)}".lstrip()
+    return store if shard is None else f"shard {shard} of {store}"
 
 
 class StoreInUse(OSError):
@@ -322,7 +357,7 @@ class StoreInUse(OSError):
     directory in use.
     """
 
-    def __init__(self, url: sa.URL, holder: dict[str, Any]) -> None:
+    def __init__(self, url: sa.URL, holder: dict[str, Any], shard: int | None = None) -> None:
         if holder:
             since = holder.get("backend_start")
             when = since.isoformat(timespec="seconds") if isinstance(since, datetime.datetime) else "?"
@@ -332,11 +367,11 @@ class StoreInUse(OSError):
         else:
             who = "a session this user may not see"
         super().__init__(
-            f"store {display(url)} is in use by another tally serve ({who}); stop that one first, give "
+            f"{_of_store(url, shard)} is in use by another tally serve ({who}); stop that one first, give "
             "this one another --store, or start it with --standby to take over when that one is gone"
         )
         self.holder = holder
-        self.holder_text = f"store {display(url)} is served by another tally serve ({who})"
+        self.holder_text = f"{_of_store(url, shard)} is served by another tally serve ({who})"
 
 
 class StoreTakenMeanwhile(StoreInUse):
@@ -346,9 +381,9 @@ class StoreTakenMeanwhile(StoreInUse):
     completions this one still holds in memory, so this one must stop rather than serve on.
     """
 
-    def __init__(self, url: sa.URL, mine: int | None, now: int | None) -> None:
+    def __init__(self, url: sa.URL, mine: int | None, now: int | None, shard: int | None = None) -> None:
         text = (
-            f"store {display(url)} was served by another coordinator while this one had no database "
+            f"{_of_store(url, shard)} was served by another coordinator while this one had no database "
             f"session (the store's epoch is {now}, this one's was {mine})"
         )
         OSError.__init__(self, f"{text}; start this one again to serve it with what the store holds now")
@@ -371,15 +406,37 @@ class StoreLock:
     PostgreSQL releases it when the session ends however it ends (kill -9 included, once the server
     notices the connection is gone).
 
+    Or the lock of one shard of the store (``store.shards``): shard ``k`` is the advisory key
+    ``STORE_LOCK_KEY + k`` and the epoch row ``store_epoch.id = k + 1``, each with its own fencing
+    epoch; shard 0 is the key and row of the whole store before shards, so a one-shard store is
+    locked as it always was. Each lock keeps its own session (a coordinator holding five shards has
+    five lock sessions): the code and its tests stay those of the one lock, and a shard is let go,
+    lost or taken over alone. A standby ending the session of a silent holder
+    (``_end_a_silent_holder``) ends that shard's lock session only.
+
     Args:
         url: the store's URL.
         holder: the name this coordinator goes by among the store's replicas (``store_epoch.holder``).
+        shard: which shard of the store to lock (0, the default: a one-shard store's only one).
+
+    Raises:
+        ValueError: ``shard`` is not in 0..MAX_SHARDS-1.
     """
 
-    def __init__(self, url: sa.URL, holder: str | None = None) -> None:
+    def __init__(self, url: sa.URL, holder: str | None = None, shard: int = 0) -> None:
+        if not 0 <= shard < MAX_SHARDS:
+            raise ValueError(
+                f"shard {shard} does not exist: a store has at most {MAX_SHARDS} shards, 0..{MAX_SHARDS - 1}"
+            )
         self.url = url
         self.holder = holder or application_name()
+        self.shard = shard
         self.epoch: int | None = None  # the fencing epoch this coordinator took with the lock
+        self._id = {"id": shard + 1}  # its row in store_epoch
+        self._key = lock_key(shard)
+        self._named = None if shard == 0 else shard  # messages name shards other than the first
+        self._read_epoch = read_epoch(shard)
+        self._read_epoch_text = sa.text(self._read_epoch)
         self._engine: Engine | None = None
         self._conn: Connection | None = None
         # check() runs on a worker thread while release() may run at shutdown.
@@ -476,7 +533,7 @@ class StoreLock:
             engine = create_engine(self.url, pooled=False)
             try:
                 with engine.connect() as conn:
-                    silent = conn.execute(_SILENT_FOR).scalar()
+                    silent = conn.execute(_SILENT_FOR, self._id).scalar()
                     if silent is None or silent < TAKE_OVER_AFTER_S:
                         return
                     logger.warning(
@@ -485,7 +542,7 @@ class StoreLock:
                         refused.holder_text,
                         silent,
                     )
-                    conn.execute(_END_HOLDER, {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF})
+                    conn.execute(_END_HOLDER, _key_halves(self._key))
                     conn.commit()
             finally:
                 engine.dispose()
@@ -502,7 +559,31 @@ class StoreLock:
         Raises:
             Fenced: another coordinator took the store over; nothing may be written.
         """
-        self.check_epoch(conn.execute(_READ_EPOCH).scalar())
+        self.check_epoch(conn.execute(self._read_epoch_text).scalar())
+
+    @property
+    def shards(self) -> frozenset[int]:
+        """The shards this lock fences: its own (the ``Fence`` protocol)."""
+        return frozenset({self.shard})
+
+    def statement(self) -> tuple[str, tuple[Any, ...]]:
+        """What a commit sends first in its pipeline: ``READ_EPOCH`` (of this shard), no parameters.
+
+        Its rows go to :meth:`check_rows` before the commit (the ``Fence`` protocol).
+        """
+        return self._read_epoch, ()
+
+    def check_rows(self, rows: Sequence[Sequence[Any]]) -> dict[int, int]:
+        """:meth:`check_epoch` on what :meth:`statement` read (one row, or none if no epoch row).
+
+        Returns the shard and epoch checked (``{shard: epoch}``), the rows a status board may write.
+
+        Raises:
+            Fenced: the store's epoch is not the one this coordinator took.
+        """
+        self.check_epoch(int(rows[0][0]) if rows else None)
+        assert self.epoch is not None  # check_epoch refused None
+        return {self.shard: self.epoch}
 
     def check_epoch(self, now: int | None) -> None:
         """What :meth:`fence` checks, for a commit that read ``READ_EPOCH`` itself.
@@ -515,7 +596,7 @@ class StoreLock:
             Fenced: ``now`` (the store's epoch) is not the one this coordinator took.
         """
         if self.epoch is None or now != self.epoch:
-            raise Fenced(self.url, self.epoch or 0, now)
+            raise Fenced(self.url, self.epoch or 0, now, self._named)
 
     def _acquire(self, wait_s: float, again: bool = False, back_for: float | None = None) -> None:
         """Take the lock on a new session; ``again``: after this coordinator's own session ended.
@@ -547,17 +628,18 @@ class StoreLock:
                 if back_for is not None:
                     self._defer_to_incumbent(conn, back_for)
                 deadline = time.monotonic() + wait_s
-                while not conn.execute(_TRY_LOCK, {"k": STORE_LOCK_KEY}).scalar():
+                while not conn.execute(_TRY_LOCK, {"k": self._key}).scalar():
                     if time.monotonic() >= deadline:
-                        raise StoreInUse(self.url, self._holder(conn))
+                        raise StoreInUse(self.url, self._holder(conn), self._named)
                     time.sleep(0.1)
                 pg_revisions.upgrade_store(engine, display(self.url))
                 if again and self.epoch is not None:
-                    if conn.execute(_KEEP_EPOCH, {"epoch": self.epoch}).scalar() is None:
-                        raise StoreTakenMeanwhile(self.url, self.epoch, conn.execute(_EPOCH_NOW).scalar())
+                    if conn.execute(_KEEP_EPOCH, {**self._id, "epoch": self.epoch}).scalar() is None:
+                        now = conn.execute(_EPOCH_NOW, self._id).scalar()
+                        raise StoreTakenMeanwhile(self.url, self.epoch, now, self._named)
                 else:
                     self.epoch = conn.execute(
-                        _BUMP_EPOCH, {"holder": self.holder, "since": time.time()}
+                        _BUMP_EPOCH, {**self._id, "holder": self.holder, "since": time.time()}
                     ).scalar_one()
             except BaseException:
                 conn.close()
@@ -574,17 +656,14 @@ class StoreLock:
         """Raise ``_Deferring`` if the lock is free but its holder may still be taking it back."""
         if not conn.execute(_HAS_EPOCH).scalar():
             return  # a store no coordinator ever served
-        row = conn.execute(
-            _INCUMBENT, {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF}
-        ).first()
+        row = conn.execute(_INCUMBENT, {**self._id, **_key_halves(self._key)}).first()
         if row is None or row.held or row.holder == self.holder:
             return  # held: the try below says by whom; ours: take it at once
         silent = min(float(row.silent), back_for)
         if silent < INCUMBENT_GRACE_S:
             raise _Deferring(row.holder, silent)
 
-    @staticmethod
-    def _holder(conn: Connection) -> dict[str, Any]:
+    def _holder(self, conn: Connection) -> dict[str, Any]:
         """Who holds the lock, as far as ``pg_stat_activity`` shows this user (empty if it does not)."""
         row = conn.execute(
             sa.text(
@@ -594,7 +673,7 @@ class StoreLock:
                 "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
                 "AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
             ),
-            {"hi": STORE_LOCK_KEY >> 32, "lo": STORE_LOCK_KEY & 0xFFFFFFFF},
+            _key_halves(self._key),
         ).first()
         return dict(row._mapping) if row is not None else {}
 
@@ -623,21 +702,23 @@ class StoreLock:
         if conn is not None:
             try:
                 started = time.perf_counter()
-                conn.execute(_RENEW, {"epoch": self.epoch})  # alive: a standby leaves us be
+                conn.execute(_RENEW, {**self._id, "epoch": self.epoch})  # alive: a standby leaves us be
                 took = time.perf_counter() - started
-                logger.debug("renewed the lock of store %s in %.2f ms", display(self.url), took * 1000)
+                logger.debug(
+                    "renewed the lock of %s in %.2f ms", _of_store(self.url, self._named), took * 1000
+                )
                 for observe in self.renew_observers:
                     observe(took)
                 return
             except TRANSIENT as exc:
                 logger.warning(
-                    "the session holding the lock of store %s ended (%s); taking the lock again",
-                    display(self.url),
+                    "the session holding the lock of %s ended (%s); taking the lock again",
+                    _of_store(self.url, self._named),
                     cause(exc),
                 )
                 self._release()
         self._acquire(0, again=True)
-        logger.info("holding the lock of store %s again (epoch %s)", display(self.url), self.epoch)
+        logger.info("holding the lock of %s again (epoch %s)", _of_store(self.url, self._named), self.epoch)
 
     def release(self) -> None:
         """Give the lock up (closing its session releases it). Idempotent."""
@@ -645,9 +726,9 @@ class StoreLock:
             self._released = True
             if self._conn is not None and self.epoch is not None:
                 try:  # a standby need not leave this one time to take the lock back
-                    self._conn.execute(_LET_GO, {"epoch": self.epoch})
+                    self._conn.execute(_LET_GO, {**self._id, "epoch": self.epoch})
                 except TRANSIENT as exc:
-                    logger.warning("marking store %s as let go: %s", display(self.url), cause(exc))
+                    logger.warning("marking %s as let go: %s", _of_store(self.url, self._named), cause(exc))
             self._release()
 
     def _release(self) -> None:

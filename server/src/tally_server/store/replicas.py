@@ -3,7 +3,9 @@
 Every ``tally serve`` on a store writes a row to ``store_replicas`` at start and renews it every
 second (:meth:`ReplicaBoard.announce`); a clean stop deletes it. The owner is the replica named by
 ``store_epoch.holder`` (it took the store's lock, see ``postgres.StoreLock``); the others read its
-addresses here to forward writers' calls to it, and status views list them all.
+addresses here to forward writers' calls to it, and status views list them all. On a store of
+several shards (``store.shards``) each shard has its owner, the holder of its row (``store_epoch.id =
+shard + 1``): :meth:`ReplicaBoard.owners`; shard 0's is :meth:`ReplicaBoard.owner`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -49,6 +52,11 @@ _OWNER = sa.text(
     f"SELECT e.holder, e.epoch, e.since, {_DB_NOW} - e.renewed_at AS silent_s, "
     "r.grpc_address, r.http_address "
     "FROM store_epoch e LEFT JOIN store_replicas r ON r.name = e.holder WHERE e.id = 1"
+)
+_OWNERS = sa.text(
+    f"SELECT e.id - 1 AS shard, e.holder, e.epoch, e.since, {_DB_NOW} - e.renewed_at AS silent_s, "
+    "r.grpc_address, r.http_address "
+    "FROM store_epoch e LEFT JOIN store_replicas r ON r.name = e.holder ORDER BY e.id"
 )
 _REPLICAS = sa.text(
     f"SELECT name, grpc_address, http_address, started_at, {_DB_NOW} - renewed_at AS silent_s "
@@ -94,7 +102,8 @@ class Replica:
     http_address: str
     started_at: float
     silent_s: float
-    owner: bool
+    owner: bool  # it holds a shard of the store (the whole store, with one shard)
+    shards: tuple[int, ...] = ()  # the shards it holds, in order
 
     @property
     def alive(self) -> bool:
@@ -178,12 +187,29 @@ class ReplicaBoard:
 
         return again_if_cut(read)
 
+    def owners(self) -> dict[int, Owner]:
+        """Each shard's owner (the holder of its row), by shard; shards never taken are missing.
+
+        Read twice if the connection was cut.
+        """
+
+        def read() -> dict[int, Owner]:
+            with self._engine.connect() as conn:
+                return _owners(conn)
+
+        return again_if_cut(read)
+
     def snapshot(self) -> tuple[Owner | None, list[Replica]]:
-        """The owner and every replica announced in the last hour (by name), read at one instant."""
+        """Shard 0's owner and every replica announced in the last hour (by name), read at one instant.
+
+        A replica is marked ``owner`` if it holds any shard (with one shard: the store).
+        """
         with self._engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
-            owner = _owner(conn)
+            owners = _owners(conn)
             rows = conn.execute(_REPLICAS).all()
-        holder = owner.name if owner is not None else None
+        held: dict[str, list[int]] = {}
+        for shard, holder in owners.items():
+            held.setdefault(holder.name, []).append(shard)
         replicas = [
             Replica(
                 name=r.name,
@@ -191,11 +217,12 @@ class ReplicaBoard:
                 http_address=r.http_address,
                 started_at=float(r.started_at),
                 silent_s=float(r.silent_s),
-                owner=r.name == holder,
+                owner=r.name in held,
+                shards=tuple(held.get(r.name, ())),
             )
             for r in rows
         ]
-        return owner, replicas
+        return owners.get(0), replicas
 
     def close(self) -> None:
         """Close the board's connections."""
@@ -204,8 +231,14 @@ class ReplicaBoard:
 
 def _owner(conn: Connection) -> Owner | None:
     row = conn.execute(_OWNER).first()
-    if row is None:
-        return None
+    return None if row is None else _as_owner(row)
+
+
+def _owners(conn: Connection) -> dict[int, Owner]:
+    return {int(row.shard): _as_owner(row) for row in conn.execute(_OWNERS)}
+
+
+def _as_owner(row: sa.Row[Any]) -> Owner:
     return Owner(
         name=row.holder,
         epoch=int(row.epoch),

@@ -1,0 +1,349 @@
+"""Shards of a PostgreSQL store (``store.shards``): layout, per-shard locks and epochs, fencing by shard.
+
+Against the real local PostgreSQL, a fresh database per test. Shard k is locked under advisory key
+``STORE_LOCK_KEY + k`` with its epoch in ``store_epoch.id = k + 1``; shard 0 is the whole store's
+lock and row of before shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
+
+from tally_server.domain.ports import OpenJournal, PutCompleted
+from tally_server.store.pg_completions import PgCompletionStore
+from tally_server.store.pg_journal import PgJournal
+from tally_server.store.pg_revisions import REVISIONS
+from tally_server.store.pg_status import StatusBoard
+from tally_server.store.postgres import (
+    READ_EPOCH,
+    STORE_LOCK_KEY,
+    Fenced,
+    StoreInUse,
+    StoreLock,
+    StoreUnreachable,
+    store_url,
+)
+from tally_server.store.replicas import ReplicaBoard
+from tally_server.store.shards import (
+    Fence,
+    NoShardHeld,
+    ShardFence,
+    StoreLayoutMismatch,
+    prepare_layout,
+    run_fence,
+    shard_of,
+)
+from tests.pg_sessions import alter_database, end_sessions
+from tests.unit.store.test_pg_store import who
+
+pytestmark = pytest.mark.postgres
+
+
+def rows(url: str, query: str) -> list[tuple[object, ...]]:
+    engine = sa.create_engine(store_url(url), poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text(query))]
+    finally:
+        engine.dispose()
+
+
+def epochs(url: str) -> dict[int, tuple[object, ...]]:
+    """``store_epoch`` by shard: (epoch, holder)."""
+    return {int(r[0]) - 1: r[1:] for r in rows(url, "SELECT id, epoch, holder FROM store_epoch ORDER BY id")}
+
+
+def held_keys(url: str) -> set[int]:
+    """The store lock keys granted in ``url``'s database, as shard numbers (key - STORE_LOCK_KEY)."""
+    found = rows(
+        url,
+        "SELECT (l.classid::bigint << 32) + l.objid::bigint FROM pg_locks l WHERE l.locktype = 'advisory' "
+        "AND l.granted AND l.objsubid = 1 "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    return {int(key) - STORE_LOCK_KEY for (key,) in found if 0 <= int(key) - STORE_LOCK_KEY < 256}
+
+
+def lock_session(lock: StoreLock) -> int:
+    assert lock._conn is not None
+    return int(lock._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def name_in(shard: int, shards: int, stem: str = "cp") -> str:
+    """A checkpoint name of ``shard`` (of ``shards``)."""
+    return next(f"{stem}/{i}" for i in range(10_000) if shard_of(f"{stem}/{i}", shards) == shard)
+
+
+@pytest.fixture
+def locks() -> Iterator[list[StoreLock]]:
+    """Locks a test takes, released at its end (whatever it asserted)."""
+    taken: list[StoreLock] = []
+    yield taken
+    for lock in taken:
+        lock.release()
+
+
+def take(locks: list[StoreLock], url: str, holder: str, shard: int) -> StoreLock:
+    lock = StoreLock(store_url(url), holder, shard=shard)
+    lock.acquire(wait_s=0)
+    locks.append(lock)
+    return lock
+
+
+# ------------------------------------------------------------------ layout
+
+
+def test_the_first_coordinator_fixes_the_shard_count_and_later_ones_must_agree(postgres_url: str) -> None:
+    url = store_url(postgres_url)
+    assert prepare_layout(url, 4) == 4
+    assert prepare_layout(url, None) == 4  # without the option: the store's count
+    assert prepare_layout(url, 4) == 4
+    with pytest.raises(StoreLayoutMismatch) as refused:
+        prepare_layout(url, 8)
+    message = str(refused.value)
+    assert "has 4 shards (fixed when it was made)" in message and "not the 8 asked for" in message
+    assert "--store-shards 4" in message and "without the option" in message
+    assert rows(postgres_url, "SELECT id, shards FROM store_layout") == [(1, 4)]  # unchanged
+    for wrong in (0, 257):
+        with pytest.raises(ValueError, match="1 to 256 shards"):
+            prepare_layout(url, wrong)
+
+
+def test_a_store_without_a_count_gets_one_shard(postgres_url: str) -> None:
+    assert prepare_layout(store_url(postgres_url), None) == 1
+    assert rows(postgres_url, "SELECT shards FROM store_layout") == [(1,)]
+    with pytest.raises(StoreLayoutMismatch, match="has 1 shards"):
+        prepare_layout(store_url(postgres_url), 2)
+
+
+def test_a_store_at_s0004_is_upgraded_and_its_published_statuses_get_their_shards(postgres_url: str) -> None:
+    engine = sa.create_engine(store_url(postgres_url), poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        command.upgrade(REVISIONS.config(conn), "s0004")
+        conn.commit()
+    names = [name_in(0, 3), name_in(1, 3), name_in(2, 3)]
+    with engine.begin() as conn:
+        for name in names:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO checkpoint_status (checkpoint, status, epoch, published_at) "
+                    "VALUES (:c, '{}', 1, 0)"
+                ),
+                {"c": name},
+            )
+    engine.dispose()
+    assert prepare_layout(store_url(postgres_url), 3) == 3
+    engine = sa.create_engine(store_url(postgres_url), poolclass=sa.pool.NullPool)
+    assert REVISIONS.current(engine) == "s0005"
+    got = dict(rows(postgres_url, "SELECT checkpoint, shard FROM checkpoint_status"))
+    assert got == {names[0]: 0, names[1]: 1, names[2]: 2}
+    # and down again, for a rollback to a Tally of before shards
+    with engine.connect() as conn:
+        command.downgrade(REVISIONS.config(conn), "s0004")
+        conn.commit()
+    assert "store_layout" not in sa.inspect(engine).get_table_names()
+    assert "shard" not in {c["name"] for c in sa.inspect(engine).get_columns("checkpoint_status")}
+    engine.dispose()
+
+
+# ------------------------------------------------------------------ locks
+
+
+def test_shard_zero_is_the_whole_stores_lock_and_row_of_before(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    lock = take(locks, postgres_url, "a", 0)
+    assert held_keys(postgres_url) == {0}  # advisory key STORE_LOCK_KEY itself
+    assert epochs(postgres_url) == {0: (1, "a")}  # store_epoch.id = 1
+    assert lock.statement() == (READ_EPOCH, ())
+    with pytest.raises(StoreInUse) as refused:
+        StoreLock(store_url(postgres_url), "b").acquire(wait_s=0)
+    assert str(refused.value).startswith("store ")  # named as before shards
+
+
+def test_each_shard_is_locked_and_fenced_on_its_own(postgres_url: str, locks: list[StoreLock]) -> None:
+    one = take(locks, postgres_url, "a", 1)
+    two = take(locks, postgres_url, "b", 2)
+    assert held_keys(postgres_url) == {1, 2}
+    assert epochs(postgres_url) == {1: (1, "a"), 2: (1, "b")}  # no row for shard 0: never taken
+    with pytest.raises(StoreInUse) as refused:
+        StoreLock(store_url(postgres_url), "c", shard=1).acquire(wait_s=0)
+    assert "shard 1 of store" in str(refused.value)
+    two.release()
+    assert held_keys(postgres_url) == {1}  # shard 1 of the same process stays held ...
+    one.check()  # ... and renews on its session
+    with pytest.raises(StoreInUse):
+        StoreLock(store_url(postgres_url), "c", shard=1).acquire(wait_s=0)
+    take(locks, postgres_url, "c", 2)  # shard 2 is free: its epoch moves on, shard 1's does not
+    assert epochs(postgres_url) == {1: (1, "a"), 2: (2, "c")}
+    with pytest.raises(ValueError, match="at most 256 shards"):
+        StoreLock(store_url(postgres_url), "c", shard=256)
+
+
+def test_a_lock_of_one_shard_fences_commits_as_the_stores_lock_did(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    lock = take(locks, postgres_url, "a", 3)
+    assert isinstance(lock, Fence)
+    with PgCompletionStore(postgres_url, lock) as store:
+        store.commit([PutCompleted("cp/x", "w", ["a"])])
+        end_sessions(postgres_url, [lock_session(lock)])  # its lock session ends (as a restart would)
+        take(locks, postgres_url, "b", 3)  # and another coordinator takes shard 3 meanwhile
+        with pytest.raises(Fenced, match="no longer owns shard 3 of the PostgreSQL store"):
+            store.commit([PutCompleted("cp/x", "w", ["b"])])
+        assert store.load("cp/x").completed == {"a"}
+
+
+# ------------------------------------------------------------------ ShardFence
+
+
+def completed_rows(url: str) -> int:
+    return int(rows(url, "SELECT count(*) FROM completed")[0][0])
+
+
+def test_a_shard_fence_lets_commits_through_until_another_coordinator_takes_one_of_its_shards(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two})
+    assert fence.shards == {1, 2}
+    store = PgCompletionStore(postgres_url, fence)
+    journal = PgJournal(postgres_url, fence)
+    try:
+        store.commit([PutCompleted("cp/a", "w", ["a", "b"])])
+        store.commit_group(journal, [OpenJournal(who("h1"))], [PutCompleted("cp/a", "w", ["c"])])
+        assert completed_rows(postgres_url) == 3
+        end_sessions(postgres_url, [lock_session(two)])  # shard 2's lock session ends ...
+        take(locks, postgres_url, "b", 2)  # ... and another coordinator takes shard 2
+        with pytest.raises(Fenced, match="no longer owns shard 2 of the PostgreSQL store") as fenced:
+            store.commit([PutCompleted("cp/a", "w", ["d", "e"])])
+        assert fenced.value.shard == 2
+        with pytest.raises(Fenced):
+            store.commit_group(journal, [OpenJournal(who("h2"))], [PutCompleted("cp/a", "w", ["f"])])
+        with pytest.raises(Fenced):
+            journal.commit([OpenJournal(who("h3"))])
+        assert completed_rows(postgres_url) == 3  # nothing of the refused commits was written
+        assert [w.opened.handle for w in journal.load()] == ["h1"]
+        assert fence.remove(2) is two and fence.shards == {1}
+        store.commit([PutCompleted("cp/a", "w", ["d"])])  # shard 1 alone: still ours
+        assert completed_rows(postgres_url) == 4
+    finally:
+        journal.close()
+        store.close()
+
+
+def test_a_shard_fence_holding_nothing_lets_nothing_through(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    fence = ShardFence(url=store_url(postgres_url))
+    with PgCompletionStore(postgres_url, fence) as store:
+        with pytest.raises(NoShardHeld, match="holds no shard of the PostgreSQL store"):
+            store.commit([PutCompleted("cp/a", "w", ["a"])])
+        assert completed_rows(postgres_url) == 0
+        fence.add(take(locks, postgres_url, "a", 5))
+        store.commit([PutCompleted("cp/a", "w", ["a"])])
+        assert completed_rows(postgres_url) == 1
+    with pytest.raises(ValueError, match="acquire it before fencing"):
+        fence.add(StoreLock(store_url(postgres_url), "a", shard=6))
+    with pytest.raises(ValueError, match="another lock already"):
+        fence.add(_other_lock_of(fence, 5))
+
+
+def _other_lock_of(fence: ShardFence, shard: int) -> StoreLock:
+    """A second lock object of a shard the fence holds (epoch copied: it never took the lock)."""
+    other = StoreLock(fence.url, "a", shard=shard)
+    held = fence.lock(shard)
+    assert held is not None
+    other.epoch = held.epoch
+    return other
+
+
+def test_a_shard_fences_read_holds_up_a_takeover_of_its_shards_until_the_commit_ends(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """The read is FOR KEY SHARE on each held shard's row: another coordinator's bump of one of them
+    waits for the transaction that read it (here: gives up after a second)."""
+    alter_database(postgres_url, "SET lock_timeout = '1s'")
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two})
+    engine = sa.create_engine(store_url(postgres_url))
+    try:
+        with engine.connect() as commit:
+            assert run_fence(commit, fence) == {1: one.epoch, 2: two.epoch}  # a commit in flight
+            two.release()  # letting go does not wait for it (renewed_at alone)
+            taker = StoreLock(store_url(postgres_url), "b", shard=2)
+            with pytest.raises(StoreUnreachable, match="lock timeout"):
+                taker.acquire(wait_s=0)  # the bump waits for the commit in flight
+            assert epochs(postgres_url)[2] == (1, "a")
+            commit.commit()
+        taker.acquire(wait_s=0)
+        locks.append(taker)
+        assert epochs(postgres_url)[2] == (2, "b")
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------ status and owners
+
+
+def test_owners_of_different_shards_publish_and_drop_only_their_own_statuses(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    url = store_url(postgres_url)
+    assert prepare_layout(url, 4) == 4
+    mine, theirs = [name_in(1, 4, "a"), name_in(1, 4, "b")], [name_in(3, 4, "c")]
+    a_board = StatusBoard(url, ShardFence({1: take(locks, postgres_url, "a", 1)}), shards=4)
+    b_board = StatusBoard(url, take(locks, postgres_url, "b", 3), shards=4)
+    reader = StatusBoard(url)
+    try:
+        assert a_board.publish({name: {"n": 1} for name in mine} | {theirs[0]: {"n": "not a's"}}, mine)
+        assert b_board.publish({theirs[0]: {"n": 3}}, theirs)
+        assert reader.statuses([*mine, *theirs]) == {
+            mine[0]: {"n": 1},
+            mine[1]: {"n": 1},
+            theirs[0]: {"n": 3},
+        }
+        got = {
+            r[0]: r[1:] for r in rows(postgres_url, "SELECT checkpoint, shard, epoch FROM checkpoint_status")
+        }
+        assert got == {mine[0]: (1, 1), mine[1]: (1, 1), theirs[0]: (3, 1)}
+        assert b_board.publish({}, [])  # b knows none of its checkpoints any more ...
+        assert sorted(reader.names()) == sorted(mine)  # ... and drops none of a's
+        assert a_board.publish({}, [mine[0]])
+        assert reader.names() == [mine[0]]
+    finally:
+        for board in (a_board, b_board, reader):
+            board.close()
+
+
+def test_the_replica_board_names_each_shards_owner(postgres_url: str, locks: list[StoreLock]) -> None:
+    url = store_url(postgres_url)
+    boards = [ReplicaBoard(url, name, f"{name}:1", f"{name}:2") for name in ("a", "b", "c")]
+    try:
+        for board in boards:
+            board.announce()
+        take(locks, postgres_url, "a", 1)
+        take(locks, postgres_url, "a", 2)
+        take(locks, postgres_url, "b", 3)
+        owners = boards[2].owners()
+        assert {shard: (o.name, o.epoch, o.grpc_address, o.http_address) for shard, o in owners.items()} == {
+            1: ("a", 1, "a:1", "a:2"),
+            2: ("a", 1, "a:1", "a:2"),
+            3: ("b", 1, "b:1", "b:2"),
+        }
+        assert all(o.alive for o in owners.values())
+        assert boards[2].owner() is None  # shard 0 was never taken
+        owner, replicas = boards[2].snapshot()
+        assert owner is None
+        assert [(r.name, r.owner, r.shards) for r in replicas] == [
+            ("a", True, (1, 2)),
+            ("b", True, (3,)),
+            ("c", False, ()),
+        ]
+    finally:
+        for board in boards:
+            board.close()
