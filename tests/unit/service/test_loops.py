@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import pytest
 
-from tally_server.domain.ports import EventRecord, WriterRecord
+from tally_server.domain.ports import EventRecord, ProgressRecord, WriterRecord
 from tally_server.errors import Unavailable
 from tally_server.service.loops import Loop
 from tally_server.service.registry_writer import RegistryWriter
@@ -102,3 +103,42 @@ def test_events_past_the_bound_drop_the_oldest_and_are_counted(tmp_path: Path) -
         writer.event(EventRecord("cp", "kind", str(i), float(i)))
     assert writer.dropped_events == 2
     assert writer.queued == 3
+
+
+def test_a_flush_cancelled_while_its_write_runs_neither_writes_twice_nor_loses_rows(tmp_path: Path) -> None:
+    """A coordinator stopping cancels its registry loop mid-flush; the last flush must not write again."""
+    registry = SqlRegistry(default_sqlite_url(tmp_path))
+    writing, finish = threading.Event(), threading.Event()
+
+    async def run(fn: object) -> object:
+        assert callable(fn)
+
+        def gated() -> object:
+            writing.set()
+            finish.wait(30)
+            return fn()
+
+        return await asyncio.get_running_loop().run_in_executor(None, gated)
+
+    writer = RegistryWriter(registry, run)
+
+    async def scenario() -> None:
+        writer.writer(_writer("h1", "open"))
+        writer.event(EventRecord("cp", "writer_opened", "first", 1.0))
+        writer.samples([ProgressRecord("cp", 1.5, 3)])
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.to_thread(writing.wait, 30)
+        flushing.cancel()  # the loop stops while the write is in its thread
+        await asyncio.sleep(0)
+        finish.set()
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        # What the cancelled flush wrote is not queued again: the last flush has nothing to write
+        # (before, it wrote the same rows again, and the sample's key twice failed the batch).
+        assert writer.queued == 0
+        writer.event(EventRecord("cp", "writer_closed", "second", 2.0))
+        await writer.flush()
+
+    asyncio.run(scenario())
+    assert [e.message for e in registry.list_events("cp")] == ["second", "first"]
+    assert [(s.at, s.completed_count) for s in registry.list_samples("cp")] == [(1.5, 3)]

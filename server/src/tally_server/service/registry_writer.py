@@ -100,16 +100,35 @@ class RegistryWriter:
             writers, self._writers = self._writers, {}
             events, self._events = list(self._events), deque()
             samples, self._samples = self._samples, []
-            try:
-                await self._run(
+            write = asyncio.ensure_future(
+                self._run(
                     lambda: self._registry.write_batch(
                         writers=list(writers.values()), events=events, samples=samples
                     )
                 )
-            except BaseException:
+            )
+            # The write goes on in its thread whatever happens to this task: a flush cancelled
+            # meanwhile (the coordinator stopping) waits for its outcome, so the rows are neither
+            # put back although written (the last flush then wrote them twice, and a progress
+            # sample's key twice failed the whole batch) nor lost.
+            stopped = False  # this task was cancelled while the write went on
+            while not write.done():
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    stopped = stopped or not write.done()
+                except BaseException:
+                    pass  # the write's own failure: below
+            failure: BaseException | None = (
+                asyncio.CancelledError() if write.cancelled() else write.exception()
+            )
+            if failure is not None:
                 # Put them back in front of anything queued meanwhile (which is newer).
                 for handle, record in writers.items():
                     self._writers.setdefault(handle, record)
                 self._events.extendleft(reversed(events))
                 self._samples[:0] = samples
-                raise
+            if stopped:
+                raise asyncio.CancelledError
+            if failure is not None:
+                raise failure
