@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from tally_server.domain import validation
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
@@ -507,8 +508,47 @@ class CoordinatorService:
     async def list_checkpoints(
         self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
     ) -> CheckpointPage:
-        """A page of the checkpoints ``visible`` lets through (a scoped token's), by name, from memory."""
-        return await self._status.list_checkpoints(after=after, limit=limit, visible=visible)
+        """A page of the checkpoints ``visible`` lets through (a scoped token's), by name, from memory.
+
+        On a store of several shards (``list_elsewhere``), the checkpoints of the shards other
+        coordinators own are listed too, from the statuses they publish.
+        """
+        elsewhere = self._core.list_elsewhere
+        if elsewhere is None:
+            return await self._status.list_checkpoints(after=after, limit=limit, visible=visible)
+        limit = validation.status_page_limit(limit, "checkpoints")
+        validation.checkpoint_after(after, self.limits)
+        names_of, statuses_of = elsewhere
+        known = self._checkpoints.known
+        start = after.encode()
+        published = await self._core.registry_read(names_of)
+        names = sorted(
+            {n for n in (*known, *published) if n.encode() > start and visible(n)},
+            key=str.encode,
+        )
+        wanted = names[:limit]
+        others = await self._core.registry_read(statuses_of, [n for n in wanted if n not in known])
+        page = [
+            self._status.view(known[n]) if n in known else others[n]
+            for n in wanted
+            if n in known or n in others
+        ]
+        return CheckpointPage(page, page[-1].name if len(names) > limit and page else "")
+
+    def list_elsewhere(
+        self,
+        names: Callable[[], list[str]],
+        statuses: Callable[[Sequence[str]], Mapping[str, CheckpointView]],
+    ) -> None:
+        """On a store of several shards: list other coordinators' checkpoints too, as they publish them.
+
+        ``names`` and ``statuses`` are blocking reads of the published statuses (``pg_status``).
+        """
+        self._core.list_elsewhere = (names, statuses)
+
+    def tag_handles(self, tag: Callable[[str], str]) -> None:
+        """New writer handles of a checkpoint end with ``tag(checkpoint)`` (its shard; ``sharding``)."""
+        self._core.handle_tag = tag
 
     async def list_writers(
         self, checkpoint: str, *, include_closed: bool = False, after: str = "", limit: int = 0

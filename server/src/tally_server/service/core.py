@@ -69,6 +69,12 @@ class Core:
     # keep, drops the others') for the replicas to answer status reads from (blocking; False if the
     # store is no longer this coordinator's). See ``store.pg_status``.
     publish_status: Callable[[Mapping[str, Any], Sequence[str] | None], bool] | None = None
+    # On a store of several shards: the names of the checkpoints other coordinators publish, and
+    # their published statuses (blocking reads; ``CoordinatorService.list_elsewhere``).
+    list_elsewhere: tuple[Callable[[], list[str]], Callable[[Sequence[str]], Mapping[str, Any]]] | None = None
+    # On a store of several shards: what a new writer handle of a checkpoint ends with (its shard, so
+    # any coordinator routes the writer's calls without a lookup; ``sharding.tag_handle``).
+    handle_tag: Callable[[str], str] | None = None
     # Which checkpoints this coordinator owns (None: all of them; see ``CoordinatorService``).
     owns: Callable[[str], bool] | None = None
     _behind: set[asyncio.Task[None]] = field(default_factory=set)

@@ -107,7 +107,7 @@ class Opening:
         admit_writer(checkpoint, writer_id, core.sessions.live(checkpoint), core.limits, core.lease_ttl_s)
         now = core.wall()
         session = Session(
-            handle=uuid.uuid4().hex,
+            handle=uuid.uuid4().hex + (core.handle_tag(checkpoint) if core.handle_tag is not None else ""),
             writer_id=writer_id,
             checkpoint=checkpoint,
             host=host,
