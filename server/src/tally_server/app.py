@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import grpc
 import httpx
@@ -57,7 +57,7 @@ from tally_server.store.postgres import (
 )
 from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
-from tally_server.store.shards import Fence
+from tally_server.store.shards import Fence, prepare_layout
 
 log = logging.getLogger(__name__)
 # On the PostgreSQL store, how long the event loop may keep the GIL from a thread that wants it back
@@ -190,6 +190,21 @@ def _peer_tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+def relay_tls(settings: Settings) -> tuple[bytes, bytes, bytes, bool] | None:
+    """What this coordinator needs to call another one of its store over TLS (its own certificate)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    trusted = settings.tls_cert.read_bytes()
+    if settings.tls_client_ca is not None:
+        trusted += b"\n" + settings.tls_client_ca.read_bytes()
+    return (
+        trusted,
+        settings.tls_cert.read_bytes(),
+        settings.tls_key.read_bytes(),
+        settings.tls_client_ca is not None,
+    )
+
+
 def _loopback(listen: str) -> bool:
     """Whether a listen address is reachable from this machine only (0.0.0.0 and :: are not)."""
     host, _ = split_listen(listen)
@@ -290,7 +305,11 @@ class _StoreKeeper:
         self._thread.join()
 
 
-async def _watch_store_contact(keeper: _StoreKeeper, service: CoordinatorService) -> None:
+class _Confirming(Protocol):
+    confirmed_at: float  # time.monotonic() of the last check that found the store (or shards) ours
+
+
+async def _watch_store_contact(keeper: _Confirming, service: CoordinatorService) -> None:
     """Refuse reads of completions while the store's ownership has gone unconfirmed too long.
 
     A check may hang (a database host gone silent) while a standby counts ``TAKE_OVER_AFTER_S``
@@ -375,6 +394,23 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
         store_lock = StoreLock(store_url(settings.store), settings.resolved_replica_name())
         # Two live coordinators under one name would forward to each other: refused here, in one line.
         await asyncio.to_thread(check_name_free, store_lock.url, store_lock.holder)
+        shards = await asyncio.to_thread(prepare_layout, store_lock.url, settings.store_shards)
+        if shards > 1:
+            if settings.standby:
+                raise OSError(
+                    f"the store {display(store_lock.url)} has {shards} shards: every coordinator on it "
+                    "serves and owns some of them, none waits as a standby; start without --standby"
+                )
+            from tally_server.serve_shards import serve_shards
+
+            stopping_ = threading.Event()
+            try:
+                await serve_shards(
+                    settings, shards, authorizer, credentials, ssl_options, stopping_, loop_idle
+                )
+            finally:
+                datadir_lock.release()
+            return
     loop = asyncio.get_running_loop()
     # From here on SIGTERM/SIGINT are kept, not lost: a stop asked while a standby or a replica takes
     # the store over (after its wait has ended, before the coordinator's own handlers are in place)
@@ -531,18 +567,7 @@ async def _serve_as_replica(
     route = replica.OwnerRoute()
     metrics = replica.ReplicaMetrics(lock.holder, route)
     reader = replica.CompletedReader(lock.url, CompletedCache(settings.replica_cache_ids), metrics)
-    tls = None
-    if settings.tls_cert is not None and settings.tls_key is not None:
-        trusted = settings.tls_cert.read_bytes()
-        if settings.tls_client_ca is not None:
-            trusted += b"\n" + settings.tls_client_ca.read_bytes()
-        tls = (
-            trusted,
-            settings.tls_cert.read_bytes(),
-            settings.tls_key.read_bytes(),
-            settings.tls_client_ca is not None,
-        )
-    channels = replica.GrpcChannels(settings.max_message_bytes, tls)
+    channels = replica.GrpcChannels(settings.max_message_bytes, relay_tls(settings))
     board = ReplicaBoard(lock.url, lock.holder, "", "")  # its addresses once the ports are bound
     listing = functools.partial(replica.list_replicas, board)
     statuses = await asyncio.to_thread(StatusBoard, lock.url)

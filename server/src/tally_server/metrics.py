@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -314,6 +314,16 @@ class Metrics:
             buckets=COMMIT_BUCKETS,
         )
         lock.renew_observers.append(renew.observe)
+
+    def forwarding(self) -> Counter:
+        """``tally_forwarded_calls_total``: calls of other shards forwarded to their holders."""
+        return Counter(
+            "tally_forwarded_calls",
+            "Calls this coordinator forwarded to the coordinator holding their shard, by transport and "
+            "outcome (ok, refused, unreachable).",
+            ["transport", "outcome"],
+            registry=self.registry,
+        )
 
     def _observe_commit(self, seconds: float, ops: int, sources: int) -> None:
         self.commit_duration.observe(seconds)

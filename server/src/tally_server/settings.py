@@ -57,6 +57,17 @@ class Settings(BaseSettings):
         "commit is fenced by the store's epoch, so a deposed coordinator writes nothing. Without store: "
         "refused.",
     )
+    store_shards: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="With store: how many shards a new store is made with (fixed from then on; unset: 1). "
+        "With one shard one coordinator owns the whole store and the others are replicas of it; with more, "
+        "each coordinator on the store owns some shards (a checkpoint's shard is a hash of its name) and "
+        "applies their writers' deltas, so writes spread over the replicas. Given for a store made with "
+        "another number: refused.",
+        json_schema_extra={"default_text": "the store's own; 1 for a new store"},
+    )
     replica_name: str | None = Field(
         default=None,
         max_length=200,
@@ -217,6 +228,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 "standby needs store: a standby takes over a PostgreSQL store that another coordinator "
                 "serves (LMDB files in a data directory belong to one coordinator); give --store too"
+            )
+        if self.store_shards is not None and self.store is None:
+            raise ValueError(
+                "store_shards needs store: shards spread a PostgreSQL store over several coordinators (LMDB "
+                "files in a data directory belong to one coordinator); give --store too, or leave it out"
+            )
+        if self.store_shards not in (None, 1) and self.standby:
+            raise ValueError(
+                "standby serves a store of one shard (it waits for the store's single owner); on a store of "
+                "several shards every coordinator serves and owns some shards: leave --standby out"
             )
         return self
 

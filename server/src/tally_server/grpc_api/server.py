@@ -39,12 +39,15 @@ def build_server(
     metrics: Metrics,
     authorizer: Authorizer,
     credentials: grpc.ServerCredentials | None = None,
+    router: grpc.aio.ServerInterceptor | None = None,  # type: ignore[type-arg]
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Return the (not yet started) server, the bound port and its health servicer.
 
     ``metrics`` and ``authorizer`` are the coordinator's own, shared with the HTTP app: unary call
     latencies go to its ``tally_grpc_request_duration_seconds``. With ``credentials``
-    (:func:`server_credentials`) the port serves TLS only.
+    (:func:`server_credentials`) the port serves TLS only. ``router`` (on a store of several shards,
+    ``sharding.ShardRouter``) sees each call before the token checks: a call it forwards is checked
+    by the coordinator it goes to.
     """
     auth = AuthInterceptor(authorizer, service.checkpoint_of)
     request_interceptor = RequestInterceptor(metrics.grpc_request_duration)
@@ -52,7 +55,7 @@ def build_server(
         # Request ids and timing outermost, so they see the status code the error interceptor sets
         # (refused calls are timed and carry a request id too). Auth inside the error interceptor,
         # which answers its refusals like any other.
-        interceptors=[request_interceptor, ErrorInterceptor(), auth],
+        interceptors=[request_interceptor, ErrorInterceptor(), *([router] if router else []), auth],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -6,6 +6,8 @@ and each ``/v1`` route declares the operation it serves (``auth.py``): its role 
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 
 from tally_server import __version__
@@ -24,12 +26,17 @@ from tally_server.settings import Settings
 
 
 def create_app(
-    service: CoordinatorService, settings: Settings, metrics: Metrics, authorizer: Authorizer
+    service: CoordinatorService,
+    settings: Settings,
+    metrics: Metrics,
+    authorizer: Authorizer,
+    router: tuple[Any, dict[str, Any]] | None = None,
 ) -> FastAPI:
     """The HTTP API, ``/metrics``, the probes and the dashboard of one coordinator.
 
     ``metrics`` and ``authorizer`` are the coordinator's own (built once in the composition root and
-    shared with the gRPC server).
+    shared with the gRPC server). ``router``: a middleware class and its options, run inside the
+    body limit (on a store of several shards, ``sharding.HttpShardRouter``).
     """
     app = FastAPI(
         title="Tally coordinator",
@@ -39,6 +46,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    if router is not None:
+        app.add_middleware(router[0], **router[1])
     app.add_middleware(BodyLimit, limit=settings.max_message_bytes)
     # Added last, so outermost: requests refused by the body limit are timed and carry an id too.
     app.add_middleware(RequestMiddleware, latency=metrics.http_request_duration)

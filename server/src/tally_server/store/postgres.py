@@ -523,6 +523,27 @@ class StoreLock:
             stop.wait(_STANDBY_POLL_S)
         return False
 
+    def take(self) -> bool:
+        """One try at the lock, as a standby's wait makes it: True if it is now held here.
+
+        A free lock is left ``INCUMBENT_GRACE_S`` to the holder named in the store (it may be taking
+        it back after a database restart); a holder silent past ``TAKE_OVER_AFTER_S`` has its
+        session ended, so a later try takes the lock. On a store of several shards, each
+        coordinator tries the shards that are its own this way every ``RENEW_EVERY_S``.
+
+        Raises:
+            StoreUnreachable: the database cannot be reached.
+        """
+        with self._mutex:
+            try:
+                self._acquire(0, back_for=math.inf)
+            except _Deferring:
+                return False
+            except StoreInUse as exc:
+                self._end_a_silent_holder(exc)
+                return False
+            return True
+
     def _end_a_silent_holder(self, refused: StoreInUse) -> None:
         """A holder that stopped renewing for ``TAKE_OVER_AFTER_S`` is paused or hung: end its session.
 

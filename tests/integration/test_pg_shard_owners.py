@@ -1,0 +1,280 @@
+"""Several ``tally serve`` on a PostgreSQL store of several shards each own some (issue #11).
+
+A store made with ``--store-shards N`` has N shards; each coordinator on it holds the shards
+rendezvous hashing gives it among the live ones, applies their checkpoints' deltas and forwards every
+other call to the shard's holder. Every server here is a real ``tally serve`` process on a fresh
+database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import tally
+from tally_server.store.shards import shard_of
+from tally_server.testing import RunningServer, running_server
+from tests.integration.workload import tree
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.postgres
+
+SHARDS = 4
+TALLY = str(Path(sys.executable).parent / "tally")
+_SERVING = re.compile(r"tally serving shard\(s\) (.*) of (\d+) of store")
+
+
+def held(server: RunningServer) -> frozenset[int]:
+    """The shards the server's latest service owns, as its log says."""
+    lines = _SERVING.findall(server.log())
+    if not lines:
+        return frozenset()
+    shards = lines[-1][0]
+    return frozenset() if shards.startswith("(") else frozenset(int(s) for s in shards.split(", "))
+
+
+def split(servers: list[RunningServer]) -> bool:
+    """Every shard held by exactly one of ``servers``, each of which holds some."""
+    sets = [held(s) for s in servers]
+    return (
+        all(sets) and sum(len(s) for s in sets) == SHARDS and frozenset().union(*sets) == set(range(SHARDS))
+    )
+
+
+def names_per_shard(prefix: str, per_shard: int = 2) -> list[str]:
+    """Checkpoint names, ``per_shard`` of each shard."""
+    found: dict[int, list[str]] = {s: [] for s in range(SHARDS)}
+    i = 0
+    while any(len(v) < per_shard for v in found.values()):
+        name = f"{prefix}/{i}"
+        bucket = found[shard_of(name, SHARDS)]
+        if len(bucket) < per_shard:
+            bucket.append(name)
+        i += 1
+    return [n for s in range(SHARDS) for n in found[s]]
+
+
+@contextlib.contextmanager
+def sharded(tmp_path: Path, url: str, n: int, **options: object) -> Iterator[list[RunningServer]]:
+    """``n`` coordinators on a new store of ``SHARDS`` shards, once the shards are split among them."""
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                running_server(tmp_path / f"c{i}", store=url, args=["--store-shards", str(SHARDS)], **options)  # type: ignore[arg-type]
+            )
+            for i in range(n)
+        ]
+        wait_until(
+            lambda: split(servers), timeout=60, what=f"the {SHARDS} shards split among the coordinators"
+        )
+        yield servers
+
+
+def test_two_coordinators_split_the_shards_and_either_answers_every_call(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    names = names_per_shard("split")
+    with sharded(tmp_path, postgres_url, 2, settle_ms=0) as servers:
+        first, second = servers
+        owner_of = {shard: s for s in servers for shard in held(s)}
+        with tally.Client(first.grpc_address) as client:
+            for name in names:
+                with client.writer(name, writer_id="w") as w:
+                    for source in ("a", "b"):
+                        w.apply_deltas(tree(source))
+                    w.apply_deltas(tree("half")[:3])
+                    w.flush()
+        # Each checkpoint's deltas were applied by its shard's holder: its published owner.
+        with tally.Client(second.grpc_address) as other:
+            for name in names:
+                assert other.are_completed(name, ["a", "b", "half"]) == [True, True, False]
+                holder = owner_of[shard_of(name, SHARDS)]
+                wait_until(
+                    lambda name=name: other.checkpoint(name).completed_count == 2,  # type: ignore[misc]
+                    timeout=30,
+                    what=f"{name}'s status",
+                )
+                assert other.checkpoint(name).owner in holder.log()
+            # The list, from either: its own checkpoints from memory, the other's as published.
+            wait_until(
+                lambda: {c.name for c in other.checkpoints()} == set(names),
+                timeout=30,
+                what="every checkpoint listed",
+            )
+        # Writers over HTTP through the second coordinator: their calls (handle in the path, the
+        # checkpoint in the body) reach each shard's holder.
+        with tally.Client(second.http_url) as over_http:
+            for name in names:
+                with over_http.writer(name, writer_id="w-http") as w:
+                    w.apply_deltas(tree("c"))
+                    w.flush()
+                assert over_http.are_completed(name, ["a", "c", "half"]) == [True, True, False]
+        # Who holds which shard, through either (gRPC, HTTP, the CLI in a pipe).
+        with tally.Client(second.grpc_address) as other:
+            listed = other.replicas()
+        assert {r.grpc_address: frozenset(r.shards) for r in listed.replicas} == {
+            s.grpc_address: held(s) for s in servers
+        }
+        assert all(r.owner for r in listed.replicas)
+        over_http = httpx.get(f"{first.http_url}/v1/replicas").json()["replicas"]
+        assert sorted(s for r in over_http for s in r["shards"]) == list(range(SHARDS))
+        shown = subprocess.run(
+            [TALLY, "replicas", "--address", first.grpc_address], capture_output=True, text=True, timeout=60
+        ).stdout
+        for server in servers:
+            assert "owner of " + ", ".join(map(str, sorted(held(server)))) in shown, shown
+        # Both applied deltas: the writes spread.
+        assert {owner_of[shard_of(n, SHARDS)].grpc_address for n in names} == {
+            s.grpc_address for s in servers
+        }
+        # Over HTTP, through the coordinator that does not hold the shard, and the list from either.
+        for name in names:
+            for server in servers:
+                answer = httpx.post(
+                    f"{server.http_url}/v1/are-completed",
+                    json={"checkpoint": name, "source_ids": ["a", "zz"]},
+                )
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["completed"] == [True, False]
+        for server in servers:
+            wait_until(
+                lambda server=server: (
+                    {  # type: ignore[misc]
+                        c["name"]
+                        for c in httpx.get(f"{server.http_url}/v1/checkpoints").json()["checkpoints"]
+                    }
+                    == set(names)
+                ),
+                timeout=30,
+                what="every checkpoint listed over HTTP",
+            )
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_shards_move_to_a_joining_coordinator_and_back_when_it_goes_and_nothing_is_lost(
+    tmp_path: Path, postgres_url: str, how: signal.Signals
+) -> None:
+    """Writers on every shard; a second coordinator joins (shards handed over), then goes: the model's set."""
+    rng = random.Random(11)
+    names = names_per_shard("move", per_shard=1)
+    sources = [f"s{i:03d}" for i in range(60)]
+    done: dict[str, set[str]] = {n: set() for n in names}
+    options = {"settle_ms": 0, "lease_ttl_s": 60, "args": ["--store-shards", str(SHARDS)]}
+    with running_server(tmp_path / "c0", store=postgres_url, **options) as first:  # type: ignore[arg-type]
+        wait_until(
+            lambda: held(first) == set(range(SHARDS)), timeout=60, what="the first to hold every shard"
+        )
+        second_started = contextlib.ExitStack()
+        with second_started:
+            with tally.Client(first.grpc_address, timeout=120) as client:
+                writers = {n: client.writer(n, writer_id=f"w-{i}") for i, n in enumerate(names)}
+                for w in writers.values():
+                    w.__enter__()
+                for i, source in enumerate(sources):
+                    if i == 20:
+                        for w in writers.values():
+                            w.flush()
+                        second = second_started.enter_context(
+                            running_server(tmp_path / "c1", store=postgres_url, **options)  # type: ignore[arg-type]
+                        )
+                        pair = [first, second]
+                        wait_until(functools.partial(split, pair), timeout=60, what="the shards handed over")
+                    if i == 40:
+                        for w in writers.values():
+                            w.flush()
+                        second.process.send_signal(how)
+                        second.process.wait(60)
+                    for name, w in writers.items():
+                        deltas = tree(source)
+                        if rng.random() < 0.2:
+                            w.apply_deltas(deltas[:2])  # left pending: never completed
+                        else:
+                            w.apply_deltas(deltas)
+                            done[name].add(source)
+                for w in writers.values():
+                    w.flush()
+                for name in names:
+                    assert client.are_completed(name, sources) == [s in done[name] for s in sources], name
+                for w in writers.values():
+                    w.__exit__(None, None, None)
+                wait_until(lambda: held(first) == set(range(SHARDS)), timeout=60, what="every shard back")
+                for name in names:
+                    wait_until(
+                        lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
+                        timeout=30,
+                        what=f"{name}'s status",
+                    )
+                    assert client.checkpoint(name).anomalies == 0
+
+
+def test_a_store_keeps_the_number_of_shards_it_was_made_with(tmp_path: Path, postgres_url: str) -> None:
+    with running_server(tmp_path / "c0", store=postgres_url, args=["--store-shards", "3"]) as first:
+        wait_until(lambda: held(first) == {0, 1, 2}, timeout=60, what="the store made with 3 shards")
+    with pytest.raises(RuntimeError) as refused:
+        with running_server(
+            tmp_path / "c1", store=postgres_url, args=["--store-shards", "5"], startup_timeout=30
+        ):
+            pass
+    message = str(refused.value)
+    assert "3 shards" in message and "--store-shards 3" in message
+    # Without the option, the store's own number.
+    with running_server(tmp_path / "c2", store=postgres_url) as again:
+        wait_until(lambda: held(again) == {0, 1, 2}, timeout=60, what="the store's 3 shards")
+
+
+def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_resumed(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """SIGSTOP keeps the paused one's lock sessions: the other ends them and takes its shards;
+    resumed, the paused one finds its shards' epochs moved on and serves without them."""
+    with sharded(tmp_path, postgres_url, 2, settle_ms=0, lease_ttl_s=60) as (paused, other):
+        mine = held(paused)
+        (name,) = [n for n in names_per_shard("pause", per_shard=1) if shard_of(n, SHARDS) in mine][:1]
+        sources = [f"s{i}" for i in range(30)]
+        # The writer goes through the other coordinator, which forwards to the paused one's shard.
+        with tally.Client(other.grpc_address, timeout=120) as client, client.writer(name, writer_id="w") as w:
+            for source in sources[:15]:
+                w.apply_deltas(tree(source))
+            w.apply_deltas(tree("half")[:3])
+            w.flush()
+            paused.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: held(other) == set(range(SHARDS)), timeout=60, what="every shard taken over"
+                )
+                for source in sources[15:]:
+                    w.apply_deltas(tree(source))
+                w.apply_deltas(tree("half")[3:])
+                w.flush(timeout=120)
+            finally:
+                paused.process.send_signal(signal.SIGCONT)
+            assert "has not shown it is alive" in other.log()
+            # Resumed: its leases are found taken (their epochs moved on), it restarts its service
+            # without them; alive again, it gets its share back, handed over by the other.
+            wait_until(
+                lambda: "lost shard" in paused.log(), timeout=60, what="the paused one to see its loss"
+            )
+            wait_until(lambda: split([paused, other]), timeout=60, what="the shards split again")
+            more = [f"t{i}" for i in range(10)]
+            for source in more:
+                w.apply_deltas(tree(source))
+            w.flush(timeout=120)
+            assert not w.health().lease_lost
+            everything = [*sources, "half", *more]
+            assert client.are_completed(name, everything) == [True] * len(everything)
+            wait_until(
+                lambda: client.checkpoint(name).completed_count == len(everything),
+                timeout=30,
+                what="the status to show every completion",
+            )
+            assert client.checkpoint(name).anomalies == 0
