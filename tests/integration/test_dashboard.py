@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tally
 from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import tree
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
@@ -579,6 +580,41 @@ def test_the_replicas_of_a_postgresql_store_show_through_any_replica(
         card.click()
         expect(page.get_by_test_id("completed-value")).to_have_text("2")
         expect(page.get_by_test_id("owner")).to_have_text("Owner: pg-owner")
+
+
+@pytest.mark.postgres
+def test_on_a_store_of_several_shards_each_coordinator_shows_the_shards_it_owns(
+    tmp_path: Path, postgres_url: str, browser_page: Any
+) -> None:
+    """Two coordinators sharing a store of 4 shards: each row of the strip says which shards it owns."""
+    from playwright.sync_api import expect
+
+    shards = ["--store-shards", "4"]
+    with (
+        running_server(
+            tmp_path / "a", store=postgres_url, args=shards, env={"TALLY_REPLICA_NAME": "sh-a"}
+        ) as a,
+        running_server(tmp_path / "b", store=postgres_url, args=shards, env={"TALLY_REPLICA_NAME": "sh-b"}),
+        tally.Client(a.grpc_address) as client,
+    ):
+
+        def owned() -> dict[str, tuple[int, ...]]:
+            return {r.name: r.shards for r in client.replicas().replicas}
+
+        wait_until(
+            lambda: all(owned().get(n) for n in ("sh-a", "sh-b")) and sum(map(len, owned().values())) == 4,
+            timeout=60,
+            what="the shards split between the two",
+        )
+        split = owned()
+        page = browser_page
+        page.goto(a.http_url + "/")
+        panel = page.get_by_test_id("replicas")
+        expect(panel.get_by_test_id("replica")).to_have_count(2)
+        for name, held in split.items():
+            row = panel.locator(f"[data-testid='replica'][data-name='{name}']")
+            expect(row).to_have_attribute("data-role", "owner")
+            expect(row.get_by_test_id("replica-role")).to_have_text("owner of " + ", ".join(map(str, held)))
 
 
 def test_the_lmdb_store_and_a_scoped_token_show_no_replicas(tmp_path: Path, browser_page: Any) -> None:

@@ -514,6 +514,8 @@ class Replica:
         owner: Whether it owns the store (applies every writer's deltas; the others forward to it).
         started_at: When it started, seconds since the epoch.
         silent_s: Seconds since it last showed it is alive (it does every second).
+        shards: On a store of several shards, the shards it holds (``owner`` when it holds any);
+            empty on a store of one shard.
     """
 
     name: str
@@ -522,6 +524,7 @@ class Replica:
     owner: bool
     started_at: float
     silent_s: float
+    shards: tuple[int, ...] = ()
 
     @property
     def started_at_dt(self) -> datetime:

@@ -1057,7 +1057,7 @@ def list_replicas(board: ReplicaBoard) -> ReplicasView:
     except TRANSIENT as exc:
         raise read_error(board.url, exc, "the store's replicas") from None
     views = [
-        ReplicaView(r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s)
+        ReplicaView(r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s, r.shards)
         for r in replicas
     ]
     return ReplicasView(views, owner.epoch if owner is not None else 0, answered_by=board.name)

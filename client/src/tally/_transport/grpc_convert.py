@@ -185,7 +185,9 @@ def checkpoint_from_pb(msg: pb.CheckpointStatus) -> CheckpointStatus:
 def replicas_from_pb(msg: pb.ListReplicasResponse) -> Replicas:
     return Replicas(
         replicas=tuple(
-            Replica(r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s)
+            Replica(
+                r.name, r.grpc_address, r.http_address, r.owner, r.started_at, r.silent_s, tuple(r.shards)
+            )
             for r in msg.replicas
         ),
         epoch=msg.epoch,

@@ -311,6 +311,7 @@ def replicas_from_json(body: Any) -> Replicas:
                 owner=bool(r.get("owner", False)),
                 started_at=float(r.get("started_at", 0.0)),
                 silent_s=float(r.get("silent_s", 0.0)),
+                shards=tuple(int(s) for s in r.get("shards") or ()),
             )
             for r in (_obj(x) for x in obj.get("replicas") or ())
         ),

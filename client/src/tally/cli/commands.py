@@ -198,7 +198,7 @@ def replicas(
     for r in found.replicas:
         row: list[str | Text] = [
             r.name,
-            Text("owner", style="bold") if r.owner else "replica",
+            Text(_role(r), style="bold") if r.owner else "replica",
             r.grpc_address,
             r.http_address,
             age(r.started_at),
@@ -209,6 +209,11 @@ def replicas(
         table.add_row(*row)
     out.print(table)
     out.print(f"store epoch {found.epoch}; answered by {found.answered_by}")
+
+
+def _role(r: tally.Replica) -> str:
+    """``owner``, or on a store of several shards ``owner of 0, 2``."""
+    return "owner of " + ", ".join(map(str, r.shards)) if r.shards else "owner"
 
 
 # --------------------------------------------------------------------------- watch

@@ -426,20 +426,22 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("name", "grpc_address", "http_address", "owner", "started_at", "silent_s")
+    __slots__ = ("name", "grpc_address", "http_address", "owner", "started_at", "silent_s", "shards")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     grpc_address: str
     http_address: str
     owner: bool
     started_at: float
     silent_s: float
-    def __init__(self, name: _Optional[str] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., owner: _Optional[bool] = ..., started_at: _Optional[float] = ..., silent_s: _Optional[float] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., owner: _Optional[bool] = ..., started_at: _Optional[float] = ..., silent_s: _Optional[float] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas", "epoch", "answered_by")

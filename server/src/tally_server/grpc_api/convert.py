@@ -139,6 +139,7 @@ def replicas(v: ReplicasView) -> pb.ListReplicasResponse:
                 owner=r.owner,
                 started_at=r.started_at,
                 silent_s=r.silent_s,
+                shards=r.shards,
             )
             for r in v.replicas
         ],

@@ -210,6 +210,13 @@ class ReplicaView:
     silent_s: float = field(
         metadata=_doc("Seconds since it last showed it is alive (it does every second while it runs).")
     )
+    shards: tuple[int, ...] = field(
+        default=(),
+        metadata=_doc(
+            "On a store of several shards: the shards it holds, whose checkpoints' deltas it applies "
+            "(owner is true when it holds any); empty on a store of one shard."
+        ),
+    )
 
 
 @dataclass(frozen=True)

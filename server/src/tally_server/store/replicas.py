@@ -202,7 +202,8 @@ class ReplicaBoard:
     def snapshot(self) -> tuple[Owner | None, list[Replica]]:
         """Shard 0's owner and every replica announced in the last hour (by name), read at one instant.
 
-        A replica is marked ``owner`` if it holds any shard (with one shard: the store).
+        A replica is marked ``owner`` if it holds any shard (with one shard: the store); its
+        ``shards`` are listed on a store of several shards only.
         """
         with self._engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             owners = _owners(conn)
@@ -210,6 +211,8 @@ class ReplicaBoard:
         held: dict[str, list[int]] = {}
         for shard, holder in owners.items():
             held.setdefault(holder.name, []).append(shard)
+        # On a store of one shard (only row 1 ever taken) the owner owns the store, not "shard 0".
+        sharded = max(owners, default=0) > 0
         replicas = [
             Replica(
                 name=r.name,
@@ -218,7 +221,7 @@ class ReplicaBoard:
                 started_at=float(r.started_at),
                 silent_s=float(r.silent_s),
                 owner=r.name in held,
-                shards=tuple(held.get(r.name, ())),
+                shards=tuple(held.get(r.name, ())) if sharded else (),
             )
             for r in rows
         ]

@@ -1,5 +1,6 @@
 /* The coordinators serving a PostgreSQL store (GET /v1/replicas), as a strip on the list page: which one
- * owns the store (applies every writer's deltas), which are replicas forwarding to it, and whether each
+ * owns the store (applies every writer's deltas; on a store of several shards, which shards each owns),
+ * which are replicas forwarding to it, and whether each
  * still renews its row. Not shown on the LMDB store (none listed) nor when the call failed or was refused. */
 
 import { h } from "../dom.js";
@@ -7,6 +8,11 @@ import { fmtDuration, fmtInt, fmtStamp } from "../format.js";
 
 // The server's own test: a replica that renewed its row within this many seconds is alive.
 export const ALIVE_S = 5;
+
+// On a store of several shards a coordinator owns the shards it holds: "owner of 0, 2".
+function ownerOf(shards) {
+  return Array.isArray(shards) && shards.length ? "owner of " + shards.join(", ") : "owner";
+}
 
 function replicaItem(r, answeredBy) {
   const silent = Number(r.silent_s);
@@ -25,7 +31,7 @@ function replicaItem(r, answeredBy) {
     },
     h("span", { class: "replica-name", "data-testid": "replica-name" }, r.name),
     r.owner
-      ? h("span", { class: "pill ok", "data-testid": "replica-role" }, "owner")
+      ? h("span", { class: "pill ok", "data-testid": "replica-role" }, ownerOf(r.shards))
       : h("span", { class: "pill", "data-testid": "replica-role" }, "replica"),
     h("span", { class: "mono replica-addr", "data-testid": "replica-grpc" }, r.grpc_address || "—"),
     r.name === answeredBy ? h("span", { class: "sub" }, "this page’s server") : null,
