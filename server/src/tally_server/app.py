@@ -327,6 +327,18 @@ async def _watch_store_contact(keeper: _Confirming, service: CoordinatorService)
         await asyncio.sleep(0.25)
 
 
+def http_config(app: Any, settings: Settings, ssl_options: dict[str, Any]) -> uvicorn.Config:
+    """Uvicorn's configuration for a coordinator's HTTP app (no access log of its own, TLS as set)."""
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        **ssl_options,
+    )
+
+
 class _HttpThread:
     """uvicorn on a thread and event loop of its own.
 
@@ -460,13 +472,8 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
             authorizer=authorizer,
             credentials=credentials,
         )
-        config = uvicorn.Config(
-            create_app(bridged, settings, metrics=metrics, authorizer=authorizer),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
-            **ssl_options,
+        config = http_config(
+            create_app(bridged, settings, metrics=metrics, authorizer=authorizer), settings, ssl_options
         )
     except BaseException:
         # Until the HTTP thread owns them: a start that fails (the registry cannot be reached, a

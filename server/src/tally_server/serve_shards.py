@@ -30,7 +30,6 @@ from typing import Any, cast
 
 import grpc
 import httpx
-import uvicorn
 
 from tally_server import replica
 from tally_server.auth import Authorizer
@@ -310,6 +309,7 @@ async def _start_stack(
         _Uvicorn,
         _watch_store_contact,
         build_service,
+        http_config,
         relay_tls,
     )
     from tally_server.store.postgres import store_url
@@ -360,19 +360,11 @@ async def _start_stack(
         def forward(request: Any, owner_of: Any, body: bytes | None) -> Any:
             return replica.relay_http(request, owner_of, client(), scheme, shard_map.me, forwarded, body)
 
-        config = uvicorn.Config(
-            create_app(
-                bridged,
-                settings,
-                metrics=metrics,
-                authorizer=authorizer,
-                router=(HttpShardRouter, {"shard_map": shard_map, "forward": forward}),
-            ),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
-            **ssl_options,
+        routed = (HttpShardRouter, {"shard_map": shard_map, "forward": forward})
+        config = http_config(
+            create_app(bridged, settings, metrics=metrics, authorizer=authorizer, router=routed),
+            settings,
+            ssl_options,
         )
     except BaseException:
         http_loop.close()
