@@ -278,3 +278,50 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
                 what="the status to show every completion",
             )
             assert client.checkpoint(name).anomalies == 0
+
+
+def test_three_coordinators_one_killed_one_stopped_writers_on_each_lose_nothing(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """Issue #11's scenario on a store of shards: writers through each of three coordinators, one
+    coordinator killed (-9) midway and another stopped (SIGTERM) later; the final sets are the model's."""
+    rng = random.Random(5)
+    sources = [f"s{i:03d}" for i in range(45)]
+    with sharded(tmp_path, postgres_url, 3, settle_ms=0, lease_ttl_s=60) as servers:
+        names = names_per_shard("three", per_shard=1)[:3]
+        done: dict[str, set[str]] = {n: set() for n in names}
+        with contextlib.ExitStack() as stack:
+            writers = {}
+            for i, name in enumerate(names):
+                # Each writer's client lists every coordinator, starting with a different one.
+                order = servers[i:] + servers[:i]
+                client = stack.enter_context(
+                    tally.Client(",".join(s.grpc_address for s in order), timeout=120)
+                )
+                writers[name] = stack.enter_context(client.writer(name, writer_id=f"w{i}"))
+            for i, source in enumerate(sources):
+                if i in (15, 30):
+                    for w in writers.values():
+                        w.flush()
+                    gone = servers[0] if i == 15 else servers[1]
+                    gone.process.send_signal(signal.SIGKILL if i == 15 else signal.SIGTERM)
+                    gone.process.wait(60)
+                for name, w in writers.items():
+                    deltas = tree(source)
+                    if rng.random() < 0.2:
+                        w.apply_deltas(deltas[:2])  # left pending: never completed
+                    else:
+                        w.apply_deltas(deltas)
+                        done[name].add(source)
+            for w in writers.values():
+                w.flush()
+                assert not w.health().lease_lost
+        survivor = servers[2]
+        wait_until(
+            lambda: held(survivor) == set(range(SHARDS)), timeout=60, what="the survivor to hold every shard"
+        )
+        with tally.Client(survivor.grpc_address) as client:
+            for name in names:
+                assert client.are_completed(name, sources) == [s in done[name] for s in sources], name
+                status = client.checkpoint(name)
+                assert status.anomalies == 0
