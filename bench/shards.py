@@ -33,19 +33,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
+from throughput import BATCH, deltas_for  # bench/ is on the path when this runs as a script
 
-BATCH = 1000
 SHARDS = 4
 _SERVING = re.compile(r"tally serving shard\(s\) (.*) of (\d+) of store")
-
-
-def deltas_for(writer: int, sources: int) -> list[tuple[str, str, int]]:
-    out: list[tuple[str, str, int]] = []
-    for n in range(sources):
-        sid = f"w{writer}-s{n}"
-        root = f"0_{sid}"
-        out += [(root, sid, 1), (f"{root}_0", sid, 1), (f"{root}_0_0", sid, -1), (f"{root}_0_1", sid, -1)]
-    return out
 
 
 def run_writer(

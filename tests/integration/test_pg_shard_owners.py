@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -62,6 +63,18 @@ def names_per_shard(prefix: str, per_shard: int = 2) -> list[str]:
             bucket.append(name)
         i += 1
     return [n for s in range(SHARDS) for n in found[s]]
+
+
+def write_one(writers: dict[str, Any], source: str, rng: random.Random, done: dict[str, set[str]]) -> None:
+    """``source`` through every writer: completed (and recorded in ``done``), or one time in five left
+    pending (never completed)."""
+    for name, w in writers.items():
+        deltas = tree(source)
+        if rng.random() < 0.2:
+            w.apply_deltas(deltas[:2])
+        else:
+            w.apply_deltas(deltas)
+            done[name].add(source)
 
 
 @contextlib.contextmanager
@@ -194,13 +207,7 @@ def test_shards_move_to_a_joining_coordinator_and_back_when_it_goes_and_nothing_
                             w.flush()
                         second.process.send_signal(how)
                         second.process.wait(60)
-                    for name, w in writers.items():
-                        deltas = tree(source)
-                        if rng.random() < 0.2:
-                            w.apply_deltas(deltas[:2])  # left pending: never completed
-                        else:
-                            w.apply_deltas(deltas)
-                            done[name].add(source)
+                    write_one(writers, source, rng, done)
                 for w in writers.values():
                     w.flush()
                 for name in names:
@@ -306,13 +313,7 @@ def test_three_coordinators_one_killed_one_stopped_writers_on_each_lose_nothing(
                     gone = servers[0] if i == 15 else servers[1]
                     gone.process.send_signal(signal.SIGKILL if i == 15 else signal.SIGTERM)
                     gone.process.wait(60)
-                for name, w in writers.items():
-                    deltas = tree(source)
-                    if rng.random() < 0.2:
-                        w.apply_deltas(deltas[:2])  # left pending: never completed
-                    else:
-                        w.apply_deltas(deltas)
-                        done[name].add(source)
+                write_one(writers, source, rng, done)
             for w in writers.values():
                 w.flush()
                 assert not w.health().lease_lost
