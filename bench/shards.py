@@ -33,29 +33,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
-from throughput import BATCH, deltas_for  # bench/ is on the path when this runs as a script
+from throughput import run_writer  # bench/ is on the path when this runs as a script
 
 SHARDS = 4
 _SERVING = re.compile(r"tally serving shard\(s\) (.*) of (\d+) of store")
-
-
-def run_writer(
-    address: str, checkpoint: str, writer: int, sources: int, start: mp.Barrier, out: mp.Queue
-) -> None:  # type: ignore[type-arg]
-    import tally
-
-    deltas = deltas_for(writer, sources)
-    with tally.Client(address, timeout=120) as client:
-        w = client.writer(checkpoint, writer_id=f"bench-{writer}")
-        w.open()
-        start.wait()
-        t0 = time.perf_counter()
-        for i in range(0, len(deltas), BATCH):
-            w.apply_deltas(deltas[i : i + BATCH])
-        w.flush()
-        elapsed = time.perf_counter() - t0
-        result = w.close()
-    out.put((elapsed, result.counts.completed))
 
 
 def checkpoints(writers: int) -> list[str]:
@@ -123,7 +104,7 @@ def measure(setup: str, url: str, writers: int, sources: int) -> float:
         start = ctx.Barrier(writers + 1)
         out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
         procs = [
-            ctx.Process(target=run_writer, args=(addresses[i], names[i], i, sources, start, out))
+            ctx.Process(target=run_writer, args=(addresses[i], i, sources, start, out, names[i]))
             for i in range(writers)
         ]
         for p in procs:
@@ -132,9 +113,9 @@ def measure(setup: str, url: str, writers: int, sources: int) -> float:
         results = [out.get(timeout=600) for _ in procs]
         for p in procs:
             p.join()
-    completed = sum(c for _, c in results)
+    completed = sum(c for _, _, c in results)
     assert completed == writers * sources, (completed, writers * sources)
-    return completed / max(e for e, _ in results)
+    return completed / max(e for e, _, _ in results)
 
 
 def main() -> None:

@@ -29,12 +29,19 @@ def deltas_for(writer: int, sources: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def run_writer(address: str, writer: int, sources: int, start: mp.Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def run_writer(
+    address: str,
+    writer: int,
+    sources: int,
+    start: mp.Barrier,  # type: ignore[type-arg]
+    out: mp.Queue,  # type: ignore[type-arg]
+    checkpoint: str = "bench/throughput",
+) -> None:
     import tally
 
     deltas = deltas_for(writer, sources)
-    with tally.Client(address) as client:
-        w = client.writer("bench/throughput", writer_id=f"bench-{writer}")
+    with tally.Client(address, timeout=120) as client:
+        w = client.writer(checkpoint, writer_id=f"bench-{writer}")
         w.open()
         start.wait()
         t0 = time.perf_counter()
