@@ -145,7 +145,7 @@ def test_two_coordinators_split_the_shards_and_either_answers_every_call(
             [TALLY, "replicas", "--address", first.grpc_address], capture_output=True, text=True, timeout=60
         ).stdout
         for server in servers:
-            assert "owner of " + ", ".join(map(str, sorted(held(server)))) in shown, shown
+            assert "owns " + ",".join(map(str, sorted(held(server)))) in shown, shown
         # Both applied deltas: the writes spread.
         assert {owner_of[shard_of(n, SHARDS)].grpc_address for n in names} == {
             s.grpc_address for s in servers

@@ -212,8 +212,8 @@ def replicas(
 
 
 def _role(r: tally.Replica) -> str:
-    """``owner``, or on a store of several shards ``owner of 0, 2``."""
-    return "owner of " + ", ".join(map(str, r.shards)) if r.shards else "owner"
+    """``owner``, or on a store of several shards ``owns 0,2`` (compact: it fits 80 columns)."""
+    return "owns " + ",".join(map(str, r.shards)) if r.shards else "owner"
 
 
 # --------------------------------------------------------------------------- watch

@@ -26,6 +26,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from tally_server.domain.ports import CompletionWriteError
+from tally_server.domain.words import count
 from tally_server.store import pg_revisions
 from tally_server.store.postgres import (
     MAX_SHARDS,
@@ -90,8 +91,10 @@ class StoreLayoutMismatch(OSError):
 
     def __init__(self, url: sa.URL, shards: int, wanted: int) -> None:
         super().__init__(
-            f"the PostgreSQL store {display(url)} has {shards} shards (fixed when it was made), not the "
-            f"{wanted} asked for; start with --store-shards {shards} or without the option"
+            f"the PostgreSQL store {display(url)} has {count(shards, 'shard')} (fixed when it was made by "
+            f"the first coordinator to serve it), not the {wanted} asked for; start with --store-shards "
+            f"{shards} or without the option (a store's count cannot change: to use another, make a new "
+            "store and move the completions with tally export and tally import)"
         )
         self.shards, self.wanted = shards, wanted
 
@@ -117,7 +120,7 @@ def prepare_layout(url: sa.URL, wanted: int | None) -> int:
             made = conn.execute(_RECORD, {"shards": wanted or 1}).scalar()
             if made is not None:
                 _fill_status_shards(conn, int(made))
-                logger.info("store %s is made of %d shard(s) from now on", display(url), made)
+                logger.info("store %s is made of %s from now on", display(url), count(made, "shard"))
             shards = int(conn.execute(_LAYOUT).scalar_one())
     except TRANSIENT as exc:
         raise StoreUnreachable(url, exc) from None
