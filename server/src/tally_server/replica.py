@@ -38,7 +38,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -336,6 +336,11 @@ class CompletedReader:
     def close(self) -> None:
         """Close the reader's connections."""
         self._engine.dispose()
+
+
+def published_views(statuses: Mapping[str, Any]) -> dict[str, CheckpointView]:
+    """Statuses as the owners publish them (``StatusBoard.statuses``), as views."""
+    return {name: _VIEW.validate_python(status) for name, status in statuses.items()}
 
 
 def _failure_source(record: SourceFailuresRecord) -> str:

@@ -41,9 +41,8 @@ from tally_server.loop_load import new_event_loop
 from tally_server.metrics import Metrics
 from tally_server.service import CoordinatorService
 from tally_server.service.bridge import ServiceBridge
-from tally_server.service.views import CheckpointView
 from tally_server.settings import Settings, split_listen
-from tally_server.sharding import HttpShardRouter, ShardMap, ShardRouter, desired_shards
+from tally_server.sharding import HttpShardRouter, ShardMap, ShardRouter, desired_shards, handle_tag
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     RENEW_EVERY_S,
@@ -53,6 +52,7 @@ from tally_server.store.postgres import (
     StoreUnreachable,
     cause,
     display,
+    store_url,
 )
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse
 from tally_server.store.shards import ShardFence, shard_of
@@ -110,8 +110,7 @@ class ShardKeeper:
                 self.confirmed_at = time.monotonic()
             try:
                 self._board.announce()
-                owners = self._board.owners()
-                _, replicas = self._board.snapshot()
+                owners, replicas = self._board.holders()
             except (ReplicaNameInUse, *TRANSIENT) as exc:
                 log.warning("cannot read the store's replicas yet: %s", cause(exc))
                 return changed
@@ -201,7 +200,6 @@ async def serve_shards(
 ) -> None:
     """Serve a store of ``shards`` shards until ``stopping`` (SIGTERM/SIGINT) is set."""
     from tally_server.app import _address
-    from tally_server.store.postgres import store_url
 
     url = store_url(settings.store or "")
     me = settings.resolved_replica_name()
@@ -259,11 +257,11 @@ async def serve_shards(
             if first:
                 grpc_host, grpc_port = split_listen(bound.grpc_listen)
                 http_host, http_port = split_listen(bound.http_listen)
-                board.grpc_address = settings.advertised(settings.grpc_listen, int(grpc_port))
-                board.http_address = settings.advertised(settings.http_listen, int(http_port))
+                board.grpc_address = settings.advertised(settings.grpc_listen, grpc_port)
+                board.http_address = settings.advertised(settings.http_listen, http_port)
                 gc.freeze()
-                print(f"grpc listening on {_address(grpc_host, int(grpc_port))}", flush=True)
-                print(f"http listening on {_address(http_host, int(http_port))}", flush=True)
+                print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
+                print(f"http listening on {_address(http_host, http_port)}", flush=True)
                 first = False
             log.info(
                 "tally serving shard(s) %s of %s of store %s as %s",
@@ -312,7 +310,6 @@ async def _start_stack(
         http_config,
         relay_tls,
     )
-    from tally_server.store.postgres import store_url
 
     loop = asyncio.get_running_loop()
     mine = frozenset(held)
@@ -324,14 +321,16 @@ async def _start_stack(
     try:
         idle = [lambda: http_selector.idle_s] + ([loop_idle] if loop_idle else [])
         service = build_service(settings, idle, fence, owns=lambda name: shard_of(name, shards) in mine)
-        service.tag_handles(lambda name: "." + str(shard_of(name, shards)))
+        service.tag_handles(lambda name: handle_tag(shard_of(name, shards)))
         bridged = cast(CoordinatorService, ServiceBridge(service, loop))
         metrics = Metrics(bridged, settings.data_dir)
         status_board = statuses = await asyncio.to_thread(StatusBoard, fence.url, fence, shards)
         service.serve_replicas(
             shard_map.me, functools.partial(replica.list_replicas, replicas), statuses.publish
         )
-        service.list_elsewhere(statuses.names, lambda names: _views(statuses.statuses(names)))
+        service.list_elsewhere(
+            statuses.names, lambda names: replica.published_views(statuses.statuses(names))
+        )
         await service.start()
         channels = replica.GrpcChannels(settings.max_message_bytes, relay_tls(settings))
         forwarded = metrics.forwarding()
@@ -394,10 +393,3 @@ async def _wait_either(event: asyncio.Event, seconds: float) -> None:
     """Wait until ``event`` is set or ``seconds`` have passed."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
-
-
-def _views(statuses: dict[str, Any]) -> dict[str, CheckpointView]:
-    from pydantic import TypeAdapter
-
-    adapter = TypeAdapter(CheckpointView)
-    return {name: adapter.validate_python(status) for name, status in statuses.items()}

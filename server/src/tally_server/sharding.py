@@ -20,12 +20,15 @@ writer's calls are routed without a lookup.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 import grpc
 from google.protobuf.message import DecodeError
+from starlette.requests import Request
 
 from tally_server.errors import InvalidArgument, Unavailable
 from tally_server.grpc_api.wrapping import WrappingInterceptor
@@ -66,9 +69,14 @@ ROUTE_BY_HANDLE = frozenset(
 _HANDLE_SEP = "."
 
 
+def handle_tag(shard: int) -> str:
+    """What a writer handle of a checkpoint in ``shard`` ends with (``.<shard>``)."""
+    return f"{_HANDLE_SEP}{shard}"
+
+
 def tag_handle(handle: str, shard: int) -> str:
     """A writer handle that says which shard its checkpoint is in (``<random>.<shard>``)."""
-    return f"{handle}{_HANDLE_SEP}{shard}"
+    return handle + handle_tag(shard)
 
 
 def handle_shard(handle: str) -> int | None:
@@ -311,8 +319,6 @@ class HttpShardRouter:
             body = await _read_body(receive)
             key = _json_field(body, _BODY_KEY[path])
         elif scope["method"] == "GET" and path in _QUERY_ROUTED:
-            from urllib.parse import parse_qs
-
             values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("checkpoint")
             key = values[-1] if values else None
         shard = None
@@ -321,8 +327,6 @@ class HttpShardRouter:
         if shard is None or shard in self._map.held:
             await self.app(scope, _replay(body, receive) if body is not None else receive, send)
             return
-        from starlette.requests import Request
-
         owner_of = self._map.owner
         held_shard = shard
         response = await self._forward(Request(scope, receive), lambda: owner_of(held_shard), body)
@@ -355,8 +359,6 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 
 def _json_field(body: bytes, field: str) -> str | None:
-    import json
-
     try:
         value = json.loads(body).get(field)
     except (ValueError, AttributeError):

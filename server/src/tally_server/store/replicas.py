@@ -205,6 +205,11 @@ class ReplicaBoard:
         A replica is marked ``owner`` if it holds any shard (with one shard: the store); its
         ``shards`` are listed on a store of several shards only.
         """
+        owners, replicas = self.holders()
+        return owners.get(0), replicas
+
+    def holders(self) -> tuple[dict[int, Owner], list[Replica]]:
+        """Each shard's owner (as :meth:`owners`) and every replica (as :meth:`snapshot`), in one read."""
         with self._engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
             owners = _owners(conn)
             rows = conn.execute(_REPLICAS).all()
@@ -225,7 +230,7 @@ class ReplicaBoard:
             )
             for r in rows
         ]
-        return owners.get(0), replicas
+        return owners, replicas
 
     def close(self) -> None:
         """Close the board's connections."""
