@@ -82,6 +82,35 @@ def test_anomaly_uncompletes_in_every_writer_file(server: RunningServer) -> None
     assert nemo_read(server.data_dir / "checkpoints" / "e2e" / "anomaly") == set()
 
 
+def test_a_rerun_over_completed_sources_counts_every_anomaly_in_a_few_events(server: RunningServer) -> None:
+    """A resume that does not skip what is done makes an anomaly of every source.
+
+    Each is counted and un-completed everywhere, but a batch's anomalies past its first 20 are one
+    event: an event (a log line and a registry row) per anomaly held the coordinator's loop up for
+    seconds and flooded the event log.
+    """
+    sources = [f"rerun{i:03d}" for i in range(150)]
+    deltas = [d for sid in sources for d in tree(sid)]
+    with tally.Client(server.grpc_address) as client:
+        with client.writer("e2e/rerun", writer_id="first") as w:
+            w.apply_deltas(deltas)
+        assert client.are_completed("e2e/rerun", sources) == [True] * 150
+        with client.writer("e2e/rerun", writer_id="again") as w:
+            w.apply_deltas(deltas)
+            w.flush()
+        assert w.close().counts.anomalies == 150
+        assert client.are_completed("e2e/rerun", sources) == [False] * 150
+        assert client.checkpoint("e2e/rerun").anomalies == 150
+        events = [e for e in client.events("e2e/rerun", limit=1000).events if e.kind == "anomaly"]
+    one_each = [e.data["source_id"] for e in events if "source_id" in e.data]
+    summaries = [e for e in events if "more" in e.data]
+    assert summaries and len(events) < 150
+    assert len(one_each) + sum(e.data["more"] for e in summaries) == 150
+    assert all(e.severity == tally.Severity.WARNING and e.writer_id == "again" for e in events)
+    assert all("more source" in e.message and e.data["first_source_id"] in e.message for e in summaries)
+    assert nemo_read(server.data_dir / "checkpoints" / "e2e" / "rerun") == set()
+
+
 def test_a_restart_keeps_completed_and_pending_and_the_writer_carries_on(tmp_path: Path) -> None:
     """Issue 9: a coordinator restart is invisible to a writer except as a pause."""
     data = tmp_path / "data"

@@ -1,10 +1,10 @@
 """The compact completed set against the plain dict it replaced (id -> completion sequence).
 
-Hypothesis drives adds (into writer files), discards (with the delete reaching the files, or not
-yet), views taken at any moment, and merges of the overlay into the compact index; after every
-step the live set, its length, the batch lookup and every view taken so far must answer exactly
-as the model. Run with Python's hash and with one that collides on purpose (every id into four
-buckets), so that hash hits that are not the id are exercised all the time.
+Hypothesis drives adds (into writer files), discards one by one and many at once (with the delete
+reaching the files, or not yet), views taken at any moment, and merges of the overlay into the
+compact index; after every step the live set, its length, the batch lookup and every view taken so
+far must answer exactly as the model. Run with Python's hash and with one that collides on purpose
+(every id into four buckets), so that hash hits that are not the id are exercised all the time.
 """
 
 from __future__ import annotations
@@ -94,6 +94,17 @@ class CompactSetMachine(RuleBasedStateMachine):
         if reaches_files:  # the delete was committed (or is still to be retried)
             for held in self.files.values():
                 held.discard(sid.encode())
+
+    @rule(sources=st.lists(st.sampled_from(IDS), max_size=5), reaches_files=st.booleans())
+    def discard_many(self, sources: list[str], reaches_files: bool) -> None:
+        # An anomalous batch's un-completes, all at once (repeats included).
+        expected = len(set(sources) & self.model.completed.keys())
+        assert self.compact.discard_many(sources) == expected
+        for sid in sources:
+            self.model.completed.pop(sid, None)
+            if reaches_files:
+                for held in self.files.values():
+                    held.discard(sid.encode())
 
     @rule(sources=st.lists(st.sampled_from(IDS), max_size=5))
     def declare(self, sources: list[str]) -> None:

@@ -130,30 +130,40 @@ class CompletedSet:
         Every hash hit is confirmed in the file its entry names, the hits of one file in one call
         (one read transaction).
         """
+        return [seq is not None for seq in self._seqs_many(source_ids)]
+
+    def _seqs_many(self, source_ids: Sequence[str]) -> list[int | None]:
+        """Each id's completion sequence (None: not in the set), vectorised over the index.
+
+        What ``contains_many`` answers, with the sequence a view compares to its cutoff, so that a
+        view asks the files once per batch instead of once more per member.
+        """
         overlay, tombstones = self._overlay, self._tombstones
         rest: list[int] | None = None  # positions of ``asked`` in ``source_ids`` (None: the same)
+        out: list[int | None]
         if (overlay and not overlay.keys().isdisjoint(source_ids)) or (
             tombstones and not tombstones.isdisjoint(source_ids)
         ):
-            out = [False] * len(source_ids)
+            out = [None] * len(source_ids)
             rest = []
             for i, sid in enumerate(source_ids):
-                if sid in overlay:
-                    out[i] = True
+                value = overlay.get(sid)
+                if value is not None:
+                    out[i] = value >> _SEQ_SHIFT
                 elif sid not in tombstones:
                     rest.append(i)
             asked: Sequence[str] = [source_ids[i] for i in rest]
         else:
-            out = []
+            out = [None] * len(source_ids)
             asked = source_ids
         index = self._index
         if index is None or not asked or not len(index):
-            return out or [False] * len(source_ids)
+            return out
         assert self._confirm is not None
         at, found = index.first_many(self._hasher.of_ids(asked))
         hits = np.flatnonzero(found)
         if not len(hits):
-            return out or [False] * len(source_ids)
+            return out
         origins = index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)
         order = np.argsort(origins, kind="stable")  # the hits of each file together
         hits, origins = hits[order], origins[order]
@@ -163,18 +173,32 @@ class CompletedSet:
         confirmed: list[bool] = []
         for lo, hi in zip([0, *cuts], [*cuts, len(ks)], strict=True):
             confirmed += self._confirm(self._origins[int(origins[lo])], keys[lo:hi])
-        answer = np.zeros(len(asked), dtype=bool)
-        answer[hits] = confirmed
-        if not all(confirmed):  # another entry with the same hash prefix may hold it (rare)
-            for k, ok in zip(ks, confirmed, strict=True):
-                if not ok and self._indexed_seq(asked[k]) is not None:
-                    answer[k] = True
-        if rest is None:
-            return answer.tolist()
-        for i, ok in zip(rest, answer.tolist(), strict=True):
-            if ok:
-                out[i] = True
+        firsts = at[hits].tolist()
+        for k, first, ok in zip(ks, firsts, confirmed, strict=True):
+            # Not in the first entry's file: another entry with the same hash prefix may hold it (rare).
+            seq = index.seq(first) if ok else self._indexed_seq(asked[k])
+            out[k if rest is None else rest[k]] = seq
         return out
+
+    def discard_many(self, source_ids: Iterable[str]) -> int:
+        """Drop these completions (un-completes); returns how many were completed.
+
+        ``discard`` of each, with the index asked once for all of them.
+        """
+        distinct = list(dict.fromkeys(source_ids))
+        in_index = [
+            sid
+            for sid, seq in zip(distinct, self._seqs_many(distinct), strict=True)
+            if seq is not None and sid not in self._overlay
+        ]
+        dropped = sum(self.discard(sid) for sid in distinct if sid in self._overlay)
+        for sid in in_index:  # in the index, confirmed above and not hidden yet: hide it
+            self._tombstones.add(sid)
+            self._tomb_chars += len(sid)
+            self._hidden += 1
+            if sid in self.declared:
+                self.declared_done -= 1
+        return dropped + len(in_index)
 
     def add(self, sources: Iterable[str], origin: str | None = None) -> None:
         """``sources`` were committed to ``origin``'s file: they are completed from now on."""
@@ -425,12 +449,9 @@ class _View:
         """``[self(sid) for sid in source_ids]``, vectorised over the index.
 
         Only ids in the set now can have counted at ``cutoff`` (a discard hides an id from every
-        view), so the set's vectorised membership test decides the rest; the few members are asked
-        one by one for their sequence.
+        view), so the set's vectorised lookup, which gives each member's sequence, decides.
         """
         if self.empty:
             return [False] * len(source_ids)
-        members = self._set.contains_many(source_ids)
-        if not any(members):
-            return members
-        return [member and self(sid) for sid, member in zip(source_ids, members, strict=True)]
+        cutoff = self.cutoff
+        return [seq is not None and seq <= cutoff for seq in self._set._seqs_many(source_ids)]

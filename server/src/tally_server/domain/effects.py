@@ -35,8 +35,8 @@ def apply_batch(
     """Apply ``batch`` under the rules; anomalies leave the live set now; returns what to commit."""
     result = ledger.apply(batch, now)
     uncomplete = list(dict.fromkeys(a.source_id for a in result.anomalies))
-    for sid in uncomplete:
-        completed.discard(sid)
+    if uncomplete:
+        completed.discard_many(uncomplete)
     complete = ledger.mark_completing(result.complete_now)
     return BatchEffects(result.counts, result.anomalies, uncomplete, complete, result.hits)
 
@@ -66,5 +66,4 @@ def uncomplete_durable(completed: CompletedSet, sources: Iterable[str]) -> None:
 
     A completion committed before the delete may have re-added them meanwhile; the later anomaly wins.
     """
-    for sid in sources:
-        completed.discard(sid)
+    completed.discard_many(sources)

@@ -42,6 +42,8 @@ MAX_BATCHES_IN_FLIGHT = 2
 # How long an ordered batch waits for the one before it to be applied; then it is refused as
 # UNAVAILABLE and sent again (the one before it was lost on the way, or is being resent).
 PREVIOUS_BATCH_WAIT_S = 1.0
+# Anomalies of one batch that are events of their own; the rest of the batch's are one event.
+ANOMALY_EVENTS_PER_BATCH = 20
 
 
 class Writers:
@@ -208,9 +210,17 @@ class Writers:
             return replace(effects.counts), session.last_refused
 
     def _record_anomalies(self, cp: Checkpoint, session: Session, effects: BatchEffects) -> None:
-        """Count and report the batch's anomalies (their sources already left the live set)."""
-        cp.anomalies += len(effects.anomalies)
-        for a in effects.anomalies:
+        """Count and report the batch's anomalies (their sources already left the live set).
+
+        Every anomaly is counted; the first ``ANOMALY_EVENTS_PER_BATCH`` of a batch are events of
+        their own, the rest one event with their number. A rerun over sources all completed
+        already (a resume that does not skip them) makes an anomaly of every source: an event,
+        a log line and a registry row each would flood the log and the registry and hold up the
+        coordinator's loop, heartbeats included.
+        """
+        anomalies = effects.anomalies
+        cp.anomalies += len(anomalies)
+        for a in anomalies[:ANOMALY_EVENTS_PER_BATCH]:
             change = "a new task" if a.old_delta is None else f"delta {a.old_delta} -> {a.new_delta}"
             self._core.event(
                 cp.name,
@@ -222,6 +232,21 @@ class Writers:
                 source_id=a.source_id,
                 old_delta=a.old_delta,
                 new_delta=a.new_delta,
+            )
+        rest = anomalies[ANOMALY_EVENTS_PER_BATCH:]
+        if rest:
+            self._core.event(
+                cp.name,
+                EventKind.ANOMALY,
+                f"{count(len(rest), 'more source')} of the same batch got deltas after they were completed "
+                f"(sources {rest[0].source_id} to {rest[-1].source_id}); each was un-completed in every "
+                "writer file and will be reprocessed next run (the checkpoint's anomaly count has them all; "
+                "the first "
+                f"{ANOMALY_EVENTS_PER_BATCH} of a batch are events of their own)",
+                session.writer_id,
+                more=len(rest),
+                first_source_id=rest[0].source_id,
+                last_source_id=rest[-1].source_id,
             )
 
     async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:
