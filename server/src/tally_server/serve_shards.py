@@ -5,7 +5,8 @@ live replicas (``sharding.desired_shards``), runs the coordinator service for th
 alone (its writes fenced by those shards' epochs) and routes every call of another shard to the
 shard's holder. A :class:`ShardKeeper` thread renews the shard leases every ``RENEW_EVERY_S``,
 announces the coordinator in ``store_replicas``, reads who holds what, takes the shards that are its
-own and free (a holder gone, or silent past ``TAKE_OVER_AFTER_S``: its session is ended) and says
+own and free (a holder gone: silent for ``SHARD_HOLDER_GONE_AFTER_S``; a holder still holding its lease
+silent past ``TAKE_OVER_AFTER_S`` has its session ended) and says
 when the set should change: a shard taken or lost, or one to hand over to a replica that joined.
 
 The set a service owns is fixed for its life: when it changes, the coordinator stops its service
@@ -46,6 +47,7 @@ from tally_server.sharding import HttpShardRouter, ShardMap, ShardRouter, desire
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     RENEW_EVERY_S,
+    SHARD_HOLDER_GONE_AFTER_S,
     TRANSIENT,
     StoreInUse,
     StoreLock,
@@ -116,11 +118,12 @@ class ShardKeeper:
                 return changed
             self._map.update(owners)
             me = self._map.me
-            live = [r.name for r in replicas if r.alive and r.grpc_address and r.name != me]
+            gone = SHARD_HOLDER_GONE_AFTER_S
+            live = [r.name for r in replicas if r.silent_s < gone and r.grpc_address and r.name != me]
             desired = desired_shards(self._map.shards, live, me)
             for shard in sorted(desired - self.held.keys() if not self.draining else ()):
                 holder = owners.get(shard)
-                if holder is not None and holder.alive and holder.name != me:
+                if holder is not None and holder.silent_s < gone and holder.name != me:
                     continue  # it hands the shard over once it sees this coordinator live
                 lock = self._lock_of(shard)
                 try:

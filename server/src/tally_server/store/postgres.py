@@ -80,6 +80,11 @@ _END_HOLDER = sa.text(
 # its session, and so the lock, however long it is stopped).
 RENEW_EVERY_S = 1.0
 TAKE_OVER_AFTER_S = 5.0
+# On a store of several shards: a coordinator whose row in store_replicas (renewed with its shards'
+# leases) is this old counts as gone when the shards are shared out, so that the others take a
+# killed one's shards (free: its sessions ended with it) within the issue's 5 s. A live holder's
+# shard is still taken only once its lease is TAKE_OVER_AFTER_S silent (its session then ended).
+SHARD_HOLDER_GONE_AFTER_S = 3 * RENEW_EVERY_S
 # How long a free lock is left to the holder named in store_epoch before a standby takes it: a
 # database restart (or an administrator's pg_terminate_backend) ends every session, the holder's
 # lock session too, and its keeper takes the lock back within RENEW_EVERY_S. The silence counts
