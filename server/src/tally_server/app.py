@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from sqlalchemy.engine import Connection
 
-from tally_server import replica
+from tally_server import malloc, replica
 from tally_server.auth import Authorizer, load_tokens
 from tally_server.domain.ports import CompletionStore, JointCommit, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
@@ -376,6 +376,7 @@ class _HttpThread:
 
 def run(settings: Settings) -> None:
     """Serve on an event loop whose load is measured (lease time slows while it is saturated)."""
+    malloc.fix_mmap_threshold()
     if settings.store is not None:
         sys.setswitchinterval(PG_SWITCH_INTERVAL_S)
     loop, selector = new_event_loop()
