@@ -271,8 +271,20 @@ def test_a_running_coordinator_adopts_checkpoints_and_keeps_its_own_as_they_were
             # Meanwhile: the adopted checkpoints are not served yet, the service's own are.
             with pytest.raises(NotOwned):
                 await b.get_checkpoint("a/live")
-            await b.apply_deltas(wb, tree("y"))
+            # A writer brought back from the journal waits until its checkpoint is owned (the
+            # adoption awaits registry reads and a write after restoring it: this loop sees that).
+            refused = served = 0
+            while not adopting.done():
+                if b.checkpoint_of(wa) is not None:
+                    with pytest.raises(NotOwned):
+                        await b.keep_alive(wa)
+                    refused += 1
+                assert _summary(await b.get_checkpoint("b/live")) == b_before
+                served += 1
+                await asyncio.sleep(0)
+            assert refused and served
             assert await adopting == 1
+            await b.apply_deltas(wb, tree("y"))
             assert b.stats.writers_restored == 1
             # Adopted, where it was: its writer (same handle), counts, claim, failure, totals.
             assert b.checkpoint_of(wa) == "a/live"
