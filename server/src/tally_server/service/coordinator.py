@@ -101,7 +101,9 @@ class CoordinatorService:
             are restored at start (their writers from the journal; only their stale open writers
             are marked lost) and known: a call naming another is refused with ``NotOwned``
             (UNAVAILABLE, retried), and store-wide lists (checkpoints, status, gauges) show owned
-            checkpoints only. Writer handles need no check: another's are simply unknown here.
+            checkpoints only. Another's writer handles are simply unknown here; a writer restored
+            by :meth:`adopt`, which widens ``owns`` at run time (a shard taken over) once it has
+            restored what it adds, is refused alike until then.
     """
 
     def __init__(
