@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import random
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +224,74 @@ def test_shards_move_to_a_joining_coordinator_and_back_when_it_goes_and_nothing_
                         what=f"{name}'s status",
                     )
                     assert client.checkpoint(name).anomalies == 0
+
+
+def test_a_survivor_adopts_a_killed_coordinators_shards_and_its_own_writer_notices_nothing(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A writer through each of two coordinators, on that coordinator's own shard; one is killed
+    (-9) while both write. The survivor adopts its shards into its running service (no restart):
+    its own writer sees no refusal at all, the killed one's re-attaches through it from the journal,
+    and the final sets are the model's."""
+    rng = random.Random(3)
+    sources = (f"s{i:05d}" for i in itertools.count())
+    with sharded(tmp_path, postgres_url, 2, settle_ms=0, lease_ttl_s=60) as (killed, survivor):
+        names = names_per_shard("adopt", per_shard=1)
+        theirs = next(n for n in names if shard_of(n, SHARDS) in held(killed))
+        mine = next(n for n in names if shard_of(n, SHARDS) in held(survivor))
+        done: dict[str, set[str]] = {theirs: set(), mine: set()}
+        written: list[str] = []
+
+        def write() -> None:
+            written.append(next(sources))
+            write_one(writers, written[-1], rng, done)
+
+        with contextlib.ExitStack() as stack:
+            both = f"{killed.grpc_address},{survivor.grpc_address}"
+            their_client = stack.enter_context(tally.Client(both, timeout=120))
+            my_client = stack.enter_context(tally.Client(survivor.grpc_address, timeout=120))
+            writers = {
+                theirs: stack.enter_context(their_client.writer(theirs, writer_id="w-killed")),
+                mine: stack.enter_context(my_client.writer(mine, writer_id="w-survivor")),
+            }
+            own = writers[mine]
+            for _ in range(20):
+                write()
+            for w in writers.values():
+                w.flush()
+            killed.process.send_signal(signal.SIGKILL)
+            killed.process.wait(60)
+            # Both write on, the survivor's own writer flushing each batch, while the survivor
+            # takes the killed one's shards over.
+            deadline = time.monotonic() + 60
+            while held(survivor) != set(range(SHARDS)):
+                assert time.monotonic() < deadline, "timed out waiting for the survivor to hold every shard"
+                write()
+                own.flush(timeout=120)
+            for _ in range(20):
+                write()
+            for w in writers.values():
+                w.flush(timeout=120)
+            log = survivor.log()
+            adopted = r"adopted shard\(s\) [\d, ]+ of the store into the running service \(1 writer"
+            assert re.search(adopted, log), log
+            assert "restarting its service" not in log
+            # Not one refusal, of a batch or a heartbeat, reached the survivor's own writer.
+            health = own.health()
+            assert (health.retries, health.last_error, health.lease_lost) == (0, None, False)
+            # The killed one's writer was refused while its shard moved, and carried on through the
+            # survivor under the same lease (restored from the journal).
+            theirs_health = writers[theirs].health()
+            assert theirs_health.retries > 0 and not theirs_health.lease_lost
+        with tally.Client(survivor.grpc_address) as client:
+            for name in (theirs, mine):
+                assert client.are_completed(name, written) == [s in done[name] for s in written], name
+                wait_until(
+                    lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
+                    timeout=30,
+                    what=f"{name}'s status",
+                )
+                assert client.checkpoint(name).anomalies == 0
 
 
 def test_a_store_keeps_the_number_of_shards_it_was_made_with(tmp_path: Path, postgres_url: str) -> None:

@@ -9,11 +9,16 @@ own and free (a holder gone: silent for ``SHARD_HOLDER_GONE_AFTER_S``; a holder 
 silent past ``TAKE_OVER_AFTER_S`` has its session ended) and says
 when the set should change: a shard taken or lost, or one to hand over to a replica that joined.
 
-The set a service owns is fixed for its life: when it changes, the coordinator stops its service
-gracefully (every acknowledged completion flushed, the writers' journals kept), lets go of the
-shards it hands over, and starts a new service on the same ports for the new set. The writers of
-the shards that stay see their calls refused as UNAVAILABLE for that second or two and re-attach
-as after any restart; those of a moved shard re-attach at its new holder, from the journal.
+A shard only gained (taken from a coordinator that died or stopped, or found free) is adopted
+into the running service (:func:`_adopt_gained`): its lock fences the service's writes from then
+on, the service restores its checkpoints and journaled writers beside those it serves
+(``CoordinatorService.adopt``), and only then are its calls served here; the writers of the
+shards held all along notice nothing. When a shard is lost or handed over, the coordinator stops
+its service gracefully (every acknowledged completion flushed, the writers' journals kept), lets
+go of the shards it hands over, and starts a new service on the same ports for the new set. The
+writers of the shards that stay see their calls refused as UNAVAILABLE for that second or two and
+re-attach as after any restart; those of a moved shard re-attach at its new holder, from the
+journal.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import httpx
 
 from tally_server import replica
 from tally_server.auth import Authorizer
+from tally_server.domain.words import count
 from tally_server.errors import TallyServerError
 from tally_server.grpc_api.server import build_server
 from tally_server.http_api.app import create_app
@@ -174,9 +180,13 @@ class _Stack:
         tasks: list[asyncio.Task[None]],
         status_board: StatusBoard,
         channels: replica.GrpcChannels,
+        fence: ShardFence,
+        held: dict[int, StoreLock],
     ) -> None:
         self.service, self.grpc_server, self.http = service, grpc_server, http
         self.tasks, self.status_board, self.channels = tasks, status_board, channels
+        self.fence = fence  # its writes' fence (the status board's too: it publishes what it holds)
+        self.held = dict(held)  # the shards its service owns, by lock
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new work, stop the servers, flush every completion, close the stores."""
@@ -228,6 +238,16 @@ async def serve_shards(
     keeper.start(lambda: loop.call_soon_threadsafe(changed.set))
     bound = settings
     first = True
+
+    def serving(held: dict[int, StoreLock]) -> None:
+        log.info(
+            "tally serving shard(s) %s of %s of store %s as %s",
+            ", ".join(map(str, sorted(held))) or "(none yet)",
+            shards,
+            display(url),
+            me,
+        )
+
     try:
         while not stop.is_set():
             changed.clear()
@@ -266,14 +286,13 @@ async def serve_shards(
                 print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
                 print(f"http listening on {_address(http_host, http_port)}", flush=True)
                 first = False
-            log.info(
-                "tally serving shard(s) %s of %s of store %s as %s",
-                ", ".join(map(str, sorted(held))) or "(none yet)",
-                shards,
-                display(url),
-                me,
-            )
-            await changed.wait()
+            serving(held)
+            while True:
+                await changed.wait()
+                changed.clear()
+                if stop.is_set() or not await _adopt_gained(stack, keeper, shard_map, shards):
+                    break
+                serving(stack.held)
             log.info(
                 "the shards this coordinator holds change: restarting its service"
                 if not stop.is_set()
@@ -287,6 +306,46 @@ async def serve_shards(
         await asyncio.to_thread(board.leave)
         board.close()
     log.info("shutdown complete")
+
+
+async def _adopt_gained(stack: _Stack, keeper: ShardKeeper, shard_map: ShardMap, shards: int) -> bool:
+    """Adopt the shards the keeper took into ``stack``'s running service; False: restart it instead.
+
+    Only when shards were only gained: one lost (or its lock replaced) or one to hand over needs
+    the restart, as does an adoption that failed (the database out of reach). A gained shard is
+    fenced first (the service's writes for it need its epoch), then restored by the service, and
+    served (``shard_map.held``) last: until then its calls are refused here as moving (UNAVAILABLE,
+    retried).
+    """
+    held, surplus = dict(keeper.held), keeper.surplus
+    if surplus or any(held.get(shard) is not lock for shard, lock in stack.held.items()):
+        return False
+    gained = {shard: lock for shard, lock in held.items() if shard not in stack.held}
+    if not gained:
+        return True
+    adopted = frozenset(gained)
+    serving = frozenset(stack.held) | adopted
+    names = ", ".join(map(str, sorted(adopted)))
+    try:
+        for lock in gained.values():
+            stack.fence.add(lock)
+        restored = await stack.service.adopt(
+            lambda name: shard_of(name, shards) in adopted,
+            owns=lambda name: shard_of(name, shards) in serving,
+        )
+    except Exception as exc:
+        log.warning(
+            "cannot adopt shard(s) %s into the running service (%s): restarting it instead", names, exc
+        )
+        return False
+    stack.held.update(gained)
+    shard_map.held = serving
+    log.info(
+        "adopted shard(s) %s of the store into the running service (%s from the journal)",
+        names,
+        count(restored, "writer"),
+    )
+    return True
 
 
 async def _start_stack(
@@ -389,7 +448,7 @@ async def _start_stack(
     bound = settings.model_copy(
         update={"grpc_listen": _address(grpc_host, grpc_port), "http_listen": _address(http_host, http_port)}
     )
-    return _Stack(service, grpc_server, http, tasks, status_board, channels), bound
+    return _Stack(service, grpc_server, http, tasks, status_board, channels, fence, held), bound
 
 
 async def _wait_either(event: asyncio.Event, seconds: float) -> None:

@@ -87,7 +87,7 @@ def test_each_of_two_coordinators_restores_and_marks_only_its_own_checkpoints(se
 
         async with serving(settings, b_side) as b:
             assert b.stats.writers_restored == 0  # wa is A's
-            assert b.checkpoint_of(wa.handle) is None
+            assert b.checkpoint_of(wa) is None
             assert [c.name for c in (await b.list_checkpoints()).checkpoints] == ["b/stale"]
             wb = await b.open_writer("b/live", writer_id="wb")
             assert [c.state for c in await b.acquire(wb.handle, ["cb"])] == ["acquired"]
@@ -217,3 +217,103 @@ def test_statuses_are_published_without_dropping_other_owners_rows(
     assert any("a/one" in changed for changed, _ in published)
     assert [keep is not None for _, keep in published][:1] == [drops]
     assert all(keep in (None, [], ["a/one"]) if drops else keep is None for _, keep in published)
+
+
+async def _fill(svc: CoordinatorService, cp: str, writer_id: str) -> str:
+    """A writer on ``cp`` with a completion, a pending source, a claim, a failure
+    at a budget and declared sources; returns its handle."""
+    opened = await svc.open_writer(cp, writer_id=writer_id)
+    await svc.apply_deltas(opened.handle, tree("x"))
+    await svc.apply_deltas(opened.handle, tree("half")[:2])
+    assert [c.state for c in await svc.acquire(opened.handle, ["claimed"])] == ["acquired"]
+    await svc.set_failure_budget(cp, 1)
+    assert (await svc.report_failure(opened.handle, "bad", "boom")).failed
+    await svc.declare_sources(cp, ["x", "y", "bad"])
+    await svc.flush(opened.handle)
+    return opened.handle
+
+
+def _summary(view: Any) -> tuple[Any, ...]:
+    return (
+        view.completed_count,
+        view.pending_sources,
+        [w.writer_id for w in view.writers],
+        view.failed_sources,
+        view.max_attempts,
+        view.total,
+        view.remaining,
+        view.claimed_sources,
+    )
+
+
+def test_a_running_coordinator_adopts_checkpoints_and_keeps_its_own_as_they_were(settings: Settings) -> None:
+    """``adopt`` restores the adopted checkpoints as ``start`` would (writers from the journal,
+    counts, claims, failures, budgets, declared sources; stale writers marked lost) and changes
+    nothing of what the service served already, which it goes on serving meanwhile."""
+
+    async def main() -> None:
+        async with serving(settings, None, journal=False) as everything:
+            await everything.open_writer("a/stale", writer_id="sa")
+        async with serving(settings, a_side) as a:
+            wa = await _fill(a, "a/live", "wa")
+            a_before = _summary(await a.get_checkpoint("a/live"))
+        assert a_before == (1, 1, ["wa"], 1, 1, 3, 2, 1)
+
+        async with serving(settings, b_side) as b:
+            wb = await _fill(b, "b/live", "wb")
+            b_before = _summary(await b.get_checkpoint("b/live"))
+            assert b.checkpoint_of(wa) is None
+            with pytest.raises(NotOwned):
+                await b.get_checkpoint("a/live")
+            adopting = asyncio.get_running_loop().create_task(b.adopt(a_side))
+            await asyncio.sleep(0)  # the adoption waits on its first registry read
+            assert not adopting.done()
+            # Meanwhile: the adopted checkpoints are not served yet, the service's own are.
+            with pytest.raises(NotOwned):
+                await b.get_checkpoint("a/live")
+            # A writer brought back from the journal waits until its checkpoint is owned (the
+            # adoption awaits registry reads and a write after restoring it: this loop sees that).
+            refused = served = 0
+            while not adopting.done():
+                if b.checkpoint_of(wa) is not None:
+                    with pytest.raises(NotOwned):
+                        await b.keep_alive(wa)
+                    refused += 1
+                assert _summary(await b.get_checkpoint("b/live")) == b_before
+                served += 1
+                await asyncio.sleep(0)
+            assert refused and served
+            assert await adopting == 1
+            await b.apply_deltas(wb, tree("y"))
+            assert b.stats.writers_restored == 1
+            # Adopted, where it was: its writer (same handle), counts, claim, failure, totals.
+            assert b.checkpoint_of(wa) == "a/live"
+            assert _summary(await b.get_checkpoint("a/live")) == a_before
+            assert (await b.token_is_current("a/live", "claimed", 1)).current
+            failures = await b.list_failures("a/live")
+            assert [(f.source_id, f.failed) for f in failures.sources] == [("bad", True)]
+            await b.apply_deltas(wa, tree("half")[2:])
+            await b.flush(wa)
+            assert await b.are_completed("a/live", ["x", "half", "y"]) == [True, True, False]
+            # Its own are untouched (the failure, budget, declared sources, claim, writer).
+            after = _summary(await b.get_checkpoint("b/live"))
+            assert after == (b_before[0] + 1, *b_before[1:6], b_before[6] - 1, b_before[7])
+            assert [f.source_id for f in (await b.list_failures("b/live")).sources] == ["bad"]
+            assert (await b.token_is_current("b/live", "claimed", 1)).current
+            names = [c.name for c in (await b.list_checkpoints()).checkpoints]
+            assert names == ["a/live", "a/stale", "b/live"]
+        # Only the adopted side's stale writer was marked lost; both journaled writers are open.
+        assert states(settings, "a/stale") == {"sa": WriterState.LOST}
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}
+        assert states(settings, "b/live") == {"wb": WriterState.OPEN}
+
+    asyncio.run(main())
+
+
+def test_a_coordinator_owning_every_checkpoint_has_nothing_to_adopt(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with serving(Settings(data_dir=tmp_path / "data", settle_ms=0), None) as svc:
+            with pytest.raises(ValueError, match="nothing to adopt"):
+                await svc.adopt(a_side)
+
+    asyncio.run(main())

@@ -71,17 +71,27 @@ class CheckpointTable:
         # Completed count last written as a progress sample, per checkpoint.
         self._sampled: dict[str, int] = {}
 
-    def restore(self, records: Iterable[CheckpointRecord], counts: dict[str, int]) -> None:
-        """Know every registered checkpoint, with its last sampled count (nothing is read)."""
+    def restore(self, records: Iterable[CheckpointRecord], counts: dict[str, int]) -> list[Checkpoint]:
+        """Know these registered checkpoints, with their last sampled counts (nothing is read).
+
+        Additive: a checkpoint known already is left as it is (a shard adopted at run time adds
+        its checkpoints beside those served). Returns the checkpoints added.
+        """
+        added = []
         for record in records:
-            self.known[record.name] = Checkpoint(
+            if record.name in self.known:
+                continue
+            cp = self.known[record.name] = Checkpoint(
                 name=record.name,
                 created_at=record.created_at,
                 last_activity_at=record.last_activity_at,
                 fingerprint=dict(record.fingerprint),
                 known_count=counts.get(record.name, 0),
             )
-        self._sampled.update(counts)
+            added.append(cp)
+            if record.name in counts:
+                self._sampled[record.name] = counts[record.name]
+        return added
 
     def close(self) -> None:
         """Wait for loads in progress and stop the loading thread."""
@@ -90,7 +100,7 @@ class CheckpointTable:
     def __getitem__(self, name: str) -> Checkpoint:
         return self.known[name]
 
-    async def find(self, name: str, *, create: bool) -> Checkpoint | None:
+    async def find(self, name: str, *, create: bool, restoring: bool = False) -> Checkpoint | None:
         """The checkpoint named ``name`` (its id set not necessarily loaded), or None.
 
         A folder on disk that the registry does not know yet (one NeMo Curator wrote, placed in
@@ -99,9 +109,11 @@ class CheckpointTable:
 
         Every call naming a checkpoint comes through here (or :meth:`existing`): one naming a
         checkpoint this coordinator does not own is refused with ``NotOwned`` before anything is
-        read or written.
+        read or written; but with ``restoring``: the service brings back a journaled writer of a
+        checkpoint it is restoring (``CoordinatorService.adopt``: owned once restored).
         """
-        self._core.check_owned(name)
+        if not restoring:
+            self._core.check_owned(name)
         cp = self.known.get(name)
         if cp is not None:
             return cp

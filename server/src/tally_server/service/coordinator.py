@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tally_server.domain import validation
-from tally_server.domain.checkpoint import WriterState
+from tally_server.domain.checkpoint import Checkpoint, WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import Delta
@@ -101,7 +101,9 @@ class CoordinatorService:
             are restored at start (their writers from the journal; only their stale open writers
             are marked lost) and known: a call naming another is refused with ``NotOwned``
             (UNAVAILABLE, retried), and store-wide lists (checkpoints, status, gauges) show owned
-            checkpoints only. Writer handles need no check: another's are simply unknown here.
+            checkpoints only. Another's writer handles are simply unknown here; a writer restored
+            by :meth:`adopt`, which widens ``owns`` at run time (a shard taken over) once it has
+            restored what it adds, is refused alike until then.
     """
 
     def __init__(
@@ -177,20 +179,71 @@ class CoordinatorService:
         not loaded here.
         """
         core = self._core
-        owns = core.owns
-        mine: Callable[[str], bool] = owns if owns is not None else lambda name: True
         core.committer.start()
+        census = await self._restore(core.owns)
+        settle_interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
+        lease_interval = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
+        self._loops = [
+            Loop("clock", self._tick, _CLOCK_TICK_S, sleep=self._sleep),
+            Loop("settle", self._durability.settle_step, settle_interval, sleep=self._sleep),
+            Loop("lease", self._writers.lease_step, lease_interval, sleep=self._sleep),
+            Loop("registry", self._flush_bookkeeping, _REGISTRY_FLUSH_S, sleep=self._sleep),
+            Loop("status", self._publish_status, _STATUS_PUBLISH_S, sleep=self._sleep),
+            Loop("progress", self._progress_step, self.progress_interval_s, sleep=self._sleep),
+            Loop("storage", self._probe_storage, _STORAGE_PROBE_S, sleep=self._sleep),
+        ]
+        loop = asyncio.get_running_loop()
+        self._background = [loop.create_task(x.run(), name=f"tally-{x.name}") for x in self._loops]
+        self._start_census(census)
+        core.accepting = True
+
+    async def adopt(self, more: Callable[[str], bool], *, owns: Callable[[str], bool] | None = None) -> int:
+        """Own the checkpoints ``more`` accepts too, from now on, restored as :meth:`start` restores.
+
+        For a shard of the store taken over while this service runs (``serve_shards``): its
+        checkpoints, their failures, budgets, declared sources and claims, and their writers from
+        the journal come back beside what is served, and only their stale open writers are marked
+        lost. Calls go on meanwhile: those naming the adopted checkpoints (or their restored
+        writers' handles) are refused with ``NotOwned`` (UNAVAILABLE, retried) until the end, when
+        ``owns`` widens. Returns how many writers the journal brought back.
+
+        Args:
+            more: the checkpoints to adopt (none of them owned yet).
+            owns: what this coordinator owns from then on (default: what it owned, or ``more``);
+                give one plain predicate rather than a chain growing with every adoption.
+
+        Raises:
+            ValueError: this service owns every checkpoint already (no ``owns`` predicate).
+        """
+        core = self._core
+        owned = core.owns
+        if owned is None:
+            raise ValueError("this coordinator owns every checkpoint of its store: there is nothing to adopt")
+        before = self.stats.writers_restored
+        self._start_census(await self._restore(more))
+        core.owns = owns if owns is not None else lambda name: owned(name) or more(name)
+        return self.stats.writers_restored - before
+
+    async def _restore(self, owns: Callable[[str], bool] | None) -> list[Checkpoint]:
+        """Restore the checkpoints ``owns`` accepts (None: all), none of them known yet.
+
+        Returns those whose counts may be stale, for a census.
+        """
+        core = self._core
+        mine: Callable[[str], bool] = owns if owns is not None else lambda name: True
+        known = self._checkpoints.known
+        before = set(known)
         records = [r for r in await core.registry_read(core.registry.list_checkpoints) if mine(r.name)]
         counts = _owned(await core.registry_read(core.registry.latest_counts), mine)
-        self._checkpoints.restore(records, counts)
+        added = self._checkpoints.restore(records, counts)
         failures: dict[str, dict[str, int]] = {}
         for failed in await core.registry_read(core.registry.list_failures):
             if mine(failed.checkpoint):
                 failures.setdefault(failed.checkpoint, {})[failed.source_id] = failed.attempts
         budgets = _owned(await core.registry_read(core.registry.list_budgets), mine)
-        self._failures.restore(failures, budgets)
+        self._failures.restore(added, failures, budgets)
         declared, declared_counts = await core.registry_read(core.registry.list_declared)
-        self._totals.restore(_owned(declared, mine), _owned(declared_counts, mine))
+        self._totals.restore(added, _owned(declared, mine), _owned(declared_counts, mine))
         journaled = await core.committer.run(self._journal.load, owns)
         restored = await self._opening.restore(journaled)
         self.stats.writers_restored += len(restored)
@@ -215,28 +268,16 @@ class CoordinatorService:
                 "journal; its pending state is gone and its unfinished sources will replay",
                 record.writer_id,
             )
-        settle_interval = min(max(self.settle_ms / 1000 / 5, 0.005), 0.05) if self.settle_ms else 0.05
-        lease_interval = min(max(self.lease_ttl_s / 4, 0.05), 1.0)
-        self._loops = [
-            Loop("clock", self._tick, _CLOCK_TICK_S, sleep=self._sleep),
-            Loop("settle", self._durability.settle_step, settle_interval, sleep=self._sleep),
-            Loop("lease", self._writers.lease_step, lease_interval, sleep=self._sleep),
-            Loop("registry", self._flush_bookkeeping, _REGISTRY_FLUSH_S, sleep=self._sleep),
-            Loop("status", self._publish_status, _STATUS_PUBLISH_S, sleep=self._sleep),
-            Loop("progress", self._progress_step, self.progress_interval_s, sleep=self._sleep),
-            Loop("storage", self._probe_storage, _STORAGE_PROBE_S, sleep=self._sleep),
-        ]
-        loop = asyncio.get_running_loop()
-        self._background = [loop.create_task(x.run(), name=f"tally-{x.name}") for x in self._loops]
         # Counts that may be stale are made exact in the background, never on a status read: those
         # of checkpoints never sampled, and of those that had writers when the coordinator stopped
         # (it may have been killed between two samples).
-        known = self._checkpoints.known
-        stale = {r.checkpoint for r in lost} | (known.keys() - counts.keys())
-        census = [known[name] for name in sorted(stale) if name in known]
+        stale = {r.checkpoint for r in lost} | (known.keys() - before - counts.keys())
+        return [known[name] for name in sorted(stale) if name in known]
+
+    def _start_census(self, census: list[Checkpoint]) -> None:
         if census:
-            self._background.append(loop.create_task(self._checkpoints.census(census), name="tally-census"))
-        core.accepting = True
+            census_task = self._checkpoints.census(census)
+            self._background.append(asyncio.get_running_loop().create_task(census_task, name="tally-census"))
 
     def store_contact(self, unconfirmed: str | None) -> None:
         """Whether the store's ownership is confirmed (None) or why not: reads of completions wait."""

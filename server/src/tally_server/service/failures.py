@@ -13,7 +13,7 @@ reads never query for them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tally_server.domain import validation
 from tally_server.domain.checkpoint import Checkpoint
@@ -40,11 +40,13 @@ class Failures:
         self._core = core
         self._checkpoints = checkpoints
 
-    def restore(self, failures: dict[str, dict[str, int]], budgets: dict[str, int]) -> None:
-        """At start: the failed attempts and budgets the registry holds, onto the known checkpoints."""
-        for name, cp in self._checkpoints.known.items():
-            cp.failures = dict(failures.get(name, {}))
-            cp.max_attempts = budgets.get(name, 0)
+    def restore(
+        self, checkpoints: Iterable[Checkpoint], failures: dict[str, dict[str, int]], budgets: dict[str, int]
+    ) -> None:
+        """The failed attempts and budgets the registry holds, onto ``checkpoints`` (those restored)."""
+        for cp in checkpoints:
+            cp.failures = dict(failures.get(cp.name, {}))
+            cp.max_attempts = budgets.get(cp.name, 0)
 
     async def report(
         self, cp: Checkpoint, writer_id: str, source_id: str, reason: str, attempt_id: str = ""

@@ -206,7 +206,7 @@ class Opening:
         restored = []
         for writer in journaled:
             who = writer.opened
-            cp = await self._checkpoints.find(who.checkpoint, create=True)
+            cp = await self._checkpoints.find(who.checkpoint, create=True, restoring=True)
             assert cp is not None
             completed = await self._checkpoints.completed(cp)
             rebuilt = replay(writer.entries, completed.as_of_now(), core.settle_ms / 1000, core.clock())

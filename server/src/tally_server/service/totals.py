@@ -10,9 +10,10 @@ memory (read back at start); they are meant for up to about a million sources pe
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tally_server.domain import validation
+from tally_server.domain.checkpoint import Checkpoint
 from tally_server.errors import InvalidArgument
 from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
@@ -31,11 +32,14 @@ class Totals:
         self._checkpoints = checkpoints
         self._ordered: dict[str, list[str]] = {}  # declared ids in order, per checkpoint (a cache)
 
-    def restore(self, declared: dict[str, set[str]], counts: dict[str, int]) -> None:
-        """At start: the declared sources and counts the registry holds, onto the known checkpoints."""
-        for name, cp in self._checkpoints.known.items():
-            cp.declared = declared.get(name, set())
-            cp.declared_count = counts.get(name, 0)
+    def restore(
+        self, checkpoints: Iterable[Checkpoint], declared: dict[str, set[str]], counts: dict[str, int]
+    ) -> None:
+        """The declared sources and counts the registry holds, onto ``checkpoints`` (those restored)."""
+        for cp in checkpoints:
+            cp.declared = declared.get(cp.name, set())
+            cp.declared_count = counts.get(cp.name, 0)
+            self._ordered.pop(cp.name, None)
 
     async def declare(self, checkpoint: str, source_ids: Sequence[str], count: int) -> tuple[int, int]:
         """Add declared sources (durable on return); the checkpoint's total and remaining now."""

@@ -76,6 +76,8 @@ class Writers:
                 f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
                 "expired); its pending state is gone: open a new writer (unfinished sources replay)",
             )
+        # A writer the journal brought back for a shard still being adopted waits (UNAVAILABLE).
+        self._core.check_owned(session.checkpoint)
         return session
 
     def checkpoint_of(self, handle: str) -> str | None:
