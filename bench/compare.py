@@ -9,8 +9,9 @@ the same deltas (``bench/_workload.py``). Every figure runs Tally, anchor, Tally
 anchor; the table shows the median of the three runs with the range in brackets, Tally ÷ anchor,
 the goal of issue #10, and the machine's 1-minute load average over the runs next to its CPU count.
 
-Modes: the default (full) run takes about 10 minutes on 2 cores (15 on a busy machine);
-``--quick`` (smaller runs, no 10 M-id checkpoint) stays under 5 minutes; ``--tiny`` is one round of
+Modes: the default (full) run takes about 10 minutes on 2 cores (15 on a busy machine), plus 2½
+for the rerun figure; ``--quick`` (smaller runs, no 10 M-id checkpoint) stays under 5 minutes
+(plus 45 s for the rerun); ``--tiny`` is one round of
 toy sizes, Tally and anchor side by side, for the smoke test (``tests/bench/test_compare_smoke.py``):
 its figures mean nothing.
 

@@ -3,7 +3,8 @@
 Real ``tally serve`` processes, real SDK writers, NeMo Curator 1.4.0's real actor on a private Ray
 instance (``.venv-nemo``, built by ``tests/nemo/setup_env.sh``). Toy sizes: the figures mean nothing
 and nothing here looks at how fast anything was, only that every figure of the table was measured
-on both sides and that the Ray instance is gone afterwards.
+on both sides, that both counted one anomaly per source in the rerun, and that the Ray instance is
+gone afterwards.
 """
 
 from __future__ import annotations
