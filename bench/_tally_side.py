@@ -92,6 +92,7 @@ class Throughput:
     deltas: int
     completed: int
     server_cpu_s: float
+    anomalies: int = 0  # the writers' close() counts: deltas for sources completed before they opened
 
 
 def _writer_main(inbox: Any, outbox: Any) -> None:
@@ -99,10 +100,10 @@ def _writer_main(inbox: Any, outbox: Any) -> None:
 
     while (job := inbox.get()) is not None:
         try:
-            address, checkpoint, writer, sources, complete = job
+            address, checkpoint, writer, sources, complete, tag = job
             batches = wl.batches(wl.writer_deltas(writer, sources, complete=complete))
             with tally.Client(address) as client:
-                w = client.writer(checkpoint, writer_id=f"bench-{writer}")
+                w = client.writer(checkpoint, writer_id=f"{tag}-{writer}")
                 w.open()
                 outbox.put(("ready",))
                 inbox.get()  # go
@@ -112,7 +113,8 @@ def _writer_main(inbox: Any, outbox: Any) -> None:
                 w.flush(timeout=_STEP_TIMEOUT_S)  # the client's default (30 s) is short on a busy machine
                 outbox.put(("done", time.perf_counter() - t0))
                 result = w.close(timeout=_STEP_TIMEOUT_S)
-            outbox.put(("closed", sum(len(b) for b in batches), result.counts.completed))
+            counts = result.counts
+            outbox.put(("closed", sum(len(b) for b in batches), counts.completed, counts.anomalies))
         except Exception:  # noqa: BLE001 - reported to the parent, which stops
             outbox.put(("error", traceback.format_exc()))
 
@@ -162,11 +164,16 @@ class WriterPool:
         writers: int,
         sources: int,
         complete: bool,
+        tag: str = "bench",
     ) -> Throughput:
-        """``writers`` writers send their deltas at once; the time runs until the last ``flush()`` returns."""
+        """``writers`` writers send their deltas at once; the time runs until the last ``flush()`` returns.
+
+        The writers are ``<tag>-0`` ... ``<tag>-<writers - 1>``: another ``tag`` makes new writers of
+        a checkpoint that ones of an earlier run already completed (a rerun).
+        """
         address = server.grpc_address if transport == "grpc" else server.http_url
         for i in range(writers):
-            self._inboxes[i].put((address, checkpoint, i, sources, complete))
+            self._inboxes[i].put((address, checkpoint, i, sources, complete, tag))
         for _ in range(writers):
             self._next("ready", server)
         cpu0 = cpu_seconds(server.process.pid)
@@ -178,7 +185,9 @@ class WriterPool:
         seconds = time.perf_counter() - t0
         cpu = cpu_seconds(server.process.pid) - cpu0
         closed = [self._next("closed", server) for _ in range(writers)]
-        return Throughput(seconds, sum(c[0] for c in closed), sum(c[1] for c in closed), cpu)
+        return Throughput(
+            seconds, sum(c[0] for c in closed), sum(c[1] for c in closed), cpu, sum(c[2] for c in closed)
+        )
 
     def close(self) -> None:
         """Idle writers exit at once; one still in a run (the benchmark was interrupted) is killed."""

@@ -6,7 +6,9 @@ one answer per line on the stdout it was started with (everything else the proce
 goes to stderr). It starts a local Ray instance of its own at start and stops it on ``quit``.
 
     {"cmd": "throughput", "mode": "ray", "actors": 4, "writers": 4, "sources": 25000,
-     "complete": true, "dir": "/tmp/..."}      -> {"seconds", "deltas", "completed", "cpu_s"}
+     "complete": true, "dir": "/tmp/..."}      -> {"seconds", "deltas", "completed", "cpu_s", "anomalies"}
+    {"cmd": "rerun", "mode": ..., "actors": ..., "writers": ..., "sources": ..., "dir": ...}
+                                               -> the same, for the second of two runs (below)
     {"cmd": "latency", "samples": 2000, "warmup": 100, "dir": ...}
                                                -> {"are_completed_ms": [...], "apply_flush_ms": [...]}
     {"cmd": "load", "dir": ..., "empty_dir": ..., "count": N, "queries": Q}
@@ -21,11 +23,19 @@ a time, in the order each caller sent them, and each call that completes sources
 a synced LMDB write transaction before it returns. So a source is durable when the call that
 completed it returns, and a writer's last batch is durable when a later call of the same writer
 (the actor's no-op ``wait``) comes back: that is the anchor's ``flush()``.
+
+A rerun over completed sources: the same deltas, completing every source, run twice on one folder;
+the second run (the one measured) by new actors, of new writer ids, as a new pipeline run would
+start them. Each of them loads the union of the folder's files, so every source's first delta is
+an anomaly: the actor logs a warning ("... Removing '<id>' from the completed set ..."), drops the
+delta and un-completes the source in memory and in its own file (a synced LMDB write transaction).
+The actor keeps no count of them: a loguru sink in the actor's process counts those warnings.
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import os
 import sys
@@ -85,9 +95,43 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
+# Both of the actor's anomaly warnings (a new task id, or a changed delta, for a completed source).
+_ANOMALY_WARNING = "from the completed set"
+
+
+def _actors_logger(actor: Any) -> Any:
+    """The loguru logger ``actor``'s ``apply_deltas`` logs to (Ray wraps the method: unwrapped)."""
+    return inspect.unwrap(type(actor).apply_deltas).__globals__["logger"]
+
+
+def _count_anomalies(actor: Any) -> int:
+    """Count, on ``actor`` (its instance, in its own process), the anomaly warnings logged from now.
+
+    Returns the loguru handler id (remove it when the instance is done with). The logger is the one
+    the actor's methods see: in a Ray worker that is not loguru's module-level one, since Ray ships
+    the class by value (its module's name holds the ``@ray.remote`` wrapper), with a copy of it.
+    """
+    logger = _actors_logger(actor)
+    actor._bench_anomalies = 0
+
+    def sink(_message: Any) -> None:
+        actor._bench_anomalies += 1
+
+    return int(
+        logger.add(
+            sink, level="WARNING", format="{message}", filter=lambda r: _ANOMALY_WARNING in r["message"]
+        )
+    )
+
+
+def _anomalies(actor: Any) -> int:
+    return int(ray.get(actor.__ray_call__.remote(lambda self: self._bench_anomalies)))
+
+
 def _new_actors(count: int, base_dir: str, tag: str) -> list[Any]:
     actors = [ResumabilityActor.remote(base_dir, writer_id=f"bench-{tag}-{i}") for i in range(count)]  # type: ignore[attr-defined]
     ray.get([a.wait.remote() for a in actors])
+    ray.get([a.__ray_call__.remote(_count_anomalies) for a in actors])
     return actors
 
 
@@ -103,11 +147,12 @@ class Anchor:
         ray.get([w.__ray_ready__.remote() for w in self.writers])
 
     def throughput(
-        self, mode: str, actors: int, writers: int, sources: int, complete: bool, dir: str
+        self, mode: str, actors: int, writers: int, sources: int, complete: bool, dir: str, tag: str = "t"
     ) -> dict[str, Any]:
+        """One run on the folder ``dir`` by new actors (writer ids ``bench-<tag>-<i>``)."""
         if mode == "inproc":
-            return self._in_process(writers, sources, complete, dir)
-        targets = _new_actors(actors, dir, "t")
+            return self._in_process(writers, sources, complete, dir, tag)
+        targets = _new_actors(actors, dir, tag)
         try:
             pids = [_pid(a) for a in targets]
             mine = self.writers[:writers]
@@ -118,15 +163,31 @@ class Anchor:
             seconds = time.perf_counter() - t0
             cpu_s = sum(_cpu_s(p) for p in pids) - cpu0
             completed = sum(ray.get([w.completed.remote(targets[i % actors]) for i, w in enumerate(mine)]))
+            anomalies = sum(_anomalies(a) for a in targets)
         finally:
             _drop(targets)
-        return {"seconds": seconds, "deltas": deltas, "completed": completed, "cpu_s": cpu_s}
+        return {
+            "seconds": seconds,
+            "deltas": deltas,
+            "completed": completed,
+            "cpu_s": cpu_s,
+            "anomalies": anomalies,
+        }
 
-    def _in_process(self, writers: int, sources: int, complete: bool, dir: str) -> dict[str, Any]:
+    def rerun(self, mode: str, actors: int, writers: int, sources: int, dir: str) -> dict[str, Any]:
+        """Every source completed by a first run (not measured), then the same deltas again by new
+        actors on the same folder: the second run's figures (see the module docstring)."""
+        first = self.throughput(mode, actors, writers, sources, True, dir, tag="first")
+        if first["completed"] != writers * sources or first["anomalies"]:
+            raise RuntimeError(f"the first run: {first}")
+        return self.throughput(mode, actors, writers, sources, True, dir, tag="rerun")
+
+    def _in_process(self, writers: int, sources: int, complete: bool, dir: str, tag: str) -> dict[str, Any]:
         per_writer = [wl.batches(wl.writer_deltas(w, sources, complete=complete)) for w in range(writers)]
         # The writers' batches interleaved, as they would reach one actor.
         order = [b for group in zip(*per_writer, strict=True) for b in group]
-        actor = InProcessActor(dir, writer_id="bench-inproc")
+        actor = InProcessActor(dir, writer_id=f"bench-inproc-{tag}")
+        handler = _count_anomalies(actor)
         try:
             cpu0, t0 = time.process_time(), time.perf_counter()
             for batch in order:
@@ -136,11 +197,13 @@ class Anchor:
             completed = sum(actor.are_completed(sids))
         finally:
             actor.close()
+            _actors_logger(actor).remove(handler)
         return {
             "seconds": seconds,
             "deltas": sum(len(b) for b in order),
             "completed": completed,
             "cpu_s": cpu_s,
+            "anomalies": actor._bench_anomalies,
         }
 
     def latency(self, samples: int, warmup: int, dir: str) -> dict[str, Any]:

@@ -9,12 +9,13 @@ the same deltas (``bench/_workload.py``). Every figure runs Tally, anchor, Tally
 anchor; the table shows the median of the three runs with the range in brackets, Tally ÷ anchor,
 the goal of issue #10, and the machine's 1-minute load average over the runs next to its CPU count.
 
-Modes: the default (full) run takes about 10 minutes on 2 cores (15 on a busy machine);
-``--quick`` (smaller runs, no 10 M-id checkpoint) stays under 5 minutes; ``--tiny`` is one round of
+Modes: the default (full) run takes about 10 minutes on 2 cores (15 on a busy machine), plus 2½
+for the rerun figure; ``--quick`` (smaller runs, no 10 M-id checkpoint) stays under 5 minutes
+(plus 45 s for the rerun); ``--tiny`` is one round of
 toy sizes, Tally and anchor side by side, for the smoke test (``tests/bench/test_compare_smoke.py``):
 its figures mean nothing.
 
-Figures (``--only``): durable, deltas, latency, load, heartbeats.
+Figures (``--only``): durable, deltas, latency, load, heartbeats, rerun.
 
 The durable figure also runs ``tally serve --store`` on PostgreSQL (issue #11) when a server answers
 at ``--pg-url`` (default: ``postgresql://postgres@127.0.0.1:5432/postgres``): in a scratch database
@@ -49,7 +50,7 @@ import _workload as wl
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-FIGURES = ("durable", "deltas", "latency", "load", "heartbeats")
+FIGURES = ("durable", "deltas", "latency", "load", "heartbeats", "rerun")
 WRITERS = 4
 # are_completed across the PostgreSQL store's replicas: reader processes, ids per call.
 REPLICA_READERS = 4
@@ -318,7 +319,7 @@ class Bench:
     # ---------------------------------------------------------------- preparation (not measured)
 
     def prepare(self) -> None:
-        if self.figures & {"durable", "deltas"}:
+        if self.figures & {"durable", "deltas", "rerun"}:
             self.pool = tside.WriterPool(WRITERS)
         if "load" in self.figures:
             for count in self.sizes.load_counts:
@@ -366,7 +367,7 @@ class Bench:
         put, s, figs = self.results.put, self.sizes, self.figures
         # Runs of one round share a server (each on a checkpoint of its own): alternate who goes first.
         transports = ("grpc", "http") if r % 2 == 0 else ("http", "grpc")
-        if figs & {"durable", "deltas", "latency"}:
+        if figs & {"durable", "deltas", "latency", "rerun"}:
             with running_server(settle_ms=0) as server:
                 if "durable" in figs:
                     for transport in transports:
@@ -388,6 +389,8 @@ class Bench:
                         server.grpc_address, f"bench/latency-r{r}", s.latency_samples, s.latency_warmup
                     )
                     self._put_latency("T", asked, applied)
+                if "rerun" in figs:
+                    self._rerun(server, f"bench/rerun-r{r}")
             if "durable" in figs:
                 with running_server(settle_ms=250) as server:
                     for transport in transports:
@@ -434,10 +437,32 @@ class Bench:
         log(f"are_completed: {one:,.0f} ids/s from the owner alone, {two:,.0f} ids/s from owner + replica")
 
     def pool_run(
-        self, server: Any, transport: str, checkpoint: str, writers: int, complete: bool
+        self, server: Any, transport: str, checkpoint: str, writers: int, complete: bool, tag: str = "bench"
     ) -> tside.Throughput:
         assert self.pool is not None
-        return self.pool.run(server, transport, checkpoint, writers, self.sizes.sources, complete)
+        return self.pool.run(server, transport, checkpoint, writers, self.sizes.sources, complete, tag)
+
+    def _rerun(self, server: Any, checkpoint: str) -> None:
+        """The durable run's deltas on ``checkpoint`` (not measured), then again by new writers: timed."""
+        import tally
+
+        expected = WRITERS * self.sizes.sources
+        first = self.pool_run(server, "grpc", checkpoint, WRITERS, True)
+        if first.completed != expected or first.anomalies:
+            raise RuntimeError(f"Tally, the run before the rerun: {first}")
+        run = self.pool_run(server, "grpc", checkpoint, WRITERS, True, tag="bench-rerun")
+        with tally.Client(server.grpc_address) as client:
+            status = client.checkpoint(checkpoint)
+        put = self.results.put
+        put("T:rerun.grpc", run.deltas / run.seconds)
+        put("T:rerun.anomalies", run.anomalies)
+        put("T:rerun.status_anomalies", status.anomalies)
+        put("T:rerun.completed", status.completed_count)
+        log(
+            f"Tally gRPC, a rerun over {expected:,} completed sources: {run.deltas / run.seconds:,.0f} "
+            f"deltas/s, {run.anomalies:,} anomalies (status: {status.anomalies:,}), "
+            f"{status.completed_count:,} completed after it"
+        )
 
     def _durable(self, server: Any, transport: str, tag: str) -> float:
         run = self.pool_run(server, transport, f"bench/durable-{transport}-{tag}", WRITERS, True)
@@ -501,24 +526,39 @@ class Bench:
                 )
         if "heartbeats" in figs:
             put("A:hb.daemons", self.anchor.call("daemons")["rss"])
+        if "rerun" in figs:
+            for label, mode, actors in self.ARMS:
+                res = self._anchor_run(f"rerun-{label}-r{r}", mode, actors, WRITERS, True, cmd="rerun")
+                put(f"A:rerun.{label}", res["deltas"] / res["seconds"])
+                put(f"A:rerun_anomalies.{label}", res["anomalies"])
+                put(f"A:rerun_completed.{label}", res["completed"])
+                log(
+                    f"anchor {label}, a rerun over {WRITERS * s.sources:,} completed sources: "
+                    f"{res['deltas'] / res['seconds']:,.0f} deltas/s, {res['anomalies']:,} anomalies, "
+                    f"{res['completed']:,} completed after it"
+                )
 
     def _fresh(self, name: str) -> Path:
         path = self.work / "anchor-runs" / name
         path.mkdir(parents=True)
         return path
 
-    def _anchor_run(self, name: str, mode: str, actors: int, writers: int, complete: bool) -> dict[str, Any]:
+    def _anchor_run(
+        self, name: str, mode: str, actors: int, writers: int, complete: bool, cmd: str = "throughput"
+    ) -> dict[str, Any]:
+        """One ``throughput`` run of the anchor on a fresh folder (``rerun``: two, see anchor_worker.py)."""
         assert self.anchor is not None
         path = self._fresh(name)
+        args: dict[str, Any] = {"complete": complete} if cmd == "throughput" else {}
         try:
             return self.anchor.call(
-                "throughput",
+                cmd,
                 mode=mode,
                 actors=actors,
                 writers=writers,
                 sources=self.sizes.sources,
-                complete=complete,
                 dir=str(path),
+                **args,
             )
         finally:
             shutil.rmtree(path, ignore_errors=True)
@@ -572,6 +612,8 @@ def _scaled(values: list[float], unit: str) -> tuple[Callable[[float], str], str
         return (lambda v: f"{v * 1e6:.2f}"), " µs"
     if unit == "core":
         return (lambda v: f"{v * 100:.1f}"), " % of a core"
+    if unit in ("anomalies", "sources"):  # counts
+        return (lambda v: f"{v:,.0f}"), f" {unit}"
     raise ValueError(unit)
 
 
@@ -822,6 +864,53 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
                 comparable=False,
             ),
         ],
+    )
+
+    arms = (("ray4", "Ray, 4 actors"), ("ray1", "Ray, 1 actor"), ("inproc", "class in-process"))
+    rerun = [
+        Row(
+            "deltas/s, a rerun over completed sources (every source an anomaly), gRPC",
+            "T:rerun.grpc",
+            "/s",
+            f"A:rerun.{label}",
+            name,
+        )
+        for label, name in arms
+    ]
+    rerun += [
+        Row(
+            "anomalies in the rerun (Tally: its writers' close(); anchor: its warnings)",
+            "T:rerun.anomalies",
+            "anomalies",
+            f"A:rerun_anomalies.{label}",
+            name,
+        )
+        for label, name in arms
+    ]
+    rerun.append(
+        Row(
+            "anomalies in the checkpoint's status after the rerun",
+            "T:rerun.status_anomalies",
+            "anomalies",
+            note="the anchor keeps no count",
+        )
+    )
+    rerun += [
+        Row(
+            "sources completed after the rerun (see bench/README.md)",
+            "T:rerun.completed",
+            "sources",
+            f"A:rerun_completed.{label}",
+            name,
+            comparable=False,
+        )
+        for label, name in arms
+    ]
+    yield (
+        "rerun",
+        f"A rerun over completed sources: {work}, run to completion (not timed), then the same deltas "
+        "again by new writers on the same checkpoint (anchor: new actors on the same folder)",
+        rerun,
     )
 
 

@@ -3,7 +3,8 @@
 Real ``tally serve`` processes, real SDK writers, NeMo Curator 1.4.0's real actor on a private Ray
 instance (``.venv-nemo``, built by ``tests/nemo/setup_env.sh``). Toy sizes: the figures mean nothing
 and nothing here looks at how fast anything was, only that every figure of the table was measured
-on both sides and that the Ray instance is gone afterwards.
+on both sides, that both counted one anomaly per source in the rerun, and that the Ray instance is
+gone afterwards.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ SECTIONS = [
     "One small call",
     "A checkpoint of 10,000",
     "10 live writers",
+    "A rerun over completed sources",
 ]
-NUMBER = re.compile(r"^\d[\d,.]* ?(k/s|M/s|/s|ms|s|MB|B/id|µs|% of a core)\b")
+NUMBER = re.compile(r"^\d[\d,.]* ?(k/s|M/s|/s|ms|s|MB|B/id|µs|% of a core|anomalies|sources)\b")
+TINY_SOURCES = 4 * 50  # compare.py's tiny size: 4 writers × 50 sources
 
 
 def _require_nemo_venv() -> None:
@@ -92,6 +95,19 @@ def test_tiny_run_measures_every_figure_on_both_sides_and_stops_ray() -> None:
             assert NUMBER.match(value), f"the anchor's {label} figure was not measured: {anchor!r}"
         assert re.fullmatch(r"\d+\.\d–\d+\.\d / \d+", load), f"no load next to {figure!r}: {load!r}"
         assert ratio == "—" or ratio.endswith("×")
+
+    # The rerun: both sides counted one anomaly per source (each source's first delta), Tally on
+    # its writers' close() and in the checkpoint's status, the anchor in its warnings.
+    figures = [row[0] for row in rows]
+    assert any(f.startswith("deltas/s, a rerun over completed sources") for f in figures), out
+    counted = re.search(r"^\| anomalies in the rerun [^|]*\| ([\d,]+) anomalies \|", out, re.M)
+    assert counted and int(counted.group(1).replace(",", "")) == TINY_SOURCES, out
+    anchor_counts = re.findall(r"(Ray, 4 actors|Ray, 1 actor|class in-process): ([\d,]+) anomalies", out)
+    arms = sorted(label for label, _ in anchor_counts)
+    assert arms == ["Ray, 1 actor", "Ray, 4 actors", "class in-process"], anchor_counts
+    assert {int(n.replace(",", "")) for _, n in anchor_counts} == {TINY_SOURCES}, anchor_counts
+    status = re.search(r"^\| anomalies in the checkpoint's status [^|]*\| ([\d,]+) anomalies \|", out, re.M)
+    assert status and int(status.group(1).replace(",", "")) == TINY_SOURCES, out
 
     # The private Ray instance is stopped and its directory removed.
     found = re.search(r"a local Ray instance in (\S+)", run.stderr)
