@@ -277,9 +277,11 @@ def test_problems_are_highlighted_and_the_event_log_pages(tmp_path: Path, browse
         client.writer("sick/run", writer_id="replayer") as writer,
     ):
         _complete(writer, sources)
-        # A new task for a source this writer already completed: an anomaly each (one event each).
-        writer.apply_deltas([(f"1_{s}", s, 1) for s in sources])
-        writer.flush()
+        # A new task for a source this writer already completed: an anomaly each, one event each
+        # in batches of 11 (a batch's anomalies past its first 20 would share one event).
+        for first in range(0, len(sources), 11):
+            writer.apply_deltas([(f"1_{s}", s, 1) for s in sources[first : first + 11]])
+            writer.flush()
         status = client.checkpoint("sick/run")
         assert (status.anomalies, status.unreadable_files) == (55, 1)
 
