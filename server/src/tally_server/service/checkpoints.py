@@ -48,6 +48,9 @@ T = TypeVar("T")
 
 # An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).
 UNLOAD_IDLE_S = 2.0
+# A merge behind a writer's close that moves at least this many ids gives the freed heap back
+# (``malloc_trim`` walks every heap: a few milliseconds, in a load thread); smaller ones leave it.
+TRIM_AFTER_MERGING = 10_000
 # Loads run beside the event loop; more than one, so that a small checkpoint never waits for a big one.
 LOAD_THREADS = 4
 
@@ -70,6 +73,8 @@ class CheckpointTable:
         self.hasher = Hasher()
         # Completed count last written as a progress sample, per checkpoint.
         self._sampled: dict[str, int] = {}
+        self._merging: set[str] = set()  # checkpoints whose merge is being built
+        self._merges: set[asyncio.Task[None]] = set()  # merges behind closes (merge_at_rest)
 
     def restore(self, records: Iterable[CheckpointRecord], counts: dict[str, int]) -> list[Checkpoint]:
         """Know these registered checkpoints, with their last sampled counts (nothing is read).
@@ -207,21 +212,58 @@ class CheckpointTable:
         """Merge the overlays that grew big enough into their compact index.
 
         Each is built in a load thread (a copy of the whole index: tens of milliseconds at 10 M
-        ids, off the event loop).
+        ids, off the event loop). A checkpoint no writer has open merges what it can sooner
+        (``CompletedSet.merge_due_at_rest``).
         """
         for cp in list(self.known.values()):
-            completed = cp.completed
-            if completed is None or not completed.merge_due:
-                continue
-            plan = completed.plan_merge()
-            if plan is None:
-                continue
-            cp.pins += 1
+            await self._merge(cp)
+
+    def merge_at_rest(self, cp: Checkpoint) -> None:
+        """Merge the overlay of a checkpoint whose last writer just closed, behind the close.
+
+        Then give what the writers freed back to the system: their sessions' state (their task ids,
+        the journal's entries) came and went in glibc's heaps and pymalloc's arenas, and the
+        overlay's ids, allocated among them, kept that memory resident (bench/README.md, "Memory
+        per checkpoint").
+        """
+
+        async def merge() -> None:
             try:
-                merged = await self.run(plan.build)
-            finally:
-                cp.pins -= 1
-            completed.finish_merge(plan, merged)
+                await self._merge(cp, trim=True)
+            except Exception:
+                log.exception("merging the new completions of checkpoint %s into its index failed", cp.name)
+
+        task = asyncio.get_running_loop().create_task(merge(), name="tally-merge")
+        self._merges.add(task)
+        task.add_done_callback(self._merges.discard)
+
+    async def settle_merges(self) -> None:
+        """Wait for the merges behind closes (on shutdown)."""
+        if self._merges:
+            await asyncio.gather(*self._merges, return_exceptions=True)
+
+    async def _merge(self, cp: Checkpoint, *, trim: bool = False) -> None:
+        completed = cp.completed
+        if completed is None or cp.name in self._merging:
+            return
+        if not (
+            completed.merge_due or (completed.merge_due_at_rest and not self._core.sessions.live(cp.name))
+        ):
+            return
+        plan = completed.plan_merge()
+        if plan is None:
+            return
+        cp.pins += 1
+        self._merging.add(cp.name)
+        try:
+            merged = await self.run(plan.build)
+        finally:
+            cp.pins -= 1
+            self._merging.discard(cp.name)
+        completed.finish_merge(plan, merged)
+        del merged
+        if trim and len(plan.sids) >= TRIM_AFTER_MERGING:
+            await self.run(release_freed_memory)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking reads of the completion files in a load thread."""

@@ -306,6 +306,7 @@ class CoordinatorService:
         if self._durability.finalizers:
             await asyncio.gather(*self._durability.finalizers, return_exceptions=True)
         await core.settle_behind()
+        await self._checkpoints.settle_merges()
         await self._durability.settle_journals()
         self._checkpoints.sample_progress()
         try:

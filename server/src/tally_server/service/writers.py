@@ -389,6 +389,8 @@ class Writers:
             )
             await session.notify()
         await self.durability.forget(session)
+        if not core.sessions.live(cp.name):
+            self._checkpoints.merge_at_rest(cp)
         totals = session.ledger.totals
         return ClosedWriter(
             ApplyCounts(totals.applied, totals.skipped, totals.rewritten, totals.anomalies, totals.completed),
