@@ -133,7 +133,23 @@ class CompletedSet:
         Every hash hit is confirmed in the file its entry names, the hits of one file in one call
         (one read transaction).
         """
-        return [seq is not None for seq in self._seqs_many(source_ids)]
+        overlay, tombstones = self._overlay, self._tombstones
+        if (overlay and not overlay.keys().isdisjoint(source_ids)) or (
+            tombstones and not tombstones.isdisjoint(source_ids)
+        ):
+            return [seq is not None for seq in self._seqs_many(source_ids)]
+        # The usual case: the index alone answers, without a Python step per hit.
+        found = self._index_hits(source_ids)
+        if found is None:
+            return [False] * len(source_ids)
+        hits, _, confirmed = found
+        answer = np.zeros(len(source_ids), dtype=bool)
+        answer[hits] = confirmed
+        if not all(confirmed):  # another entry with the same hash prefix may hold it (rare)
+            for k, ok in zip(hits.tolist(), confirmed, strict=True):
+                if not ok and self._indexed_seq(source_ids[k]) is not None:
+                    answer[k] = True
+        return answer.tolist()
 
     def _seqs_many(self, source_ids: Sequence[str]) -> list[int | None]:
         """Each id's completion sequence (None: not in the set), vectorised over the index.
@@ -143,11 +159,10 @@ class CompletedSet:
         """
         overlay, tombstones = self._overlay, self._tombstones
         rest: list[int] | None = None  # positions of ``asked`` in ``source_ids`` (None: the same)
-        out: list[int | None]
+        out: list[int | None] = [None] * len(source_ids)
         if (overlay and not overlay.keys().isdisjoint(source_ids)) or (
             tombstones and not tombstones.isdisjoint(source_ids)
         ):
-            out = [None] * len(source_ids)
             rest = []
             for i, sid in enumerate(source_ids):
                 value = overlay.get(sid)
@@ -157,31 +172,44 @@ class CompletedSet:
                     rest.append(i)
             asked: Sequence[str] = [source_ids[i] for i in rest]
         else:
-            out = [None] * len(source_ids)
             asked = source_ids
+        found = self._index_hits(asked)
+        if found is None:
+            return out
         index = self._index
-        if index is None or not asked or not len(index):
-            return out
-        assert self._confirm is not None
-        at, found = index.first_many(self._hasher.of_ids(asked))
-        hits = np.flatnonzero(found)
-        if not len(hits):
-            return out
-        origins = index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)
-        order = np.argsort(origins, kind="stable")  # the hits of each file together
-        hits, origins = hits[order], origins[order]
-        cuts = (np.flatnonzero(origins[1:] != origins[:-1]) + 1).tolist()
-        ks = hits.tolist()
-        keys = [asked[k].encode() for k in ks]
-        confirmed: list[bool] = []
-        for lo, hi in zip([0, *cuts], [*cuts, len(ks)], strict=True):
-            confirmed += self._confirm(self._origins[int(origins[lo])], keys[lo:hi])
-        firsts = at[hits].tolist()
-        for k, first, ok in zip(ks, firsts, confirmed, strict=True):
+        assert index is not None
+        hits, firsts, confirmed = found
+        for k, first, ok in zip(hits.tolist(), firsts.tolist(), confirmed, strict=True):
             # Not in the first entry's file: another entry with the same hash prefix may hold it (rare).
             seq = index.seq(first) if ok else self._indexed_seq(asked[k])
             out[k if rest is None else rest[k]] = seq
         return out
+
+    def _index_hits(
+        self, asked: Sequence[str]
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], list[bool]] | None:
+        """Which of ``asked`` the index may hold, and whether the files confirm each (None: none).
+
+        The positions in ``asked`` whose hash prefix the index holds, each one's first entry with
+        that prefix, and whether that entry's file holds the id (the hits of one file in one call).
+        """
+        index = self._index
+        if index is None or not asked or not len(index):
+            return None
+        assert self._confirm is not None
+        at, found = index.first_many(self._hasher.of_ids(asked))
+        hits = np.flatnonzero(found)
+        if not len(hits):
+            return None
+        origins = index.entries[at[hits]] & np.uint64((1 << index.origin_bits) - 1)
+        order = np.argsort(origins, kind="stable")  # the hits of each file together
+        hits, origins = hits[order], origins[order]
+        cuts = (np.flatnonzero(origins[1:] != origins[:-1]) + 1).tolist()
+        keys = [asked[k].encode() for k in hits.tolist()]
+        confirmed: list[bool] = []
+        for lo, hi in zip([0, *cuts], [*cuts, len(keys)], strict=True):
+            confirmed += self._confirm(self._origins[int(origins[lo])], keys[lo:hi])
+        return hits, at[hits], confirmed
 
     def discard_many(self, source_ids: Iterable[str]) -> int:
         """Drop these completions (un-completes); returns how many were completed.
