@@ -15,7 +15,9 @@ for the rerun figure; ``--quick`` (smaller runs, no 10 M-id checkpoint) stays un
 toy sizes, Tally and anchor side by side, for the smoke test (``tests/bench/test_compare_smoke.py``):
 its figures mean nothing.
 
-Figures (``--only``): durable, deltas, latency, load, heartbeats, rerun.
+Figures (``--only``): durable, deltas, latency, load, heartbeats, rerun. The small calls'
+figures (latency) are also printed against their floor on this machine, measured in the same round:
+a bare grpcio echo, and the echo plus one ``fdatasync`` (``bench/_floor.py``).
 
 The durable figure also runs ``tally serve --store`` on PostgreSQL (issue #11) when a server answers
 at ``--pg-url`` (default: ``postgresql://postgres@127.0.0.1:5432/postgres``): in a scratch database
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import _floor
 import _tally_side as tside
 import _workload as wl
 
@@ -389,6 +392,8 @@ class Bench:
                         server.grpc_address, f"bench/latency-r{r}", s.latency_samples, s.latency_warmup
                     )
                     self._put_latency("T", asked, applied)
+                    echoed, synced = _floor.floor(s.latency_samples, s.latency_warmup, self.work)
+                    self._put_latency("F", echoed, synced)
                 if "rerun" in figs:
                     self._rerun(server, f"bench/rerun-r{r}")
             if "durable" in figs:
@@ -569,10 +574,8 @@ class Bench:
         for name, samples in (("ac", asked), ("af", applied)):
             for q in (50, 99):
                 self.results.put(f"{side}:lat.{name}.p{q}", wl.percentile(samples, q / 100))
-        log(
-            f"{'Tally' if side == 'T' else 'anchor'} latency p50: {wl.percentile(asked, 0.5):.2f} ms / "
-            f"{wl.percentile(applied, 0.5):.2f} ms"
-        )
+        who = {"T": "Tally", "A": "anchor", "F": "floor (bare grpcio echo, + fdatasync)"}[side]
+        log(f"{who} latency p50: {wl.percentile(asked, 0.5):.2f} ms / {wl.percentile(applied, 0.5):.2f} ms")
 
     def _put_load(self, side: str, count: int, res: dict[str, Any], opened: float) -> None:
         put = self.results.put
@@ -761,9 +764,13 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
     yield "deltas", f"Deltas, all +1 (nothing completes): {sizes.sources * 4:,} deltas per writer", deltas
 
     latency = []
+    floors = {
+        "ac": "floor: a bare grpcio echo, no Tally",
+        "af": "floor: a bare grpcio echo + one fdatasync",
+    }
     for key, name in (("ac", "are_completed([id])"), ("af", "apply_deltas([d]) + flush()")):
         for q, bound in ((50, 0.6), (99, 2.0)):
-            latency.append(
+            latency += [
                 Row(
                     f"{name} p{q}, gRPC",
                     f"T:lat.{key}.p{q}",
@@ -771,8 +778,10 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
                     f"A:lat.{key}.p{q}",
                     "Ray actor",
                     (Goal("tally", "<=", bound, f"≤ {bound:g} ms"), not_above),
-                )
-            )
+                ),
+                # What no Python gRPC service goes below on this machine (bench/_floor.py).
+                Row(f"{name} p{q}, gRPC", f"T:lat.{key}.p{q}", "ms", f"F:lat.{key}.p{q}", floors[key]),
+            ]
     yield (
         "latency",
         f"One small call, one at a time ({sizes.latency_samples:,} samples per run; "

@@ -96,6 +96,10 @@ def test_tiny_run_measures_every_figure_on_both_sides_and_stops_ray() -> None:
         assert re.fullmatch(r"\d+\.\d–\d+\.\d / \d+", load), f"no load next to {figure!r}: {load!r}"
         assert ratio == "—" or ratio.endswith("×")
 
+    # The small calls are printed beside their floor on this machine (bench/_floor.py), measured.
+    for floor in ("a bare grpcio echo, no Tally", "a bare grpcio echo + one fdatasync"):
+        assert re.search(rf"\| floor: {re.escape(floor)}: \d[\d.]* ms \| \d", out), out
+
     # The rerun: both sides counted one anomaly per source (each source's first delta), Tally on
     # its writers' close() and in the checkpoint's status, the anchor in its warnings.
     figures = [row[0] for row in rows]
