@@ -407,7 +407,10 @@ def test_a_second_coordinator_under_a_live_ones_name_is_refused_and_no_call_goes
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         assert done.returncode != 0
-        (line,) = done.stderr.strip().splitlines()
+        # It waited to see whether the name was renewed (a coordinator that died under it would not
+        # renew it), saw it renewed, and was refused in one line.
+        *waited, line = done.stderr.strip().splitlines()
+        assert len(waited) == 1 and "waiting" in waited[0] and "for it to be free" in waited[0]
         assert "goes by the replica name" in line and "TALLY_REPLICA_NAME" in line
         # A call marked as forwarded already is refused by a replica, naming both.
         looped = httpx.get(
@@ -451,6 +454,39 @@ def samples_of(metrics_text: str, name: str) -> dict[str, float]:
             labels, _, value = line[len(name) :].rpartition(" ")
             found[labels] = float(value)
     return found
+
+
+def test_a_coordinator_killed_and_started_again_at_once_under_its_name_serves_again(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """kill -9, then the same replica name started again at once (systemd's Restart=, a StatefulSet's
+    pod): the row its dead process renewed a moment ago must not refuse the new one; it waits the name
+    out and serves, its writer re-attaching without losing what it flushed."""
+    name = ["--replica-name", "tally-0"]
+    with running_server(tmp_path / "a", store=postgres_url, settle_ms=0, args=name) as first:
+        client = tally.Client(first.grpc_address, timeout=60)
+        writer = client.writer("crash/name", writer_id="w")
+        writer.open()
+        writer.apply_deltas(tree("before"))
+        writer.flush()
+        grpc_listen, http_listen = first.grpc_address, first.http_address
+        first.kill()
+    try:
+        with running_server(
+            tmp_path / "a",
+            store=postgres_url,
+            settle_ms=0,
+            args=name,
+            grpc_listen=grpc_listen,
+            http_listen=http_listen,
+        ) as second:
+            writer.apply_deltas(tree("after"))
+            writer.flush()  # the writer re-attaches to the new process under the same name
+            assert client.are_completed("crash/name", ["before", "after"]) == [True, True]
+            assert writer.close().counts.anomalies == 0
+            assert "goes by the replica name" not in second.log()
+    finally:
+        client.close()
 
 
 def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path, postgres_url: str) -> None:

@@ -31,6 +31,8 @@ from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_status import StatusBoard
 from tally_server.store.postgres import (
     READ_EPOCH,
+    RENEW_EVERY_S,
+    TAKE_OVER_AFTER_S,
     Fenced,
     StoreInUse,
     StoreLock,
@@ -39,7 +41,7 @@ from tally_server.store.postgres import (
     stale_connection,
     store_url,
 )
-from tally_server.store.replicas import ReplicaBoard
+from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
 from tests.conftest import POSTGRES_ADMIN_URL
 from tests.pg_sessions import allow_connections, alter_database, end_sessions
 
@@ -833,6 +835,31 @@ def test_a_standby_that_reached_the_database_waits_out_an_outage_from_its_first_
     assert took == [True] and standby.epoch == (holder.epoch or 0) + 1
     standby.release()
     holder.release()
+
+
+def test_a_replica_name_renewed_moments_ago_is_waited_for_and_refused_only_if_renewed_meanwhile(
+    postgres_url: str,
+) -> None:
+    """A coordinator killed -9 and started again at once under its name (systemd, a StatefulSet) finds
+    its own row renewed a moment ago: the start waits out the silence that marks it gone instead of
+    exiting; only a row renewed during that wait (a live coordinator under the name) refuses it."""
+    url = store_url(postgres_url)
+
+    def never(seconds: float) -> None:
+        raise AssertionError(f"waited {seconds} s for a name nobody holds")
+
+    check_name_free(url, "r1", sleep=never)  # no row under the name: free at once
+    board = ReplicaBoard(url, "r1", "h:1", "h:2")
+    try:
+        board.announce()  # renewed just now, as a coordinator killed -9 leaves it
+        waits: list[float] = []
+        check_name_free(url, "r1", sleep=waits.append)  # nobody renewed it while this one waited
+        assert len(waits) == 1
+        assert TAKE_OVER_AFTER_S - 1 < waits[0] <= TAKE_OVER_AFTER_S + RENEW_EVERY_S
+        with pytest.raises(ReplicaNameInUse, match="goes by the replica name 'r1'"):
+            check_name_free(url, "r1", sleep=lambda seconds: board.announce())  # a live one renews it
+    finally:
+        board.close()
 
 
 def test_an_unreachable_store_is_one_clear_error() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from tally_server.store import pg_revisions
 from tally_server.store.postgres import (
+    RENEW_EVERY_S,
     TAKE_OVER_AFTER_S,
     TRANSIENT,
     StoreUnreachable,
@@ -257,24 +259,48 @@ def _as_owner(row: sa.Row[Any]) -> Owner:
     )
 
 
-def check_name_free(url: sa.URL, name: str) -> None:
+def check_name_free(url: sa.URL, name: str, *, sleep: Callable[[float], object] = time.sleep) -> None:
     """At start: refuse a replica name that a live coordinator of the store goes by.
 
+    A name renewed less than ``TAKE_OVER_AFTER_S`` ago may be that of a coordinator that just died
+    (kill -9, then restarted at once by systemd or Kubernetes under the same name): the start waits
+    until the name has been silent that long and goes on if nobody renewed it meanwhile (the same
+    silence after which the row is taken over), so a restart after a crash is late by at most that,
+    never refused. A coordinator alive under the name renews it every ``RENEW_EVERY_S``.
+
     Raises:
-        ReplicaNameInUse: one renewed its row under ``name`` within ``TAKE_OVER_AFTER_S``.
+        ReplicaNameInUse: a coordinator renewed its row under ``name`` while this one waited.
         StoreUnreachable: the database cannot be reached.
     """
     engine = create_engine(url, pooled=False)
     try:
         pg_revisions.upgrade_store(engine, display(url))
-        with engine.begin() as conn:
-            silent = conn.execute(
-                sa.text(f"SELECT {_DB_NOW} - renewed_at FROM store_replicas WHERE name = :name"),
-                {"name": name},
-            ).scalar()
+        seen = _renewed(engine, name)
+        if seen is None or seen[1] >= TAKE_OVER_AFTER_S:
+            return
+        wait = TAKE_OVER_AFTER_S - seen[1] + RENEW_EVERY_S / 4
+        logger.info(
+            "the replica name %r was renewed %.1f s ago: waiting %.1f s for it to be free (a coordinator "
+            "that died under it stops renewing it; a live one keeps renewing it and this one is refused)",
+            name,
+            seen[1],
+            wait,
+        )
+        sleep(wait)
+        again = _renewed(engine, name)
     except TRANSIENT as exc:
         raise StoreUnreachable(url, exc) from None
     finally:
         engine.dispose()
-    if silent is not None and silent < TAKE_OVER_AFTER_S:
+    if again is not None and again[0] != seen[0]:
         raise ReplicaNameInUse(name)
+
+
+def _renewed(engine: Engine, name: str) -> tuple[float, float] | None:
+    """When ``name``'s row was last renewed (the database's clock) and how long ago, if it has one."""
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.text(f"SELECT renewed_at, {_DB_NOW} - renewed_at FROM store_replicas WHERE name = :name"),
+            {"name": name},
+        ).one_or_none()
+    return None if row is None else (float(row[0]), float(row[1]))
