@@ -1,4 +1,4 @@
-"""Keep glibc's allocator from holding large freed blocks as resident memory the server never uses.
+"""Keep glibc's allocator from holding freed memory as resident memory the server never uses.
 
 glibc serves an allocation of ``M_MMAP_THRESHOLD`` bytes or more with a mapping of its own (its
 pages resident only once touched, given back whole when freed), and anything smaller from its
@@ -11,12 +11,17 @@ from a heap, recycled memory that is resident already and now pinned while the f
 Measured with ``tally serve`` (bench/README.md, "Memory per checkpoint"): 64 checkpoints with one
 completion each added 123 MB of anonymous memory, 2 MB with the threshold fixed at 1 MiB, and
 throughput did not move.
+
+What the heaps hold once freed anyway (a load's keys, the sessions of writers that closed) goes
+back to the system with ``release_freed_memory``. Both calls are glibc's own (``mallopt``,
+``malloc_trim``), made through one handle on the C library, and do nothing elsewhere.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -28,25 +33,47 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library if it is glibc (loaded once, its functions typed); None for any other."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # glibc only (musl has no such functions).
+        version, mallopt, malloc_trim = libc.gnu_get_libc_version, libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    version.argtypes, version.restype = [], ctypes.c_char_p
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc
+
+
 def fix_mmap_threshold() -> bool:
     """Fix glibc's mmap threshold at 1 MiB (no dynamic rise); returns whether it was set here.
 
     Left alone where the allocator is not glibc's, or where ``MALLOC_MMAP_THRESHOLD_`` is set (the
     operator's own choice, read by glibc at start).
     """
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only (musl has no such function)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    libc = _glibc()
+    if libc is None:
         return False
-    gnu_get_libc_version.restype = ctypes.c_char_p
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
-        log.warning("could not fix glibc %s's mmap threshold", gnu_get_libc_version().decode())
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        log.warning("could not fix glibc %s's mmap threshold", libc.gnu_get_libc_version().decode())
         return False
     return True
+
+
+def release_freed_memory() -> None:
+    """Give the memory glibc's heaps hold free back to the system (nothing where it is not glibc).
+
+    glibc keeps it otherwise: the keys a load read while hashing would stay resident, several
+    times the index itself. ``malloc_trim`` walks every heap (a few milliseconds): call it off the
+    event loop.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

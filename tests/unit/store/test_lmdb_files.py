@@ -396,3 +396,28 @@ def test_a_file_looked_up_after_a_restart_can_be_written_again(data_dir: Path) -
         after.commit([PutCompleted("run", "w", ["b"])])
         assert after.contains("run", "w", [b"a", b"b"]) == [True, True]
         assert after.load("run").completed == {"a", "b"}
+
+
+def test_released_files_are_closed_and_written_again_on_demand(
+    store: LmdbCompletionStore, data_dir: Path, read_file: ReadFile
+) -> None:
+    store.commit([PutCompleted("run", w, [f"{w}-a", "shared"]) for w in ("w1", "w2", "w3")])
+    store.commit([PutCompleted("other", "w1", ["x"])])
+    assert len(store._handles) == 4
+
+    store.release_files("run", "w1")  # w1 closed: its file only
+    assert len(store._handles) == 3
+    # An anomaly un-completes a source in every file, the closed writer's too (opened again).
+    store.commit([DeleteCompleted("run", ["shared"])])
+    assert store.load("run").completed == {"w1-a", "w2-a", "w3-a"}
+
+    store.release_files("run")  # the checkpoint's last writer closed: all its files
+    assert len(store._handles) == 1
+    folder = folder_of(data_dir, "run")
+    assert read_file(folder / "w1.mdb") == {"w1-a"}  # not held: read from another handle
+    store.commit([PutCompleted("run", "w1", ["w1-b"])])  # the same writer id again
+    assert store.load("run").completed == {"w1-a", "w1-b", "w2-a", "w3-a"}
+    store.release_files("run", "never-wrote")  # no file: nothing to do
+
+    store.close()
+    store.release_files("run")  # after the store closed: nothing to do

@@ -180,6 +180,41 @@ def test_events_newest_first_with_paging(registry: SqlRegistry) -> None:
     assert registry.list_events("missing") == []
 
 
+def test_a_batch_of_events_is_one_insert_and_keeps_their_order(registry: SqlRegistry) -> None:
+    """A batch's events (e.g. a batch's first 20 anomalies and its summary) are one INSERT, not one
+    each, and their ids still increase in the order they happened, across checkpoints."""
+    first = EventRecord("run", "writer_opened", "before", 0.0)
+    registry.write_batch(events=[first])
+    inserts: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO EVENTS"):
+            inserts.append(statement)
+
+    sa.event.listen(registry._engine, "before_cursor_execute", count)
+    batch = [
+        EventRecord("other" if i % 3 == 0 else "run", "anomaly", f"event {i}", 1.0 + i, f"w{i}", {"i": i})
+        for i in range(21)
+    ]
+    registry.write_batch(events=batch)
+    assert len(inserts) == 1
+
+    ids = [e.id for e in batch]
+    assert all(isinstance(i, int) and first.id is not None and i > first.id for i in ids)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    ran = [e for e in batch if e.checkpoint == "run"]
+    assert registry.list_events("run") == [*reversed(ran), first]
+    assert registry.list_events("other") == list(reversed([e for e in batch if e.checkpoint == "other"]))
+    older = registry.list_events("run", limit=5, before_id=ran[7].id)
+    assert [e.message for e in older] == [e.message for e in reversed(ran[2:7])]
+
+    # More rows than one statement takes (1,000): still in order from one statement to the next.
+    many = [EventRecord("many", "anomaly", f"m{i}", 2.0, None, {"i": i}) for i in range(2500)]
+    registry.write_batch(events=many)
+    assert [e.id for e in many] == sorted(e.id for e in many if e.id is not None)
+    assert [e.data["i"] for e in registry.list_events("many", limit=3000)] == list(range(2499, -1, -1))
+
+
 def test_state_survives_reopening(registry_url: str) -> None:
     with SqlRegistry(registry_url) as first:
         first.write_batch(checkpoints=[CheckpointRecord("run", 1.0, 2.0, {"input": "x"})])

@@ -161,6 +161,13 @@ class CompletionStore(Protocol):
         """Write, sync and remove a small file where completions go; raises if that fails (disk full)."""
         ...
 
+    def release_files(self, checkpoint: str, writer_id: str | None = None) -> None:
+        """Close what the store keeps open to write the checkpoint's files (``writer_id``'s only).
+
+        The next write of a file opens it again. Nothing to do for a database store.
+        """
+        ...
+
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
         """Move the checkpoint's files to ``<data_dir>/.trash/<checkpoint>/<stamp>/``.
 

@@ -9,8 +9,6 @@ ones exceed the memory budget. Status never loads anything.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 import logging
 from collections.abc import Callable, Iterable
@@ -23,27 +21,10 @@ from tally_server.domain.compact import CompactIndex, Hasher, distinct_count
 from tally_server.domain.events import EventKind
 from tally_server.domain.ports import CheckpointRecord, LoadedIndex, ProgressRecord, QuarantinedFile
 from tally_server.errors import NotFound, Unavailable
+from tally_server.malloc import release_freed_memory
 from tally_server.service.core import Core
 
 log = logging.getLogger(__name__)
-
-
-def release_freed_memory() -> None:
-    """Give the heap a load freed back to the system.
-
-    glibc keeps it otherwise: the keys read while hashing would stay resident, several times the
-    index itself.
-    """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-try:
-    _malloc_trim: Callable[[int], int] | None = ctypes.CDLL(
-        ctypes.util.find_library("c") or "libc.so.6"
-    ).malloc_trim
-except (OSError, AttributeError):  # not glibc
-    _malloc_trim = None
 T = TypeVar("T")
 
 # An idle checkpoint used within this many seconds is not unloaded (no thrashing under a reader).

@@ -248,6 +248,18 @@ class Durability:
         except Exception as exc:
             log.warning("could not drop the journal of writer %s: %s", session.writer_id, exc)
 
+    async def release_files(self, session: Session, *, last: bool) -> None:
+        """Close the store's handles on the files of a session that ended (best effort).
+
+        Its own file; once it was the checkpoint's last writer, every file of the checkpoint (those
+        an anomaly's un-complete opened again too). On the commit thread, between two commits.
+        """
+        store, writer_id = self._core.completions, None if last else session.writer_id
+        try:
+            await self._core.committer.run(store.release_files, session.checkpoint, writer_id)
+        except Exception as exc:
+            log.warning("could not close the completion files of writer %s: %s", session.writer_id, exc)
+
     async def settle_journals(self) -> None:
         """On a graceful stop: make every queued journal entry durable (best effort)."""
         for session in self._core.sessions:

@@ -389,7 +389,10 @@ class Writers:
             )
             await session.notify()
         await self.durability.forget(session)
-        if not core.sessions.live(cp.name):
+        # Its files closed before a merge behind the close starts competing for the GIL.
+        last = not core.sessions.live(cp.name)
+        await self.durability.release_files(session, last=last)
+        if last and not core.sessions.live(cp.name):
             self._checkpoints.merge_at_rest(cp)
         totals = session.ledger.totals
         return ClosedWriter(

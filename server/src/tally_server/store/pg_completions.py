@@ -359,6 +359,9 @@ class PgCompletionStore:
         except postgres.TRANSIENT as exc:
             raise postgres.write_error(self._url, exc, "the storage probe") from exc
 
+    def release_files(self, checkpoint: str, writer_id: str | None = None) -> None:
+        """Nothing is kept open per checkpoint or writer here (the ``CompletionStore`` protocol)."""
+
     def trash(self, checkpoint: str, stamp: str) -> tuple[str, int]:
         """Move the checkpoint's rows to the ``completed_trash`` table under ``stamp``; never deletes.
 
