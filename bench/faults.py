@@ -9,6 +9,8 @@ Scenarios (docs/faults.md states what Tally promises under each):
   disk_full      the data dir on an 8 MB tmpfs filled up, then freed (root only; skipped otherwise)
   damaged_files  truncated, garbage, MDB_CORRUPTED and symlinked completion files, served
   bad_requests   a sweep of malformed requests over gRPC and HTTP
+  shards         3 coordinators on a PostgreSQL store of 4 shards, writers on every shard, coordinators
+                 killed -9, stopped and paused past their leases at random (skipped without PostgreSQL)
 
 Prints one row per scenario. The cells lost, false, expired (healthy writers), 5xx/INTERNAL and
 outside (files created or written outside the data dir) must be 0; other expectations that failed
@@ -30,10 +32,10 @@ from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench._faultlib and tests.nemo_format
 
-from bench._faultlib import bad_requests, chunked, damaged, disk_full, kill9, read_storm  # noqa: E402
+from bench._faultlib import bad_requests, chunked, damaged, disk_full, kill9, read_storm, shards  # noqa: E402
 from bench._faultlib.common import Row, kill_all, load_average  # noqa: E402
 
-SCENARIOS = ("kill9", "read_storm", "chunked", "disk_full", "damaged_files", "bad_requests")
+SCENARIOS = ("kill9", "read_storm", "chunked", "disk_full", "damaged_files", "bad_requests", "shards")
 
 
 def plan(args: argparse.Namespace) -> dict[str, Callable[[], Row]]:
@@ -46,6 +48,7 @@ def plan(args: argparse.Namespace) -> dict[str, Callable[[], Row]]:
         "disk_full": lambda: disk_full.run(3.0, 10.0) if args.quick else disk_full.run(),
         "damaged_files": damaged.run,
         "bad_requests": bad_requests.run,
+        "shards": lambda: shards.run(1 if args.quick else 4, args.seed),
     }
 
 

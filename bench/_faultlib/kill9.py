@@ -37,7 +37,7 @@ CLIENT_TIMEOUT = 30.0  # long enough for the SDK to ride out the restart
 
 
 @dataclass
-class _WriterLog:
+class WriterLog:
     """What one writer did, as the reference model needs it."""
 
     index: int
@@ -64,15 +64,21 @@ class TrialResult:
     ended_by: dict[str, int]
 
 
-def _plan(trial: int, index: int, rng: random.Random) -> list[tuple[str, int]]:
+def plan_of(trial: int, index: int, rng: random.Random) -> list[tuple[str, int]]:
     """Source ids and where each tree is split (1..5 of its 6 deltas go in the first round)."""
     return [(f"t{trial}-w{index}-s{n}", rng.randint(1, 5)) for n in range(SOURCES_PER_WRITER)]
 
 
-def _run_writer(log: _WriterLog, plan: list[tuple[str, int]]) -> None:
+def run_writer(
+    log: WriterLog, plan: list[tuple[str, int]], checkpoint: str = CHECKPOINT, pause_s: float = 0.0
+) -> None:
+    """Stream ``plan`` into ``checkpoint`` as writer ``w<index>``, recording what was queued and acked.
+
+    ``pause_s``: a pause after each acknowledged round, to make the stream last (pacing).
+    """
     config = tally.ClientConfig(address=log.address, timeout=CLIENT_TIMEOUT, retry_max_s=1.0)
     with tally.Client.from_config(config) as client:
-        writer = client.writer(CHECKPOINT, writer_id=f"w{log.index}")
+        writer = client.writer(checkpoint, writer_id=f"w{log.index}")
         carry: list[tuple[str, int]] = []  # sources whose tails go out this round
         try:
             writer.open()
@@ -93,6 +99,7 @@ def _run_writer(log: _WriterLog, plan: list[tuple[str, int]]) -> None:
                 log.acknowledged |= covered
                 log.rounds += 1
                 carry = heads
+                time.sleep(pause_s)
             writer.close()
             log.finished = True
             log.ended_by = "finished"
@@ -115,15 +122,15 @@ def run_trial(
     ``stop="term"``: the coordinator is stopped gracefully (SIGTERM, as for an upgrade) instead.
     """
     data = base / "data"
-    logs: list[_WriterLog] = []
+    logs: list[WriterLog] = []
     with serve(data, settle_ms=settle_ms) as first:
         grpc_port, http_port = port_of(first.grpc_address), port_of(first.http_address)
         # Half the writers speak gRPC, half HTTP: the crash must not care about the transport.
         addresses = [first.grpc_address, first.http_url]
-        logs = [_WriterLog(i, addresses[i % 2]) for i in range(WRITERS)]
-        plans = [_plan(trial, i, rng) for i in range(WRITERS)]
+        logs = [WriterLog(i, addresses[i % 2]) for i in range(WRITERS)]
+        plans = [plan_of(trial, i, rng) for i in range(WRITERS)]
         threads = [
-            threading.Thread(target=_run_writer, args=(log, plan), name=f"kill9-w{log.index}")
+            threading.Thread(target=run_writer, args=(log, plan), name=f"kill9-w{log.index}")
             for log, plan in zip(logs, plans, strict=True)
         ]
         for t in threads:

@@ -286,8 +286,8 @@ class LmdbCompletionStore(CompletionFolders):
     def release_files(self, checkpoint: str, writer_id: str | None = None) -> None:
         """Close the write handles of the checkpoint's files (of ``writer_id``'s file only, if given).
 
-        A writer's close calls it: open, a handle keeps LMDB's page lists (~400 KB once its writer
-        wrote 25,000 ids; bench/README.md, "Memory per checkpoint"), and the file of a writer that
+        A writer's close calls it: open, a handle keeps LMDB's page lists (13-127 KB once its writer
+        wrote 25,000 ids, by commit size; bench/README.md), and the file of a writer that
         closed is written again only if an anomaly un-completes one of its sources or the same
         writer id opens again; either opens it again (a check of its pages, as at any open). Read
         handles stay: they hold no such lists. Nothing to do once the store is closed.
