@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import status_pb2
+from grpc_status import rpc_status
 
 import tally
 from tally import _calls as calls
@@ -78,6 +80,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, "checkpoint 'missing' does not exist")
         if request.name == "denied":
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "role reader cannot do this")
+        if request.name == "moving":  # a coordinator's own refusal, as Tally sends one: with its Status
+            status = status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="shard 2 is moving")
+            context.abort_with_status(rpc_status.to_status(status))
         return checkpoint_pb(request.name)
 
     def ListCheckpoints(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -302,6 +307,31 @@ def test_unreachable_coordinator_is_unavailable() -> None:
         assert "127.0.0.1:1 is unavailable" in info.value.refused.message
     finally:
         transport.close()
+
+
+def test_a_coordinator_that_refused_a_call_itself_was_reached_and_a_refused_connection_is_retried() -> (
+    None
+):
+    """A coordinator answering UNAVAILABLE on its own (a shard moving, an owner out of reach) is
+    there: when its port then refuses connections (its service restarting, the process killed), that
+    is an outage to retry, not "no coordinator listens here" (found by the sharded chaos run: writers
+    of a cluster reshuffling gave up at once)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_CoordinatorServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    transport = GrpcTransport(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(tally.Unavailable, match="shard 2 is moving") as answered:
+            transport.send(calls.GetCheckpoint("moving"), 5)
+        assert not isinstance(answered.value, NeverReached)
+        server.stop(None).wait()
+        with pytest.raises(tally.Unavailable, match="Connection refused") as refused:
+            transport.send(calls.GetCheckpoint("moving"), 5)
+        assert not isinstance(refused.value, NeverReached)
+    finally:
+        transport.close()
+        server.stop(None)
 
 
 def test_call_on_a_closed_channel_is_unavailable(grpc_server: tuple[str, Servicer]) -> None:

@@ -50,6 +50,8 @@ _STATUS: dict[grpc.StatusCode, StatusCode] = {
 
 #: Optional trailing-metadata entry in which a server may put JSON error details.
 DETAILS_METADATA_KEY = "tally-error-details"
+# The google.rpc.Status a server sends with an error (grpcio-status); the transport never makes one.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 # Checkpoint listings can be large (one entry per writer); lift gRPC's 4 MB receive default.
 _CHANNEL_OPTIONS = [
@@ -83,9 +85,11 @@ def _failure(
     contact: FirstContact, code: grpc.StatusCode | None, message: str | None, metadata: Any, tls: bool
 ) -> TallyError:
     """:func:`error_from_rpc`, remembering in ``contact`` whether the coordinator answered: a
-    refused connection before it ever did is :class:`~tally._transport.contact.NeverReached`."""
+    refused connection before it ever did is :class:`~tally._transport.contact.NeverReached`. An
+    UNAVAILABLE the coordinator sent itself (its status in the trailers: a shard moving, an owner
+    out of reach, a shutdown) is an answer: a refusal after it is an outage, retried."""
     error = error_from_rpc(code, message, metadata, contact.where, tls)
-    if code is grpc.StatusCode.UNAVAILABLE and isinstance(error, Unavailable):
+    if code is grpc.StatusCode.UNAVAILABLE and isinstance(error, Unavailable) and not _refusal(metadata):
         return contact.failed(error, refused="Connection refused" in (message or ""))
     if code is not grpc.StatusCode.DEADLINE_EXCEEDED:
         contact.ok()  # any other status is the coordinator's answer
@@ -107,6 +111,12 @@ def _tls_hint(text: str, tls: bool) -> str:
             )
         return " (if the coordinator serves TLS, use a grpcs:// address)"
     return ""
+
+
+def _refusal(metadata: Any) -> bool:
+    """Whether an error's trailers carry a coordinator's own status (a refusal it sent, such as
+    "moving" or "restarting"): the coordinator is there, whatever the code, so it was reached."""
+    return any(key in (STATUS_DETAILS_KEY, DETAILS_METADATA_KEY) for key, _ in _pairs(metadata))
 
 
 def _details(metadata: Any) -> dict[str, Any]:
