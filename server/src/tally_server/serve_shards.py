@@ -375,7 +375,7 @@ async def _start_stack(
 
     loop = asyncio.get_running_loop()
     mine = frozenset(held)
-    fence = ShardFence(held, url=store_url(settings.store or ""))
+    fence = ShardFence(held, url=store_url(settings.store or ""), store_shards=shards)
     http_sock = bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     status_board: StatusBoard | None = None

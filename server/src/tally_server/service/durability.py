@@ -103,7 +103,10 @@ class Durability:
             written = (
                 [
                     committer.enqueue_all(
-                        [JournalEntry(session.handle, first + i, e) for i, e in enumerate(entries)]
+                        [
+                            JournalEntry(session.handle, first + i, e, session.checkpoint)
+                            for i, e in enumerate(entries)
+                        ]
                     )
                 ]
                 if entries
@@ -244,7 +247,7 @@ class Durability:
         lease then runs out.
         """
         try:
-            await self._core.committer.submit(ForgetWriter(session.handle))
+            await self._core.committer.submit(ForgetWriter(session.handle, session.checkpoint))
         except Exception as exc:
             log.warning("could not drop the journal of writer %s: %s", session.writer_id, exc)
 
