@@ -293,6 +293,25 @@ class Durability:
             # the cause (once per cause).
             await self.persist(cp, session, sources, counted=True)
 
+    async def settle_undeleted(self, which: Callable[[str], bool]) -> None:
+        """Commit now the un-completes left to retry of the checkpoints ``which`` accepts.
+
+        Before they are given up (``CoordinatorService.release``): their next owner loads what the
+        store holds, so an anomaly's un-complete must be there first.
+
+        Raises:
+            Unavailable: the commit failed (they stay to retry).
+        """
+        for name, sources in list(self.undeleted.items()):
+            if not which(name):
+                continue
+            if sources:
+                retry = sorted(sources)
+                await self._core.committer.submit(DeleteCompleted(name, retry))
+                sources.difference_update(retry)
+            if not sources:
+                self.undeleted.pop(name, None)
+
     def forget_undeleted(self, checkpoint: str) -> None:
         """A reset moved every file away: nothing is left to un-complete."""
         self.undeleted.pop(checkpoint, None)

@@ -8,7 +8,7 @@ closes writers that went quiet (opening one is in ``opening``, the commit path i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from tally_server.domain import validation
@@ -359,7 +359,8 @@ class Writers:
         """End a session: a client's close completes its settling sources; the others drop them."""
         core = self._core
         async with session.lock:
-            if session.state != WriterState.OPEN:
+            # Not in the table: closed meanwhile, or let go with its checkpoint (``release``).
+            if session.state != WriterState.OPEN or core.sessions.get(session.handle) is not session:
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
             cp = self._checkpoints[session.checkpoint]
             if state == WriterState.CLOSED:
@@ -416,6 +417,10 @@ class Writers:
                 failures.append(exc)
         if failures:
             raise failures[0]
+
+    def forget(self, handles: Iterable[str]) -> None:
+        """Sessions let go with their checkpoints (``CoordinatorService.release``): no row to refresh."""
+        self._dirty.difference_update(handles)
 
     def queue_heartbeats(self) -> None:
         """Queue the registry rows of writers seen since the last flush (their last heartbeat)."""
