@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,47 +298,62 @@ def test_a_survivor_adopts_a_killed_coordinators_shards_and_its_own_writer_notic
 def test_a_coordinator_hands_shards_over_in_place_and_the_writers_of_those_it_keeps_notice_nothing(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    """One coordinator holds every shard, a writer on each writing through it; a second one joins
-    and is handed its share in place (no restart): the writers of the shards kept see not one
-    refusal, those of the shards handed over re-attach through the new holder from the journal,
-    and the final sets are the model's."""
-    rng = random.Random(7)
-    sources = (f"s{i:05d}" for i in itertools.count())
+    """One coordinator holds every shard, a writer on each writing (and flushing every batch) on a
+    thread of its own through it; a second one joins and is handed its share in place (no
+    restart): the writers of the shards kept, writing all along, see not one refusal, those of the
+    shards handed over re-attach through the new holder from the journal, and the final sets are
+    the model's."""
     names = names_per_shard("handover", per_shard=1)
     done: dict[str, set[str]] = {n: set() for n in names}
-    written: list[str] = []
+    written: dict[str, list[str]] = {n: [] for n in names}
+    health: dict[str, Any] = {}
+    failures: list[BaseException] = []
+    stop = threading.Event()
     options = {"settle_ms": 0, "lease_ttl_s": 60, "args": ["--store-shards", str(SHARDS)]}
 
-    def write() -> None:
-        written.append(next(sources))
-        write_one(writers, written[-1], rng, done)
+    def work(first: RunningServer, i: int, name: str) -> None:
+        rng = random.Random(i)
+        try:
+            with tally.Client(first.grpc_address, timeout=120) as client:
+                with client.writer(name, writer_id=f"w-{i}") as w:
+                    while not stop.is_set():
+                        source = f"s{len(written[name]):05d}"
+                        complete = rng.random() >= 0.2  # one in five left pending (never completed)
+                        deltas = tree(source)
+                        w.apply_deltas(deltas if complete else deltas[:2])
+                        w.flush(timeout=120)
+                        written[name].append(source)
+                        if complete:
+                            done[name].add(source)
+                    health[name] = w.health()
+        except BaseException as exc:  # the main thread says so
+            failures.append(exc)
+
+    def wrote(at_least: dict[str, int]) -> bool:
+        assert not failures, failures
+        return all(len(written[n]) >= at_least[n] for n in names)
 
     with running_server(tmp_path / "a", store=postgres_url, **options) as first:  # type: ignore[arg-type]
         wait_until(
             lambda: held(first) == set(range(SHARDS)), timeout=60, what="the first to hold every shard"
         )
+        threads = [threading.Thread(target=work, args=(first, i, n)) for i, n in enumerate(names)]
         with contextlib.ExitStack() as stack:
-            client = stack.enter_context(tally.Client(first.grpc_address, timeout=120))
-            later = stack.enter_context(contextlib.ExitStack())  # the second coordinator, stopped last
-            writers = {n: client.writer(n, writer_id=f"w-{i}") for i, n in enumerate(names)}
-            for w in writers.values():
-                w.__enter__()
-            for _ in range(20):
-                write()
-            for w in writers.values():
-                w.flush()
-            second = later.enter_context(running_server(tmp_path / "b", store=postgres_url, **options))  # type: ignore[arg-type]
-            # Every writer writes on, flushing each batch, while the shards are handed over.
-            deadline = time.monotonic() + 60
-            while not split([first, second]):
-                assert time.monotonic() < deadline, "timed out waiting for the shards to be handed over"
-                write()
-                for w in writers.values():
-                    w.flush(timeout=120)
-            for _ in range(20):
-                write()
-            for w in writers.values():
-                w.flush(timeout=120)
+            for thread in threads:
+                thread.start()
+            try:
+                wait_until(
+                    lambda: wrote({n: 20 for n in names}), timeout=60, what="20 batches by each writer"
+                )
+                second = stack.enter_context(running_server(tmp_path / "b", store=postgres_url, **options))  # type: ignore[arg-type]
+                wait_until(lambda: split([first, second]), timeout=60, what="the shards handed over")
+                now = {n: len(written[n]) + 20 for n in names}
+                wait_until(lambda: wrote(now), timeout=120, what="20 more batches by each writer")
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(180)
+            assert not failures, failures
             kept, moved = held(first), held(second)
             moved_names = [n for n in names if shard_of(n, SHARDS) in moved]
             assert kept | moved == set(range(SHARDS)) and kept and moved_names
@@ -353,30 +369,26 @@ def test_a_coordinator_hands_shards_over_in_place_and_the_writers_of_those_it_ke
             )
             assert sum(map(int, handed)) == sum(map(int, adopted)) == len(moved_names), (handed, adopted)
             assert "restarting its service" not in log + second.log()
-            health = {name: w.health() for name, w in writers.items()}
             for name in names:
-                if name in moved_names:  # on through the new holder, under the same lease
-                    assert not health[name].lease_lost and health[name].open, name
-                else:  # not one refusal, of a batch or a heartbeat
-                    h = health[name]
-                    assert (h.retries, h.last_error, h.lease_lost) == (0, None, False), name
-            # Calls of the moved shards were refused while they moved (the writer blocked on one
-            # retried it; another may have had nothing to send just then).
-            assert any(health[name].retries > 0 for name in moved_names), health
-            for w in writers.values():
-                w.__exit__(None, None, None)
+                h = health[name]
+                if name in moved_names:  # refused while its shard moved, then on through the new holder
+                    assert h.retries > 0 and not h.lease_lost, (name, h)
+                else:  # not one refusal, of a batch, a flush or a heartbeat, while it wrote all along
+                    assert (h.retries, h.last_error, h.lease_lost) == (0, None, False), (name, h)
             # Through the first coordinator, the second one still holding its share.
-            for name in names:
-                assert client.are_completed(name, written) == [s in done[name] for s in written], name
-                wait_until(
-                    lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
-                    timeout=30,
-                    what=f"{name}'s status",
-                )
-                assert client.checkpoint(name).anomalies == 0
+            with tally.Client(first.grpc_address) as client:
+                for name in names:
+                    ids = written[name]
+                    assert client.are_completed(name, ids) == [s in done[name] for s in ids], name
+                    wait_until(
+                        lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
+                        timeout=30,
+                        what=f"{name}'s status",
+                    )
+                    assert client.checkpoint(name).anomalies == 0
+                for name in moved_names:  # published by the second, which applied their deltas
+                    assert client.checkpoint(name).owner in second.log(), name
             assert held(first) == kept and held(second) == moved
-            for name in moved_names:  # published by the second, which applied their deltas
-                assert client.checkpoint(name).owner in second.log(), name
 
 
 def test_a_store_keeps_the_number_of_shards_it_was_made_with(tmp_path: Path, postgres_url: str) -> None:
