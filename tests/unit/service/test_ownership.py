@@ -385,6 +385,30 @@ def test_a_running_coordinator_gives_checkpoints_up_and_keeps_its_own_as_they_we
     asyncio.run(main())
 
 
+def test_a_flush_at_work_when_its_checkpoint_is_given_up_returns_once_its_completions_are_durable(
+    settings: Settings,
+) -> None:
+    """A flush waiting for a settle window as the release starts: the release waits for it (the
+    settle step completes the source), so the flush is answered, durably, before the checkpoint
+    leaves; a coordinator adopting it finds the source completed."""
+
+    async def main() -> None:
+        async with serving(settings, everything, settle_ms=300) as svc:
+            w = await svc.open_writer("a/slow", writer_id="w")
+            await svc.apply_deltas(w.handle, tree("s"))  # settling for 300 ms
+            flushing = asyncio.get_running_loop().create_task(svc.flush(w.handle))
+            await asyncio.sleep(0)
+            assert not flushing.done()
+            assert await svc.release(a_side, owns=b_side) == 1
+            assert flushing.done() and flushing.result() == 1
+        async with serving(settings, a_side) as a:
+            assert a.stats.writers_restored == 1
+            assert await a.are_completed("a/slow", ["s"]) == [True]
+            assert (await a.get_checkpoint("a/slow")).pending_sources == 0
+
+    asyncio.run(main())
+
+
 @pytest.mark.postgres
 def test_a_write_for_a_shard_given_up_is_refused_once_its_lock_left_the_fence(
     tmp_path: Path, postgres_url: str
