@@ -360,6 +360,11 @@ def test_a_running_coordinator_gives_checkpoints_up_and_keeps_its_own_as_they_we
                 await both.get_checkpoint("a/live")
             with pytest.raises(NotOwned):
                 await both.declare_sources("a/live", ["x"])
+            # Its writer's calls too (UNAVAILABLE, retried at its next owner; never NOT_FOUND).
+            with pytest.raises(NotOwned):
+                await both.apply_deltas(wa, tree("z"))
+            with pytest.raises(NotOwned):
+                await both.flush(wa)
             assert both.checkpoint_of(wa) is None
             assert [c.name for c in (await both.list_checkpoints()).checkpoints] == ["b/live"]
             assert _summary(await both.get_checkpoint("b/live")) == b_before

@@ -288,7 +288,7 @@ class CoordinatorService:
         names = [name for name in self._checkpoints.known if gone(name)]
         self._checkpoints.drop(names)
         self._totals.forget(names)
-        self._writers.forget(s.handle for s in let_go)
+        self._writers.forget(let_go)
         for name in names:
             self._published_status.pop(name, None)
         return len(let_go)

@@ -65,12 +65,18 @@ class Writers:
         self._claims = claims
         # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
         self._dirty: set[str] = set()
+        # The checkpoints of writers let go with them (``CoordinatorService.release``), by handle.
+        self.released: dict[str, str] = {}
 
     # ------------------------------------------------------------------ sessions
 
     def session(self, handle: str) -> Session:
         """The open session behind a handle; NOT_FOUND if it is unknown, closed or expired."""
         session = self._core.sessions.get(handle)
+        if session is None and handle in self.released:
+            # Let go with its checkpoint, open at its next owner: UNAVAILABLE (retried there), never
+            # NOT_FOUND, for a call that passed the router before its shard left (``release``).
+            self._core.check_owned(self.released[handle])
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
                 f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
@@ -418,9 +424,15 @@ class Writers:
         if failures:
             raise failures[0]
 
-    def forget(self, handles: Iterable[str]) -> None:
-        """Sessions let go with their checkpoints (``CoordinatorService.release``): no row to refresh."""
-        self._dirty.difference_update(handles)
+    def forget(self, sessions: Iterable[Session]) -> None:
+        """Sessions let go with their checkpoints (``CoordinatorService.release``): no row to refresh.
+
+        Their handles are kept (a few dozen bytes each): a late call naming one is refused as not
+        owned here (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state gone).
+        """
+        for session in sessions:
+            self._dirty.discard(session.handle)
+            self.released[session.handle] = session.checkpoint
 
     def queue_heartbeats(self) -> None:
         """Queue the registry rows of writers seen since the last flush (their last heartbeat)."""
