@@ -410,7 +410,8 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
     tmp_path: Path, postgres_url: str
 ) -> None:
     """SIGSTOP keeps the paused one's lock sessions: the other ends them and takes its shards;
-    resumed, the paused one finds its shards' epochs moved on and serves without them."""
+    resumed, the paused one finds its shards' epochs moved on and drops them in place, then gets
+    its share back, handed over in place."""
     with sharded(tmp_path, postgres_url, 2, settle_ms=0, lease_ttl_s=60) as (paused, other):
         mine = held(paused)
         (name,) = [n for n in names_per_shard("pause", per_shard=1) if shard_of(n, SHARDS) in mine][:1]
@@ -433,12 +434,18 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
             finally:
                 paused.process.send_signal(signal.SIGCONT)
             assert "has not shown it is alive" in other.log()
-            # Resumed: its leases are found taken (their epochs moved on), it restarts its service
-            # without them; alive again, it gets its share back, handed over by the other.
+            # Resumed: its leases are found taken (their epochs moved on), it drops those shards from
+            # its running service; alive again, it gets its share back, handed over by the other, in
+            # place both (neither restarts its service).
             wait_until(
                 lambda: "lost shard" in paused.log(), timeout=60, what="the paused one to see its loss"
             )
             wait_until(lambda: split([paused, other]), timeout=60, what="the shards split again")
+            assert re.search(
+                r"dropped the lost shard\(s\) [\d, ]+ of the store from the running", paused.log()
+            )
+            assert re.search(r"handed shard\(s\) [\d, ]+ of the store over in place", other.log())
+            assert "restarting its service" not in paused.log() + other.log()
             more = [f"t{i}" for i in range(10)]
             for source in more:
                 w.apply_deltas(tree(source))

@@ -22,11 +22,16 @@ new holder to take and restore from the journal; a commit still carrying one of 
 after that is refused by the fence (``ShardFence``). Here too the writers of the shards kept
 notice nothing; those of the moved shard re-attach at its new holder, from the journal.
 
-A shard lost (its lease taken while this coordinator was paused or cut off), or a hand-over or an
-adoption that failed, still restarts the service: it stops gracefully (every acknowledged
-completion flushed, the writers' journals kept), lets go of the shards it hands over, and starts a
-new service on the same ports for the new set. The writers of the shards that stay see their
-calls refused as UNAVAILABLE for that second or two and re-attach as after any restart.
+A shard lost (its lease taken while this coordinator was paused or cut off) is dropped in place
+(:func:`_drop_lost`): its epoch moved on, so nothing of it can be written here and its new holder
+restored it from the store as after a crash; its calls are refused here, its lock leaves the fence
+at once (the shards kept commit again) and the service forgets its checkpoints without flushing
+(``CoordinatorService.lose``). A loss, a hand-over or an adoption that fails (the database out of
+reach, calls that would not finish) restarts the service instead: it stops gracefully (every
+acknowledged completion flushed, the writers' journals kept), lets go of the shards it hands over,
+and starts a new service on the same ports for the new set; the writers of the shards that stay
+then see their calls refused as UNAVAILABLE for that second or two and re-attach as after any
+restart.
 """
 
 from __future__ import annotations
@@ -321,18 +326,51 @@ async def serve_shards(
 
 
 async def _change_in_place(stack: _Stack, keeper: ShardKeeper, shard_map: ShardMap, shards: int) -> bool:
-    """Give up the surplus shards, then adopt those gained, in ``stack``'s running service.
+    """Drop the shards lost, give up the surplus ones, then adopt those gained, in ``stack``'s service.
 
-    False: restart the service instead: a shard lost (or its lock replaced), or a hand-over or an
-    adoption that failed (the database out of reach, calls that would not finish).
+    False: restart the service instead: a loss, a hand-over or an adoption that failed (the
+    database out of reach, calls that would not finish).
     """
     held = dict(keeper.held)
-    if any(held.get(shard) is not lock for shard, lock in stack.held.items()):
+    lost = frozenset(shard for shard, lock in stack.held.items() if held.get(shard) is not lock)
+    if lost and not await _drop_lost(stack, shard_map, shards, lost):
         return False
     surplus = keeper.surplus & held.keys()
     if surplus and not await _hand_over(stack, keeper, shard_map, shards, surplus):
         return False
     return await _adopt_gained(stack, keeper, shard_map, shards)
+
+
+async def _drop_lost(stack: _Stack, shard_map: ShardMap, shards: int, lost: frozenset[int]) -> bool:
+    """Drop ``lost`` (their leases taken by another coordinator) from ``stack``'s running service.
+
+    Their epochs moved on: nothing of theirs can be written here, and their new holder restored
+    them from the store as after a crash. So their calls are refused here at once (moving), their
+    locks leave the fence at once (the commits of the shards kept pass again; one carrying a lost
+    shard's checkpoint is refused), and the service forgets their checkpoints without flushing
+    (``CoordinatorService.lose``). A lock replaced (lost and taken back) is adopted afterwards.
+    """
+    kept = frozenset(stack.held) - lost
+    names = ", ".join(map(str, sorted(lost)))
+    shard_map.held = kept
+    for shard in lost:
+        stack.fence.remove(shard)
+        del stack.held[shard]
+    try:
+        dropped = await stack.service.lose(
+            lambda name: shard_of(name, shards) in lost, owns=lambda name: shard_of(name, shards) in kept
+        )
+    except Exception as exc:
+        log.warning(
+            "cannot drop the lost shard(s) %s in place (%s): restarting the service instead", names, exc
+        )
+        return False
+    log.info(
+        "dropped the lost shard(s) %s of the store from the running service (%s now at their holder)",
+        names,
+        count(dropped, "writer"),
+    )
+    return True
 
 
 async def _hand_over(

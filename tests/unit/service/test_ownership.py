@@ -414,6 +414,41 @@ def test_a_flush_at_work_when_its_checkpoint_is_given_up_returns_once_its_comple
     asyncio.run(main())
 
 
+def test_a_coordinator_drops_checkpoints_taken_over_without_a_false_flush_and_keeps_its_own(
+    settings: Settings,
+) -> None:
+    """``lose`` (a shard taken over by another coordinator): nothing of its checkpoints is flushed
+    (it could not be written), a flush waiting on one of its writers fails as UNAVAILABLE instead of
+    answering, their calls are refused from then on, the service's own are served, and their next
+    owner carries the writer on from the journal."""
+
+    async def main() -> None:
+        async with serving(settings, everything, settle_ms=300) as svc:
+            wa = (await svc.open_writer("a/live", writer_id="wa")).handle
+            wb = (await svc.open_writer("b/live", writer_id="wb")).handle
+            await svc.apply_deltas(wa, tree("s"))  # settling for 300 ms
+            flushing = asyncio.get_running_loop().create_task(svc.flush(wa))
+            await asyncio.sleep(0)
+            assert not flushing.done()
+            await svc.apply_deltas(wb, tree("t"))
+            assert await svc.lose(a_side, owns=b_side) == 1
+            with pytest.raises(Unavailable, match="moved to another coordinator while flushing"):
+                await flushing
+            with pytest.raises(NotOwned):
+                await svc.apply_deltas(wa, tree("u"))
+            with pytest.raises(NotOwned):
+                await svc.get_checkpoint("a/live")
+            assert await svc.flush(wb) == 1
+            assert await svc.are_completed("b/live", ["t"]) == [True]
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}
+        async with serving(settings, a_side, settle_ms=300) as a:
+            assert a.stats.writers_restored == 1
+            assert await a.flush(wa) == 1  # its settling source completes there
+            assert await a.are_completed("a/live", ["s"]) == [True]
+
+    asyncio.run(main())
+
+
 @pytest.mark.postgres
 def test_a_write_for_a_shard_given_up_is_refused_once_its_lock_left_the_fence(
     tmp_path: Path, postgres_url: str

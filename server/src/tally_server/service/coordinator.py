@@ -270,7 +270,7 @@ class CoordinatorService:
                     async with session.lock:  # no batch, flush or close of it is at work
                         if core.sessions.get(session.handle) is not session:
                             continue  # closed meanwhile (its lease ran out)
-                        core.sessions.remove(session)  # the settle and lease steps leave it
+                        self._writers.let_go(session)
                         let_go.append(session)
                 await asyncio.gather(*(_journaled(self._durability, s) for s in let_go))
                 await self._durability.settle_undeleted(gone)
@@ -280,18 +280,55 @@ class CoordinatorService:
             for session in let_go:  # the restart that follows flushes their journals on its stop
                 if core.sessions.get(session.handle) is None:
                     core.sessions.add(session)
+                    self._writers.released.pop(session.handle, None)
             raise
         try:  # rows not written now stay queued for the next flush
             await core.bookkeeping.flush()
         except Exception as exc:
             log.warning("could not write the registry's rows while giving checkpoints up: %s", exc)
+        self._forget(gone)
+        return len(let_go)
+
+    async def lose(
+        self, gone: Callable[[str], bool], *, owns: Callable[[str], bool], wait_s: float = RELEASE_WAIT_S
+    ) -> int:
+        """Forget the checkpoints ``gone`` accepts: another coordinator took them over (a shard lost).
+
+        Their shard's epoch moved on, so nothing of theirs can be written here any more (the caller
+        takes the shard out of the fence first: their commits are refused) and their next owner
+        restored them from what the store held when it took them, as after a crash. So nothing is
+        flushed: their calls are refused from the start (``NotOwned``), their writers leave the
+        table at once (a flush waiting on one fails as UNAVAILABLE: nothing of it can be durable
+        here), the calls at work on them finish (their commits refused), and they leave memory.
+        The other checkpoints are served all along. Returns how many writers were dropped.
+
+        Raises:
+            TimeoutError: calls of theirs still at work after ``wait_s`` (the caller restarts).
+            ValueError: this service owns every checkpoint (no ``owns`` predicate).
+        """
+        core = self._core
+        if core.owns is None:
+            raise ValueError("this coordinator owns every checkpoint of its store: it loses none")
+        core.owns = owns
+        dropped = [s for s in core.sessions if gone(s.checkpoint)]
+        for session in dropped:
+            self._writers.let_go(session)
+            session.state = WriterState.LOST  # in memory only: it is open at its next owner
+            await session.notify()  # flushes and ordered batches waiting on it end
+        async with asyncio.timeout(wait_s):
+            await core.calls.drained(gone)
+        for name in [n for n in self._durability.undeleted if gone(n)]:
+            self._durability.forget_undeleted(name)  # its next owner finds them in the journal
+        self._forget(gone)
+        return len(dropped)
+
+    def _forget(self, gone: Callable[[str], bool]) -> None:
+        """The checkpoints given up or lost leave memory (their writers left the table already)."""
         names = [name for name in self._checkpoints.known if gone(name)]
         self._checkpoints.drop(names)
         self._totals.forget(names)
-        self._writers.forget(let_go)
         for name in names:
             self._published_status.pop(name, None)
-        return len(let_go)
 
     async def _restore(self, owns: Callable[[str], bool] | None) -> list[Checkpoint]:
         """Restore the checkpoints ``owns`` accepts (None: all), none of them known yet.

@@ -8,7 +8,7 @@ closes writers that went quiet (opening one is in ``opening``, the commit path i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from tally_server.domain import validation
@@ -341,6 +341,11 @@ class Writers:
 
         async with session.changed:
             await session.changed.wait_for(settled)
+        if session.state == WriterState.LOST:  # its checkpoint was taken over: nothing is durable here
+            raise Unavailable(
+                f"writer {session.writer_id!r} moved to another coordinator while flushing (its "
+                "checkpoint's shard was taken over); flush again: it is answered there"
+            )
         if session.state == WriterState.OPEN:
             await self.durability.commit(session)  # every entry so far durable (e.g. after a journal failure)
         if session.state == WriterState.EXPIRED:
@@ -424,15 +429,16 @@ class Writers:
         if failures:
             raise failures[0]
 
-    def forget(self, sessions: Iterable[Session]) -> None:
-        """Sessions let go with their checkpoints (``CoordinatorService.release``): no row to refresh.
+    def let_go(self, session: Session) -> None:
+        """Take a session out of the table with its checkpoint (``CoordinatorService.release``).
 
-        Their handles are kept (a few dozen bytes each): a late call naming one is refused as not
-        owned here (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state gone).
+        Neither closed nor journaled as ended: it is open at the checkpoint's next owner. Its handle
+        is kept (a few dozen bytes): a late call naming it is refused as not owned here
+        (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state gone).
         """
-        for session in sessions:
-            self._dirty.discard(session.handle)
-            self.released[session.handle] = session.checkpoint
+        self._core.sessions.remove(session)  # the settle and lease steps leave it from here
+        self._dirty.discard(session.handle)
+        self.released[session.handle] = session.checkpoint
 
     def queue_heartbeats(self) -> None:
         """Queue the registry rows of writers seen since the last flush (their last heartbeat)."""
