@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,6 +295,102 @@ def test_a_survivor_adopts_a_killed_coordinators_shards_and_its_own_writer_notic
                 assert client.checkpoint(name).anomalies == 0
 
 
+def test_a_coordinator_hands_shards_over_in_place_and_the_writers_of_those_it_keeps_notice_nothing(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """One coordinator holds every shard, a writer on each writing (and flushing every batch) on a
+    thread of its own through it; a second one joins and is handed its share in place (no
+    restart): the writers of the shards kept, writing all along, see not one refusal, those of the
+    shards handed over re-attach through the new holder from the journal, and the final sets are
+    the model's."""
+    names = names_per_shard("handover", per_shard=1)
+    done: dict[str, set[str]] = {n: set() for n in names}
+    written: dict[str, list[str]] = {n: [] for n in names}
+    health: dict[str, Any] = {}
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    options = {"settle_ms": 0, "lease_ttl_s": 60, "args": ["--store-shards", str(SHARDS)]}
+
+    def work(first: RunningServer, i: int, name: str) -> None:
+        rng = random.Random(i)
+        try:
+            with tally.Client(first.grpc_address, timeout=120) as client:
+                with client.writer(name, writer_id=f"w-{i}") as w:
+                    while not stop.is_set():
+                        source = f"s{len(written[name]):05d}"
+                        complete = rng.random() >= 0.2  # one in five left pending (never completed)
+                        deltas = tree(source)
+                        w.apply_deltas(deltas if complete else deltas[:2])
+                        w.flush(timeout=120)
+                        written[name].append(source)
+                        if complete:
+                            done[name].add(source)
+                    health[name] = w.health()
+        except BaseException as exc:  # the main thread says so
+            failures.append(exc)
+
+    def wrote(at_least: dict[str, int]) -> bool:
+        assert not failures, failures
+        return all(len(written[n]) >= at_least[n] for n in names)
+
+    with running_server(tmp_path / "a", store=postgres_url, **options) as first:  # type: ignore[arg-type]
+        wait_until(
+            lambda: held(first) == set(range(SHARDS)), timeout=60, what="the first to hold every shard"
+        )
+        threads = [threading.Thread(target=work, args=(first, i, n)) for i, n in enumerate(names)]
+        with contextlib.ExitStack() as stack:
+            for thread in threads:
+                thread.start()
+            try:
+                wait_until(
+                    lambda: wrote({n: 20 for n in names}), timeout=60, what="20 batches by each writer"
+                )
+                second = stack.enter_context(running_server(tmp_path / "b", store=postgres_url, **options))  # type: ignore[arg-type]
+                wait_until(lambda: split([first, second]), timeout=60, what="the shards handed over")
+                now = {n: len(written[n]) + 20 for n in names}
+                wait_until(lambda: wrote(now), timeout=120, what="20 more batches by each writer")
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(180)
+            assert not failures, failures
+            kept, moved = held(first), held(second)
+            moved_names = [n for n in names if shard_of(n, SHARDS) in moved]
+            assert kept | moved == set(range(SHARDS)) and kept and moved_names
+            # The first gave the moved shards up in place, every writer of theirs left in the journal,
+            # and the second adopted them, restoring those writers; neither restarted its service.
+            log = first.log()
+            handed = re.findall(
+                r"handed shard\(s\) [\d, ]+ of the store over in place \((\d+) writers? left", log
+            )
+            adopted = re.findall(
+                r"adopted shard\(s\) [\d, ]+ of the store into the running service \((\d+) writers? from",
+                second.log(),
+            )
+            assert sum(map(int, handed)) == sum(map(int, adopted)) == len(moved_names), (handed, adopted)
+            assert "restarting its service" not in log + second.log()
+            for name in names:
+                h = health[name]
+                if name in moved_names:  # refused while its shard moved, then on through the new holder
+                    assert h.retries > 0 and not h.lease_lost, (name, h)
+                else:  # not one refusal, of a batch, a flush or a heartbeat, while it wrote all along
+                    assert (h.retries, h.last_error, h.lease_lost) == (0, None, False), (name, h)
+            # Through the first coordinator, the second one still holding its share.
+            with tally.Client(first.grpc_address) as client:
+                for name in names:
+                    ids = written[name]
+                    assert client.are_completed(name, ids) == [s in done[name] for s in ids], name
+                    wait_until(
+                        lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
+                        timeout=30,
+                        what=f"{name}'s status",
+                    )
+                    assert client.checkpoint(name).anomalies == 0
+                for name in moved_names:  # published by the second, which applied their deltas
+                    assert client.checkpoint(name).owner in second.log(), name
+            assert held(first) == kept and held(second) == moved
+
+
 def test_a_store_keeps_the_number_of_shards_it_was_made_with(tmp_path: Path, postgres_url: str) -> None:
     with running_server(tmp_path / "c0", store=postgres_url, args=["--store-shards", "3"]) as first:
         wait_until(lambda: held(first) == {0, 1, 2}, timeout=60, what="the store made with 3 shards")
@@ -313,7 +410,8 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
     tmp_path: Path, postgres_url: str
 ) -> None:
     """SIGSTOP keeps the paused one's lock sessions: the other ends them and takes its shards;
-    resumed, the paused one finds its shards' epochs moved on and serves without them."""
+    resumed, the paused one finds its shards' epochs moved on and drops them in place, then gets
+    its share back, handed over in place."""
     with sharded(tmp_path, postgres_url, 2, settle_ms=0, lease_ttl_s=60) as (paused, other):
         mine = held(paused)
         (name,) = [n for n in names_per_shard("pause", per_shard=1) if shard_of(n, SHARDS) in mine][:1]
@@ -336,12 +434,18 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
             finally:
                 paused.process.send_signal(signal.SIGCONT)
             assert "has not shown it is alive" in other.log()
-            # Resumed: its leases are found taken (their epochs moved on), it restarts its service
-            # without them; alive again, it gets its share back, handed over by the other.
+            # Resumed: its leases are found taken (their epochs moved on), it drops those shards from
+            # its running service; alive again, it gets its share back, handed over by the other, in
+            # place both (neither restarts its service).
             wait_until(
                 lambda: "lost shard" in paused.log(), timeout=60, what="the paused one to see its loss"
             )
             wait_until(lambda: split([paused, other]), timeout=60, what="the shards split again")
+            assert re.search(
+                r"dropped the lost shard\(s\) [\d, ]+ of the store from the running", paused.log()
+            )
+            assert re.search(r"handed shard\(s\) [\d, ]+ of the store over in place", other.log())
+            assert "restarting its service" not in paused.log() + other.log()
             more = [f"t{i}" for i in range(10)]
             for source in more:
                 w.apply_deltas(tree(source))

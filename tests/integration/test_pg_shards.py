@@ -7,13 +7,15 @@ lock and row of before shards.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from tally_server.domain.ports import OpenJournal, PutCompleted
+from tally_server.domain.journal import Persisted
+from tally_server.domain.ports import DeleteCompleted, ForgetWriter, JournalEntry, OpenJournal, PutCompleted
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_revisions import REVISIONS
@@ -32,6 +34,7 @@ from tally_server.store.shards import (
     Fence,
     NoShardHeld,
     ShardFence,
+    ShardNotHeld,
     StoreLayoutMismatch,
     prepare_layout,
     run_fence,
@@ -231,6 +234,53 @@ def test_a_shard_fence_lets_commits_through_until_another_coordinator_takes_one_
         assert fence.remove(2) is two and fence.shards == {1}
         store.commit([PutCompleted("cp/a", "w", ["d"])])  # shard 1 alone: still ours
         assert completed_rows(postgres_url) == 4
+    finally:
+        journal.close()
+        store.close()
+
+
+def test_a_shard_fence_refuses_a_commit_carrying_a_checkpoint_of_a_shard_it_does_not_hold(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """Given the store's number of shards, the fence checks the shards of the checkpoints a commit
+    carries (completions, journal entries and writers, a reset's move to the trash): one of a shard
+    not read (never held, or removed: handed over) is refused, though every shard read is ours."""
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two}, store_shards=4)
+    ones, twos, threes = name_in(1, 4, "x"), name_in(2, 4, "y"), name_in(3, 4, "z")
+    store = PgCompletionStore(postgres_url, fence)
+    journal = PgJournal(postgres_url, fence)
+    try:
+        store.commit([PutCompleted(ones, "w", ["a"]), PutCompleted(twos, "w", ["a"])])
+        with pytest.raises(ShardNotHeld, match=f"no longer holds shard 3 .*checkpoint '{threes}'") as refused:
+            store.commit([PutCompleted(threes, "w", ["a"])])
+        assert isinstance(refused.value, Fenced) and refused.value.shard == 3
+        assert fence.remove(2) is two  # handed over: still ours in the store, no longer in the fence
+        late_entry = JournalEntry("h2", 1, Persisted(["a"]), twos)
+        refusals = [
+            lambda: store.commit([PutCompleted(twos, "w", ["b"])]),
+            lambda: store.commit([PutCompleted(ones, "w", ["b"]), DeleteCompleted(twos, ["a"])]),
+            lambda: store.commit_group(journal, [late_entry], [PutCompleted(ones, "w", ["c"])]),
+            lambda: store.commit_group(
+                journal, [OpenJournal(dataclasses.replace(who("h3"), checkpoint=twos))], []
+            ),
+            lambda: journal.commit([ForgetWriter("h2", twos)]),
+            lambda: store.trash(twos, "stamp"),
+        ]
+        for refusal in refusals:
+            with pytest.raises(ShardNotHeld, match="no longer holds shard 2"):
+                refusal()
+        store.commit_group(
+            journal, [JournalEntry("h1", 1, Persisted(["a"]), ones)], [PutCompleted(ones, "w", ["d"])]
+        )
+        assert sorted(
+            rows(postgres_url, "SELECT checkpoint, convert_from(source_id, 'UTF8') FROM completed")
+        ) == [
+            (ones, "a"),
+            (ones, "d"),
+            (twos, "a"),
+        ]
+        assert rows(postgres_url, "SELECT handle FROM journal_entries") == [("h1",)]
     finally:
         journal.close()
         store.close()

@@ -13,12 +13,25 @@ A shard only gained (taken from a coordinator that died or stopped, or found fre
 into the running service (:func:`_adopt_gained`): its lock fences the service's writes from then
 on, the service restores its checkpoints and journaled writers beside those it serves
 (``CoordinatorService.adopt``), and only then are its calls served here; the writers of the
-shards held all along notice nothing. When a shard is lost or handed over, the coordinator stops
-its service gracefully (every acknowledged completion flushed, the writers' journals kept), lets
-go of the shards it hands over, and starts a new service on the same ports for the new set. The
-writers of the shards that stay see their calls refused as UNAVAILABLE for that second or two and
-re-attach as after any restart; those of a moved shard re-attach at its new holder, from the
-journal.
+shards held all along notice nothing. A shard handed over (a replica joined that it belongs to
+now) is given up in place, in the reverse order (:func:`_hand_over`): its calls are refused here
+as moving, the service lets go of its checkpoints (``CoordinatorService.release``: their calls at
+work finish, their writers' journals are made durable, and they leave memory without their writers
+being closed or marked lost), and only then does its lock leave the fence and is released, for the
+new holder to take and restore from the journal; a commit still carrying one of its checkpoints
+after that is refused by the fence (``ShardFence``). Here too the writers of the shards kept
+notice nothing; those of the moved shard re-attach at its new holder, from the journal.
+
+A shard lost (its lease taken while this coordinator was paused or cut off) is dropped in place
+(:func:`_drop_lost`): its epoch moved on, so nothing of it can be written here and its new holder
+restored it from the store as after a crash; its calls are refused here, its lock leaves the fence
+at once (the shards kept commit again) and the service forgets its checkpoints without flushing
+(``CoordinatorService.lose``). A loss, a hand-over or an adoption that fails (the database out of
+reach, calls that would not finish) restarts the service instead: it stops gracefully (every
+acknowledged completion flushed, the writers' journals kept), lets go of the shards it hands over,
+and starts a new service on the same ports for the new set; the writers of the shards that stay
+then see their calls refused as UNAVAILABLE for that second or two and re-attach as after any
+restart.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 import grpc
@@ -150,13 +163,17 @@ class ShardKeeper:
             self.surplus = surplus
             return changed or bool(surplus)
 
-    def hand_over(self) -> None:
-        """Let go of the surplus shards (after the service that owned them stopped and flushed)."""
+    def hand_over(self, shards: Collection[int] | None = None) -> None:
+        """Let go of the surplus shards (after the service that owned them stopped and flushed).
+
+        ``shards``: of these alone (those the running service gave up); None: of every surplus one.
+        """
         with self._mutex:
-            for shard in sorted(self.surplus & self.held.keys()):
+            going = self.surplus if shards is None else frozenset(shards)
+            for shard in sorted(going & self.held.keys()):
                 self.held.pop(shard).release()
                 log.info("let go of shard %s", shard)
-            self.surplus = frozenset()
+            self.surplus -= going
 
     def close(self) -> None:
         """Stop the rounds and let go of every shard."""
@@ -290,7 +307,7 @@ async def serve_shards(
             while True:
                 await changed.wait()
                 changed.clear()
-                if stop.is_set() or not await _adopt_gained(stack, keeper, shard_map, shards):
+                if stop.is_set() or not await _change_in_place(stack, keeper, shard_map, shards):
                     break
                 serving(stack.held)
             log.info(
@@ -308,19 +325,106 @@ async def serve_shards(
     log.info("shutdown complete")
 
 
+async def _change_in_place(stack: _Stack, keeper: ShardKeeper, shard_map: ShardMap, shards: int) -> bool:
+    """Drop the shards lost, give up the surplus ones, then adopt those gained, in ``stack``'s service.
+
+    False: restart the service instead: a loss, a hand-over or an adoption that failed (the
+    database out of reach, calls that would not finish).
+    """
+    held = dict(keeper.held)
+    lost = frozenset(shard for shard, lock in stack.held.items() if held.get(shard) is not lock)
+    if lost and not await _drop_lost(stack, shard_map, shards, lost):
+        return False
+    surplus = keeper.surplus & held.keys()
+    if surplus and not await _hand_over(stack, keeper, shard_map, shards, surplus):
+        return False
+    return await _adopt_gained(stack, keeper, shard_map, shards)
+
+
+async def _drop_lost(stack: _Stack, shard_map: ShardMap, shards: int, lost: frozenset[int]) -> bool:
+    """Drop ``lost`` (their leases taken by another coordinator) from ``stack``'s running service.
+
+    Their epochs moved on: nothing of theirs can be written here, and their new holder restored
+    them from the store as after a crash. So their calls are refused here at once (moving), their
+    locks leave the fence at once (the commits of the shards kept pass again; one carrying a lost
+    shard's checkpoint is refused), and the service forgets their checkpoints without flushing
+    (``CoordinatorService.lose``). A lock replaced (lost and taken back) is adopted afterwards.
+    """
+    kept = frozenset(stack.held) - lost
+    names = ", ".join(map(str, sorted(lost)))
+    shard_map.held = kept
+    for shard in lost:
+        stack.fence.remove(shard)
+        del stack.held[shard]
+    try:
+        dropped = await stack.service.lose(
+            lambda name: shard_of(name, shards) in lost, owns=lambda name: shard_of(name, shards) in kept
+        )
+    except Exception as exc:
+        log.warning(
+            "cannot drop the lost shard(s) %s in place (%s): restarting the service instead", names, exc
+        )
+        return False
+    log.info(
+        "dropped the lost shard(s) %s of the store from the running service (%s now at their holder)",
+        names,
+        count(dropped, "writer"),
+    )
+    return True
+
+
+async def _hand_over(
+    stack: _Stack, keeper: ShardKeeper, shard_map: ShardMap, shards: int, surplus: frozenset[int]
+) -> bool:
+    """Give ``surplus`` up in ``stack``'s running service, then let go of their locks; False: restart.
+
+    The reverse of an adoption's order: the shards' calls are refused here first (moving:
+    UNAVAILABLE, retried, and routed to the new holder once it has them), then the service lets go
+    of their checkpoints (``CoordinatorService.release``: their calls at work finish, their
+    writers' journals are made durable, they leave memory without being closed or marked lost),
+    and only then do their locks leave the fence and are released, for the new holder to take.
+    A commit still carrying one of their checkpoints after that is refused by the fence.
+    """
+    leaving = surplus & stack.held.keys()
+    kept = frozenset(stack.held) - leaving
+    names = ", ".join(map(str, sorted(surplus)))
+    shard_map.held = kept
+    try:
+        if leaving:
+            let_go = await stack.service.release(
+                lambda name: shard_of(name, shards) in leaving,
+                owns=lambda name: shard_of(name, shards) in kept,
+            )
+        else:
+            let_go = 0
+    except Exception as exc:
+        log.warning("cannot hand shard(s) %s over in place (%s): restarting the service instead", names, exc)
+        return False
+    for shard in leaving:
+        stack.fence.remove(shard)
+        del stack.held[shard]
+    await asyncio.to_thread(keeper.hand_over, surplus)
+    log.info(
+        "handed shard(s) %s of the store over in place (%s left in the journal for the new holder)",
+        names,
+        count(let_go, "writer"),
+    )
+    return True
+
+
 async def _adopt_gained(stack: _Stack, keeper: ShardKeeper, shard_map: ShardMap, shards: int) -> bool:
     """Adopt the shards the keeper took into ``stack``'s running service; False: restart it instead.
 
-    Only when shards were only gained: one lost (or its lock replaced) or one to hand over needs
-    the restart, as does an adoption that failed (the database out of reach). A gained shard is
-    fenced first (the service's writes for it need its epoch), then restored by the service, and
-    served (``shard_map.held``) last: until then its calls are refused here as moving (UNAVAILABLE,
-    retried).
+    A gained shard is fenced first (the service's writes for it need its epoch), then restored by
+    the service, and served (``shard_map.held``) last: until then its calls are refused here as
+    moving (UNAVAILABLE, retried). An adoption that failed (the database out of reach) restarts.
     """
-    held, surplus = dict(keeper.held), keeper.surplus
-    if surplus or any(held.get(shard) is not lock for shard, lock in stack.held.items()):
-        return False
-    gained = {shard: lock for shard, lock in held.items() if shard not in stack.held}
+    held = dict(keeper.held)
+    if any(held.get(shard) is not lock for shard, lock in stack.held.items()):
+        return False  # one lost while another was handed over
+    gained = {
+        shard: lock for shard, lock in held.items() if shard not in stack.held and shard not in keeper.surplus
+    }
     if not gained:
         return True
     adopted = frozenset(gained)
@@ -375,7 +479,7 @@ async def _start_stack(
 
     loop = asyncio.get_running_loop()
     mine = frozenset(held)
-    fence = ShardFence(held, url=store_url(settings.store or ""))
+    fence = ShardFence(held, url=store_url(settings.store or ""), store_shards=shards)
     http_sock = bind_http(settings.http_listen)
     http_loop, http_selector = new_event_loop()
     status_board: StatusBoard | None = None

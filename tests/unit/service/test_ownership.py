@@ -18,12 +18,20 @@ import pytest
 
 from tally_server.app import build_service
 from tally_server.domain.checkpoint import WriterState
+from tally_server.domain.journal import Persisted
+from tally_server.domain.ports import DeleteCompleted, ForgetWriter, JournalEntry, PutCompleted
 from tally_server.errors import ErrorCode, NotOwned, Unavailable
 from tally_server.service import CoordinatorService
 from tally_server.service.views import ReplicasView
 from tally_server.settings import Settings
+from tally_server.store.pg_completions import PgCompletionStore
+from tally_server.store.pg_journal import PgJournal
+from tally_server.store.postgres import StoreLock, store_url
 from tally_server.store.registry import SqlRegistry
+from tally_server.store.shards import ShardFence, shard_of
 from tests.integration.workload import tree
+
+SHARDS = 4
 
 
 def a_side(name: str) -> bool:
@@ -317,3 +325,192 @@ def test_a_coordinator_owning_every_checkpoint_has_nothing_to_adopt(tmp_path: Pa
                 await svc.adopt(a_side)
 
     asyncio.run(main())
+
+
+def everything(name: str) -> bool:
+    return True
+
+
+def test_a_running_coordinator_gives_checkpoints_up_and_keeps_its_own_as_they_were(
+    settings: Settings,
+) -> None:
+    """``release`` lets the calls at work on the released checkpoints finish, makes their writers'
+    journals durable and forgets them, refusing their calls from then on, while the service's own
+    are answered and left as they were; their writers stay open (neither closed nor lost), and a
+    coordinator adopting them finds everything where it was, the calls that were at work included."""
+
+    async def main() -> None:
+        async with serving(settings, everything) as both:
+            wa = await _fill(both, "a/live", "wa")
+            wb = await _fill(both, "b/live", "wb")
+            b_before = _summary(await both.get_checkpoint("b/live"))
+            # Calls at work on a/live as the release starts: a batch (its commit under way) and a
+            # declaration (its registry write under way).
+            loop = asyncio.get_running_loop()
+            applying = loop.create_task(both.apply_deltas(wa, tree("late")))
+            declaring = loop.create_task(both.declare_sources("a/live", ["later"]))
+            await asyncio.sleep(0)
+            assert not applying.done() and not declaring.done()
+            assert await both.release(a_side, owns=b_side) == 1
+            # Both finished (and were answered) before the release returned.
+            assert applying.done() and applying.result().counts.completed == 1
+            assert declaring.done() and declaring.result() == (4, 3)
+            # a/live is refused from now on, its writer unknown here; b/live is served as it was.
+            with pytest.raises(NotOwned):
+                await both.get_checkpoint("a/live")
+            with pytest.raises(NotOwned):
+                await both.declare_sources("a/live", ["x"])
+            # Its writer's calls too (UNAVAILABLE, retried at its next owner; never NOT_FOUND).
+            with pytest.raises(NotOwned):
+                await both.apply_deltas(wa, tree("z"))
+            with pytest.raises(NotOwned):
+                await both.flush(wa)
+            assert both.checkpoint_of(wa) is None
+            assert [c.name for c in (await both.list_checkpoints()).checkpoints] == ["b/live"]
+            assert _summary(await both.get_checkpoint("b/live")) == b_before
+            await both.apply_deltas(wb, tree("y"))
+            await both.flush(wb)
+            assert await both.are_completed("b/live", ["x", "y", "half"]) == [True, True, False]
+            assert (await both.token_is_current("b/live", "claimed", 1)).current
+        # Neither writer was closed or marked lost.
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}
+        assert states(settings, "b/live") == {"wb": WriterState.OPEN}
+
+        async with serving(settings, a_side) as a:
+            assert a.stats.writers_restored == 1
+            # Where it was, with the late batch ('late' completed) and declaration ('later').
+            assert _summary(await a.get_checkpoint("a/live")) == (2, 1, ["wa"], 1, 1, 4, 3, 1)
+            assert await a.are_completed("a/live", ["x", "late", "half"]) == [True, True, False]
+            assert (await a.token_is_current("a/live", "claimed", 1)).current
+            await a.apply_deltas(wa, tree("half")[2:])  # the same handle, its pending source too
+            await a.flush(wa)
+            assert await a.are_completed("a/live", ["half"]) == [True]
+            assert (await a.get_checkpoint("a/live")).anomalies == 0
+
+    asyncio.run(main())
+
+
+def test_a_flush_at_work_when_its_checkpoint_is_given_up_returns_once_its_completions_are_durable(
+    settings: Settings,
+) -> None:
+    """A flush waiting for a settle window as the release starts: the release waits for it (the
+    settle step completes the source), so the flush is answered, durably, before the checkpoint
+    leaves; a coordinator adopting it finds the source completed."""
+
+    async def main() -> None:
+        async with serving(settings, everything, settle_ms=300) as svc:
+            w = await svc.open_writer("a/slow", writer_id="w")
+            await svc.apply_deltas(w.handle, tree("s"))  # settling for 300 ms
+            flushing = asyncio.get_running_loop().create_task(svc.flush(w.handle))
+            await asyncio.sleep(0)
+            assert not flushing.done()
+            assert await svc.release(a_side, owns=b_side) == 1
+            assert flushing.done() and flushing.result() == 1
+        async with serving(settings, a_side) as a:
+            assert a.stats.writers_restored == 1
+            assert await a.are_completed("a/slow", ["s"]) == [True]
+            assert (await a.get_checkpoint("a/slow")).pending_sources == 0
+
+    asyncio.run(main())
+
+
+def test_a_coordinator_drops_checkpoints_taken_over_without_a_false_flush_and_keeps_its_own(
+    settings: Settings,
+) -> None:
+    """``lose`` (a shard taken over by another coordinator): nothing of its checkpoints is flushed
+    (it could not be written), a flush waiting on one of its writers fails as UNAVAILABLE instead of
+    answering, their calls are refused from then on, the service's own are served, and their next
+    owner carries the writer on from the journal."""
+
+    async def main() -> None:
+        async with serving(settings, everything, settle_ms=300) as svc:
+            wa = (await svc.open_writer("a/live", writer_id="wa")).handle
+            wb = (await svc.open_writer("b/live", writer_id="wb")).handle
+            await svc.apply_deltas(wa, tree("s"))  # settling for 300 ms
+            flushing = asyncio.get_running_loop().create_task(svc.flush(wa))
+            await asyncio.sleep(0)
+            assert not flushing.done()
+            await svc.apply_deltas(wb, tree("t"))
+            assert await svc.lose(a_side, owns=b_side) == 1
+            with pytest.raises(Unavailable, match="moved to another coordinator while flushing"):
+                await flushing
+            with pytest.raises(NotOwned):
+                await svc.apply_deltas(wa, tree("u"))
+            with pytest.raises(NotOwned):
+                await svc.get_checkpoint("a/live")
+            assert await svc.flush(wb) == 1
+            assert await svc.are_completed("b/live", ["t"]) == [True]
+        assert states(settings, "a/live") == {"wa": WriterState.OPEN}
+        async with serving(settings, a_side, settle_ms=300) as a:
+            assert a.stats.writers_restored == 1
+            assert await a.flush(wa) == 1  # its settling source completes there
+            assert await a.are_completed("a/live", ["s"]) == [True]
+
+    asyncio.run(main())
+
+
+@pytest.mark.postgres
+def test_a_write_for_a_shard_given_up_is_refused_once_its_lock_left_the_fence(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The safety net behind ``release``: a commit carrying a checkpoint of a shard no longer in the
+    service's ``ShardFence`` is refused, even though every shard the fence reads is still ours; the
+    shard kept is written as before."""
+    url = store_url(postgres_url)
+    by_shard = {shard_of(n, SHARDS): n for n in (f"cp/{i}" for i in range(50))}
+    kept, gone = by_shard[1], by_shard[2]
+    locks = {shard: StoreLock(url, "a", shard=shard) for shard in (1, 2)}
+    for lock in locks.values():
+        lock.acquire()
+    fence = ShardFence(locks, store_shards=SHARDS)
+    settings = Settings(data_dir=tmp_path / "data", settle_ms=0, store=postgres_url)
+
+    def in_shards(*shards: int) -> Callable[[str], bool]:
+        return lambda name: shard_of(name, SHARDS) in shards
+
+    async def main() -> None:
+        service = build_service(settings, fence=fence, owns=in_shards(1, 2))
+        await service.start()
+        try:
+            wk = await service.open_writer(kept, writer_id="wk")
+            wg = await service.open_writer(gone, writer_id="wg")
+            for handle in (wk.handle, wg.handle):
+                await service.apply_deltas(handle, tree("a"))
+            await service.release(in_shards(2), owns=in_shards(1))
+            assert fence.remove(2) is locks[2]
+            locks[2].release()
+            committer = service._core.committer
+            late: list[Any] = [
+                PutCompleted(gone, "wg", ["late"]),
+                DeleteCompleted(gone, ["a"]),
+                JournalEntry(wg.handle, 99, Persisted(["a"]), gone),
+                ForgetWriter(wg.handle, gone),
+            ]
+            for op in late:
+                with pytest.raises(Unavailable, match="no longer holds shard 2 of the PostgreSQL store"):
+                    await committer.submit(op)
+            # With a write of the shard kept in the same group: the group is refused as a whole.
+            together = [committer.enqueue(PutCompleted(kept, "wk", ["b"])), committer.enqueue(late[0])]
+            for outcome in await asyncio.gather(*together, return_exceptions=True):
+                assert isinstance(outcome, Unavailable)
+            # The shard kept goes on.
+            await service.apply_deltas(wk.handle, tree("c"))
+            await service.flush(wk.handle)
+            assert await service.are_completed(kept, ["a", "b", "c"]) == [True, False, True]
+        finally:
+            service.stop_accepting()
+            await service.shutdown()
+
+    asyncio.run(main())
+    locks[1].release()
+    with PgCompletionStore(postgres_url) as store:
+        assert store.load(gone).completed == {"a"}  # neither "late" nor the un-complete of "a"
+        assert store.load(kept).completed == {"a", "c"}
+    with registry_of(settings) as registry:
+        assert {w.writer_id: w.state for w in registry.list_writers(gone)} == {"wg": WriterState.OPEN}
+    journal = PgJournal(postgres_url)
+    try:
+        (writer,) = [w for w in journal.load() if w.opened.checkpoint == gone]
+        assert writer.last_index < 99  # the late entry was not written; the writer's journal stays
+    finally:
+        journal.close()

@@ -5,7 +5,7 @@ Implemented in ``tally_server.store``; blocking calls, run by the service off th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -414,6 +414,9 @@ class JournalEntry:
     handle: str
     index: int
     entry: Entry
+    # The writer's checkpoint: a store of several shards refuses the entry unless the commit is
+    # fenced by that checkpoint's shard (``store.shards.ShardFence``). Empty: not said, not checked.
+    checkpoint: str = ""
 
 
 @dataclass(frozen=True)
@@ -421,9 +424,21 @@ class ForgetWriter:
     """The writer closed or expired: drop its journal."""
 
     handle: str
+    checkpoint: str = ""  # as ``JournalEntry.checkpoint``
 
 
 JournalOp = OpenJournal | JournalEntry | ForgetWriter
+
+
+def checkpoints_of(ops: Iterable[JournalOp | CompletionOp]) -> set[str]:
+    """The checkpoints whose rows ``ops`` write (those that say theirs)."""
+    names = set()
+    for op in ops:
+        name = op.opened.checkpoint if isinstance(op, OpenJournal) else op.checkpoint
+        if name:
+            names.add(name)
+    return names
+
 
 #: Where the journal and the completions live in one database (the PostgreSQL store): commits a
 #: group's journal ops, then its completion ops, in one transaction, durable on return; a failure

@@ -79,6 +79,18 @@ class CheckpointTable:
                 self._sampled[record.name] = counts[record.name]
         return added
 
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget these checkpoints (given up to another coordinator; nothing is written).
+
+        Their loaded sets go with them; a merge or a census still running on one finishes on the
+        forgotten object.
+        """
+        for name in names:
+            self.known.pop(name, None)
+            self._sampled.pop(name, None)
+            self._locks.pop(name, None)
+            self.resetting.discard(name)
+
     def close(self) -> None:
         """Wait for loads in progress and stop the loading thread."""
         self._load_executor.shutdown(wait=True)

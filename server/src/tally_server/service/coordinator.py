@@ -14,6 +14,7 @@ heartbeats does not expire the writers that sent them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from tally_server.service.failures import Failures
 from tally_server.service.loops import Loop, Sleep
 from tally_server.service.opening import Opening
 from tally_server.service.registry_writer import RegistryWriter
+from tally_server.service.sessions import Session
 from tally_server.service.stats import ServiceStats
 from tally_server.service.status import CheckpointGauges, Status
 from tally_server.service.totals import Totals
@@ -71,6 +73,8 @@ _REGISTRY_FLUSH_S = 0.5
 # How often the checkpoints' statuses are checked for a change and published for replicas.
 _STATUS_PUBLISH_S = 0.5
 _STORAGE_PROBE_S = 1.0
+# How long a checkpoint given up in place (``release``) waits for its calls and commits at work.
+RELEASE_WAIT_S = 10.0
 # A stall of the event loop this long is worth a warning in the log.
 _STALL_WARNING_S = 1.0
 
@@ -223,6 +227,108 @@ class CoordinatorService:
         self._start_census(await self._restore(more))
         core.owns = owns if owns is not None else lambda name: owned(name) or more(name)
         return self.stats.writers_restored - before
+
+    async def release(
+        self, gone: Callable[[str], bool], *, owns: Callable[[str], bool], wait_s: float = RELEASE_WAIT_S
+    ) -> int:
+        """Give up the checkpoints ``gone`` accepts while the service runs: the inverse of :meth:`adopt`.
+
+        For a shard of the store handed over to another coordinator (``serve_shards``). From the
+        start their calls are refused with ``NotOwned`` (UNAVAILABLE, retried: their next owner
+        answers them); the calls at work on them finish; their writers' journals and the
+        un-completes left to retry are made durable (their next owner restores them from there, as
+        after a restart); the registry's rows queued so far are written; then the checkpoints, their
+        writers, claims and settling sources leave memory. Their writers stay open in the journal
+        and the registry: they are neither closed nor lost. The other checkpoints are served all
+        along, as they were. Returns how many writers were let go.
+
+        Nothing may write for them once this returns; their shard's fence is the caller's to drop
+        (a commit still carrying one is then refused: ``ShardFence``).
+
+        Args:
+            gone: the checkpoints to give up.
+            owns: what this coordinator owns from then on (none of ``gone``).
+            wait_s: how long their calls at work and their commits may take to finish.
+
+        Raises:
+            TimeoutError: calls or commits of theirs still at work after ``wait_s``.
+            Unavailable: a journal or an un-complete could not be written.
+            ValueError: this service owns every checkpoint (no ``owns`` predicate).
+            In each case the service is left serving what it has (``gone`` refused) and the caller
+            restarts it instead: nothing acknowledged is lost, as at any stop.
+        """
+        core = self._core
+        if core.owns is None:
+            raise ValueError("this coordinator owns every checkpoint of its store: it gives none up")
+        core.owns = owns
+        let_go: list[Session] = []
+        try:
+            async with asyncio.timeout(wait_s):
+                await core.calls.drained(gone)
+                self._writers.queue_heartbeats()  # their last heartbeats, written below
+                for session in [s for s in core.sessions if gone(s.checkpoint)]:
+                    async with session.lock:  # no batch, flush or close of it is at work
+                        if core.sessions.get(session.handle) is not session:
+                            continue  # closed meanwhile (its lease ran out)
+                        self._writers.let_go(session)
+                        let_go.append(session)
+                await asyncio.gather(*(_journaled(self._durability, s) for s in let_go))
+                await self._durability.settle_undeleted(gone)
+                self._checkpoints.sample_progress()
+                await core.settle_behind()
+        except BaseException:
+            for session in let_go:  # the restart that follows flushes their journals on its stop
+                if core.sessions.get(session.handle) is None:
+                    core.sessions.add(session)
+                    self._writers.released.pop(session.handle, None)
+            raise
+        try:  # rows not written now stay queued for the next flush
+            await core.bookkeeping.flush()
+        except Exception as exc:
+            log.warning("could not write the registry's rows while giving checkpoints up: %s", exc)
+        self._forget(gone)
+        return len(let_go)
+
+    async def lose(
+        self, gone: Callable[[str], bool], *, owns: Callable[[str], bool], wait_s: float = RELEASE_WAIT_S
+    ) -> int:
+        """Forget the checkpoints ``gone`` accepts: another coordinator took them over (a shard lost).
+
+        Their shard's epoch moved on, so nothing of theirs can be written here any more (the caller
+        takes the shard out of the fence first: their commits are refused) and their next owner
+        restored them from what the store held when it took them, as after a crash. So nothing is
+        flushed: their calls are refused from the start (``NotOwned``), their writers leave the
+        table at once (a flush waiting on one fails as UNAVAILABLE: nothing of it can be durable
+        here), the calls at work on them finish (their commits refused), and they leave memory.
+        The other checkpoints are served all along. Returns how many writers were dropped.
+
+        Raises:
+            TimeoutError: calls of theirs still at work after ``wait_s`` (the caller restarts).
+            ValueError: this service owns every checkpoint (no ``owns`` predicate).
+        """
+        core = self._core
+        if core.owns is None:
+            raise ValueError("this coordinator owns every checkpoint of its store: it loses none")
+        core.owns = owns
+        dropped = [s for s in core.sessions if gone(s.checkpoint)]
+        for session in dropped:
+            self._writers.let_go(session)
+            session.state = WriterState.LOST  # in memory only: it is open at its next owner
+            await session.notify()  # flushes and ordered batches waiting on it end
+        async with asyncio.timeout(wait_s):
+            await core.calls.drained(gone)
+        for name in [n for n in self._durability.undeleted if gone(n)]:
+            self._durability.forget_undeleted(name)  # its next owner finds them in the journal
+        self._forget(gone)
+        return len(dropped)
+
+    def _forget(self, gone: Callable[[str], bool]) -> None:
+        """The checkpoints given up or lost leave memory (their writers left the table already)."""
+        names = [name for name in self._checkpoints.known if gone(name)]
+        self._checkpoints.drop(names)
+        self._totals.forget(names)
+        for name in names:
+            self._published_status.pop(name, None)
 
     async def _restore(self, owns: Callable[[str], bool] | None) -> list[Checkpoint]:
         """Restore the checkpoints ``owns`` accepts (None: all), none of them known yet.
@@ -432,17 +538,18 @@ class CoordinatorService:
         that would have to reset the checkpoint. An open retried with the ``session_token`` of a
         live session attaches to it.
         """
-        return await self._opening.open(
-            checkpoint,
-            writer_id=writer_id,
-            fingerprint_=dict(fingerprint or {}),
-            labels=dict(labels or {}),
-            host=host,
-            pid=pid,
-            on_mismatch=on_mismatch,
-            allow_reset=allow_reset,
-            session_token=session_token,
-        )
+        with self._core.calls.on(checkpoint):
+            return await self._opening.open(
+                checkpoint,
+                writer_id=writer_id,
+                fingerprint_=dict(fingerprint or {}),
+                labels=dict(labels or {}),
+                host=host,
+                pid=pid,
+                on_mismatch=on_mismatch,
+                allow_reset=allow_reset,
+                session_token=session_token,
+            )
 
     async def keep_alive(self, handle: str) -> float:
         """Renew a lease: memory only, no I/O, so a heartbeat never waits for storage."""
@@ -457,12 +564,14 @@ class CoordinatorService:
         again. ``ordered``: the batch follows batch ``batch_seq - 1`` (see ``Writers.apply``). The
         answer says whether the writer is settled (a flush would return at once).
         """
-        counts, refused = await self._writers.apply(handle, batch, batch_seq, ordered=ordered)
-        return AppliedBatch(counts, self._writers.settled(handle), refused)
+        with self._on_writer(handle):
+            counts, refused = await self._writers.apply(handle, batch, batch_seq, ordered=ordered)
+            return AppliedBatch(counts, self._writers.settled(handle), refused)
 
     async def save_cursors(self, handle: str, cursors: Sequence[tuple[str, bytes]]) -> SavedCursors:
         """Save where the writer got to inside sources (each at most 4 KiB): durable on return."""
-        return await self._writers.save_cursors(handle, cursors)
+        with self._on_writer(handle):
+            return await self._writers.save_cursors(handle, cursors)
 
     async def get_cursor(self, checkpoint: str, source_id: str) -> CursorView:
         """The cursor last saved for a source by any writer; none once the source is completed."""
@@ -477,8 +586,9 @@ class CoordinatorService:
 
         A repeat with the same non-empty ``attempt_id`` is answered without counting again.
         """
-        cp, writer_id = self._writers.checkpoint_for(handle)
-        return await self._failures.report(cp, writer_id, source_id, reason, attempt_id)
+        with self._on_writer(handle):
+            cp, writer_id = self._writers.checkpoint_for(handle)
+            return await self._failures.report(cp, writer_id, source_id, reason, attempt_id)
 
     async def list_failures(
         self,
@@ -496,18 +606,21 @@ class CoordinatorService:
 
     async def retry_failed(self, checkpoint: str, source_ids: Sequence[str] = ()) -> int:
         """Clear failed attempts (every source's with no ids); how many sources were cleared."""
-        return await self._failures.retry(checkpoint, source_ids)
+        with self._core.calls.on(checkpoint):
+            return await self._failures.retry(checkpoint, source_ids)
 
     async def set_failure_budget(self, checkpoint: str, max_attempts: int) -> tuple[int, int]:
         """Set a checkpoint's failure budget (0: unlimited); the budget and the sources failed now."""
-        return await self._failures.set_budget(checkpoint, max_attempts)
+        with self._core.calls.on(checkpoint):
+            return await self._failures.set_budget(checkpoint, max_attempts)
 
     # ------------------------------------------------------------------ claims
 
     async def acquire(self, handle: str, source_ids: Sequence[str]) -> list[ClaimView]:
         """Claim sources for a writer: acquired (with a fencing token), held, completed or failed."""
-        cp, _ = self._writers.checkpoint_for(handle)
-        return await self._claims.acquire(cp, self._writers.session(handle), source_ids)
+        with self._on_writer(handle):
+            cp, _ = self._writers.checkpoint_for(handle)
+            return await self._claims.acquire(cp, self._writers.session(handle), source_ids)
 
     async def token_is_current(self, checkpoint: str, source_id: str, token: int) -> TokenCheck:
         """Whether a fencing token is the live claim on a source (its writer still holds it)."""
@@ -519,7 +632,8 @@ class CoordinatorService:
         self, checkpoint: str, source_ids: Sequence[str], count: int = 0
     ) -> tuple[int, int]:
         """Declare sources (idempotent, additive) or only how many: the total and remaining now."""
-        return await self._totals.declare(checkpoint, source_ids, count)
+        with self._core.calls.on(checkpoint):
+            return await self._totals.declare(checkpoint, source_ids, count)
 
     async def list_remaining(self, checkpoint: str, *, after: str = "", limit: int = 0) -> CompletedPage:
         """A page of declared sources not completed yet, in byte order."""
@@ -527,15 +641,21 @@ class CoordinatorService:
 
     async def flush(self, handle: str) -> int:
         """Return once every completion from deltas applied so far is durable."""
-        return await self._writers.flush(handle)
+        with self._on_writer(handle):
+            return await self._writers.flush(handle)
 
     async def close_writer(self, handle: str) -> ClosedWriter:
         """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
-        return await self._writers.close_writer(handle)
+        with self._on_writer(handle):
+            return await self._writers.close_writer(handle)
 
     def checkpoint_of(self, handle: str) -> str | None:
         """The checkpoint a writer handle was opened on, or None for an unknown handle."""
         return self._writers.checkpoint_of(handle)
+
+    def _on_writer(self, handle: str) -> contextlib.AbstractContextManager[None]:
+        """Count a call of a writer as at work on its checkpoint (see :meth:`release`)."""
+        return self._core.calls.on(self._writers.checkpoint_of(handle))
 
     # ------------------------------------------------------------------ reads and status
 
@@ -645,11 +765,20 @@ class CoordinatorService:
         self, checkpoint: str, source_ids: Sequence[str], *, import_id: str
     ) -> ImportResult:
         """Adopt completions made elsewhere into ``<import_id>.mdb``."""
-        return await self._admin.import_completed(checkpoint, source_ids, import_id=import_id)
+        with self._core.calls.on(checkpoint):
+            return await self._admin.import_completed(checkpoint, source_ids, import_id=import_id)
 
     async def reset_checkpoint(self, name: str, *, force: bool = False) -> ResetResult:
         """Start a checkpoint over; its files go to the trash folder."""
-        return await self._admin.reset_checkpoint(name, force=force)
+        with self._core.calls.on(name):
+            return await self._admin.reset_checkpoint(name, force=force)
+
+
+async def _journaled(durability: Durability, session: Session) -> None:
+    """Once the completions being committed for ``session`` are through, its journal made durable."""
+    async with session.changed:
+        await session.changed.wait_for(lambda: session.commits_in_flight == 0)
+    await durability.commit(session)
 
 
 def _owned(by_checkpoint: dict[str, T], owns: Callable[[str], bool]) -> dict[str, T]:

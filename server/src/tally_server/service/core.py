@@ -7,8 +7,10 @@ registry's threads and its write-behind).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -25,6 +27,43 @@ from tally_server.service.views import ReplicasView
 
 log = logging.getLogger("tally_server.service")
 T = TypeVar("T")
+
+
+class CallsInFlight:
+    """The calls at work on each checkpoint, so that giving a checkpoint up waits for its calls.
+
+    ``CoordinatorService`` counts every call that may write for a checkpoint (or a writer of one)
+    from its start to its answer; :meth:`drained` waits until none is left for some checkpoints.
+    """
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @contextlib.contextmanager
+    def on(self, checkpoint: str | None) -> Iterator[None]:
+        """Count a call on ``checkpoint`` while the block runs (None: a call naming none known)."""
+        if checkpoint is None:
+            yield
+            return
+        self._counts[checkpoint] += 1
+        try:
+            yield
+        finally:
+            self._counts[checkpoint] -= 1
+            if not self._counts[checkpoint]:
+                del self._counts[checkpoint]
+                waiters, self._waiters = self._waiters, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+    async def drained(self, which: Callable[[str], bool]) -> None:
+        """Return once no call is at work on a checkpoint ``which`` accepts."""
+        while any(which(name) for name in self._counts):
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
 
 @dataclass
@@ -77,6 +116,7 @@ class Core:
     handle_tag: Callable[[str], str] | None = None
     # Which checkpoints this coordinator owns (None: all of them; see ``CoordinatorService``).
     owns: Callable[[str], bool] | None = None
+    calls: CallsInFlight = field(default_factory=CallsInFlight)
     _behind: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def registry_write(self, fn: Callable[..., T], *args: Any) -> T:

@@ -103,7 +103,10 @@ class Durability:
             written = (
                 [
                     committer.enqueue_all(
-                        [JournalEntry(session.handle, first + i, e) for i, e in enumerate(entries)]
+                        [
+                            JournalEntry(session.handle, first + i, e, session.checkpoint)
+                            for i, e in enumerate(entries)
+                        ]
                     )
                 ]
                 if entries
@@ -244,7 +247,7 @@ class Durability:
         lease then runs out.
         """
         try:
-            await self._core.committer.submit(ForgetWriter(session.handle))
+            await self._core.committer.submit(ForgetWriter(session.handle, session.checkpoint))
         except Exception as exc:
             log.warning("could not drop the journal of writer %s: %s", session.writer_id, exc)
 
@@ -301,6 +304,25 @@ class Durability:
             # On failure the sources settle again and this loop retries them; the committer logged
             # the cause (once per cause).
             await self.persist(cp, session, sources, counted=True)
+
+    async def settle_undeleted(self, which: Callable[[str], bool]) -> None:
+        """Commit now the un-completes left to retry of the checkpoints ``which`` accepts.
+
+        Before they are given up (``CoordinatorService.release``): their next owner loads what the
+        store holds, so an anomaly's un-complete must be there first.
+
+        Raises:
+            Unavailable: the commit failed (they stay to retry).
+        """
+        for name, sources in list(self.undeleted.items()):
+            if not which(name):
+                continue
+            if sources:
+                retry = sorted(sources)
+                await self._core.committer.submit(DeleteCompleted(name, retry))
+                sources.difference_update(retry)
+            if not sources:
+                self.undeleted.pop(name, None)
 
     def forget_undeleted(self, checkpoint: str) -> None:
         """A reset moved every file away: nothing is left to un-complete."""

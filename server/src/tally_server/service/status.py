@@ -191,9 +191,11 @@ class Status:
     async def watch(self, checkpoint: str, *, interval_s: float = 1.0) -> AsyncIterator[CheckpointView]:
         """A status snapshot now and then whenever it changes, checked every ``interval_s``."""
         cp = await self._checkpoints.existing(checkpoint)
+        known = self._checkpoints.known
 
         async def view() -> CheckpointView | None:
-            return self.view(cp)
+            # Given up to another coordinator meanwhile: the stream ends (watched there next).
+            return self.view(cp) if known.get(cp.name) is cp else None
 
         async for snapshot in watching(view, interval_s, self._accepting):
             yield snapshot

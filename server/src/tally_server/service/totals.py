@@ -41,6 +41,11 @@ class Totals:
             cp.declared_count = counts.get(cp.name, 0)
             self._ordered.pop(cp.name, None)
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Checkpoints given up (``CoordinatorService.release``): their cached order goes."""
+        for name in names:
+            self._ordered.pop(name, None)
+
     async def declare(self, checkpoint: str, source_ids: Sequence[str], count: int) -> tuple[int, int]:
         """Add declared sources (durable on return); the checkpoint's total and remaining now."""
         core = self._core

@@ -65,12 +65,18 @@ class Writers:
         self._claims = claims
         # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
         self._dirty: set[str] = set()
+        # The checkpoints of writers let go with them (``CoordinatorService.release``), by handle.
+        self.released: dict[str, str] = {}
 
     # ------------------------------------------------------------------ sessions
 
     def session(self, handle: str) -> Session:
         """The open session behind a handle; NOT_FOUND if it is unknown, closed or expired."""
         session = self._core.sessions.get(handle)
+        if session is None and handle in self.released:
+            # Let go with its checkpoint, open at its next owner: UNAVAILABLE (retried there), never
+            # NOT_FOUND, for a call that passed the router before its shard left (``release``).
+            self._core.check_owned(self.released[handle])
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
                 f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
@@ -335,6 +341,11 @@ class Writers:
 
         async with session.changed:
             await session.changed.wait_for(settled)
+        if session.state == WriterState.LOST:  # its checkpoint was taken over: nothing is durable here
+            raise Unavailable(
+                f"writer {session.writer_id!r} moved to another coordinator while flushing (its "
+                "checkpoint's shard was taken over); flush again: it is answered there"
+            )
         if session.state == WriterState.OPEN:
             await self.durability.commit(session)  # every entry so far durable (e.g. after a journal failure)
         if session.state == WriterState.EXPIRED:
@@ -359,7 +370,8 @@ class Writers:
         """End a session: a client's close completes its settling sources; the others drop them."""
         core = self._core
         async with session.lock:
-            if session.state != WriterState.OPEN:
+            # Not in the table: closed meanwhile, or let go with its checkpoint (``release``).
+            if session.state != WriterState.OPEN or core.sessions.get(session.handle) is not session:
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
             cp = self._checkpoints[session.checkpoint]
             if state == WriterState.CLOSED:
@@ -419,6 +431,17 @@ class Writers:
                 failures.append(exc)
         if failures:
             raise failures[0]
+
+    def let_go(self, session: Session) -> None:
+        """Take a session out of the table with its checkpoint (``CoordinatorService.release``).
+
+        Neither closed nor journaled as ended: it is open at the checkpoint's next owner. Its handle
+        is kept (a few dozen bytes): a late call naming it is refused as not owned here
+        (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state gone).
+        """
+        self._core.sessions.remove(session)  # the settle and lease steps leave it from here
+        self._dirty.discard(session.handle)
+        self.released[session.handle] = session.checkpoint
 
     def queue_heartbeats(self) -> None:
         """Queue the registry rows of writers seen since the last flush (their last heartbeat)."""

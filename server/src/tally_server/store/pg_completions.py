@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -33,6 +33,7 @@ from tally_server.domain.ports import (
     LoadedCheckpoint,
     LoadedIndex,
     PutCompleted,
+    checkpoints_of,
 )
 from tally_server.domain.words import count
 from tally_server.store import pg_revisions, postgres
@@ -44,7 +45,7 @@ from tally_server.store.pg_schema import (
     completion_checkpoints_table,
     store_probe_table,
 )
-from tally_server.store.shards import Fence
+from tally_server.store.shards import Fence, ShardFence, run_fence
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class PgCompletionStore:
         commit (``Fence.check_rows``).
         """
         self._read_fence = fence if isinstance(fence, Fence) else None
+        # Commits say which checkpoints they carry only to a fence that checks their shards.
+        self._carries = isinstance(fence, ShardFence) and fence.store_shards is not None
         self._fence = fence.fence if isinstance(fence, Fence) else fence
         self._url = postgres.store_url(url)
         self.display_url = postgres.display(self._url)
@@ -202,14 +205,18 @@ class PgCompletionStore:
         return self.commit_with(None, ops)
 
     def commit_with(
-        self, first: Callable[[psycopg.Cursor[Any]], None] | None, ops: Sequence[CompletionOp]
+        self,
+        first: Callable[[psycopg.Cursor[Any]], None] | None,
+        ops: Sequence[CompletionOp],
+        carrying: Collection[str] = (),
     ) -> CommitReport:
         """:meth:`commit`, with ``first(cursor)`` writing in the same transaction, after the fence.
 
         How a group's journal entries and its completions become durable together (one WAL flush,
         one fence, one round of statements; see ``commit_group``): a failure of either leaves
         nothing of both. ``first`` may run twice (see ``_write``), so it must be idempotent within
-        the transaction's retry.
+        the transaction's retry. ``carrying``: the checkpoints ``first`` writes rows of; the fence
+        checks their shards with those of ``ops`` (``ShardFence``).
 
         Raises:
             ValueError: as :meth:`commit` (nothing written, ``first`` not called).
@@ -226,15 +233,16 @@ class PgCompletionStore:
         if not planned and first is None:
             return CommitReport()
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
+        carried = checkpoints_of(ops) | set(carrying) if self._carries else set()
         for again in (True, False):
             try:
                 try:
-                    self._write(first, planned, new, tolerant=False)
+                    self._write(first, planned, new, carried, tolerant=False)
                 except psycopg.errors.UniqueViolation:
                     # An id the origin holds already (a retried commit whose first try was durable,
                     # or two puts of one id in a group): nothing of that try stayed; again, skipping
                     # those.
-                    self._write(first, planned, new, tolerant=True)
+                    self._write(first, planned, new, carried, tolerant=True)
                 break
             except postgres.TRANSIENT_RAW as exc:
                 if again and postgres.stale_connection(exc):
@@ -269,13 +277,18 @@ class PgCompletionStore:
         """
         if not journal_ops:
             return self.commit(ops)
-        return self.commit_with(functools.partial(journal.write, ops=journal_ops), ops)
+        return self.commit_with(
+            functools.partial(journal.write, ops=journal_ops),
+            ops,
+            checkpoints_of(journal_ops) if self._carries else (),
+        )
 
     def _write(
         self,
         first: Callable[[psycopg.Cursor[Any]], None] | None,
         planned: list[tuple[CompletionOp, list[bytes]]],
         new: list[str],
+        carrying: Collection[str],
         tolerant: bool,
     ) -> None:
         """One transaction: the fence, then ``first`` and the ops in order, then the commit.
@@ -294,7 +307,7 @@ class PgCompletionStore:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             try:
-                self._transaction(conn, raw, first, planned, new, tolerant)
+                self._transaction(conn, raw, first, planned, new, carrying, tolerant)
             except BaseException:
                 # Never left open for the connection's next commit to join: rolled back here, not
                 # only by the pool's reset as the connection returns (a commit that was refused
@@ -311,6 +324,7 @@ class PgCompletionStore:
         first: Callable[[psycopg.Cursor[Any]], None] | None,
         planned: list[tuple[CompletionOp, list[bytes]]],
         new: list[str],
+        carrying: Collection[str],
         tolerant: bool,
     ) -> None:
         with raw.cursor() as epoch, raw.cursor() as cursor:
@@ -342,7 +356,7 @@ class PgCompletionStore:
                         raise TypeError(f"unknown completion op {op!r}")
                 _put(cursor, puts, tolerant)
             if self._read_fence is not None:
-                self._read_fence.check_rows(epoch.fetchall())
+                self._read_fence.check_rows(epoch.fetchall(), carrying)
             cursor.execute(_COMMIT)  # durable on return (synchronous_commit is on)
 
     def _fenced(self, conn: Connection) -> None:
@@ -372,7 +386,10 @@ class PgCompletionStore:
         c = completed_table.c
         try:
             with self._engine.begin() as conn:
-                self._fenced(conn)
+                if self._read_fence is not None:
+                    run_fence(conn, self._read_fence, (checkpoint,))
+                else:
+                    self._fenced(conn)
                 marked = conn.execute(
                     sa.delete(completion_checkpoints_table)
                     .where(completion_checkpoints_table.c.checkpoint == checkpoint)

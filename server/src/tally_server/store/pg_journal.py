@@ -17,12 +17,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from tally_server.domain.journal import JournaledWriter, Snapshot
-from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
+from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal, checkpoints_of
 from tally_server.store import pg_revisions, postgres
 from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
 from tally_server.store.pg_arrays import bytea_array
 from tally_server.store.pg_schema import journal_entries_table, journal_writers_table
-from tally_server.store.shards import Fence
+from tally_server.store.shards import Fence, run_fence
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class PgJournal:
 
     def __init__(self, url: str, fence: Fence | Callable[[Connection], None] | None = None) -> None:
         """``fence``: called first in every transaction that writes (a ``Fence``'s ``fence``)."""
+        self._read_fence = fence if isinstance(fence, Fence) else None
         self._fence = fence.fence if isinstance(fence, Fence) else fence
         self._url = postgres.store_url(url)
         self._engine = postgres.open_store_engine(self._url, self._prepare)
@@ -127,7 +128,9 @@ class PgJournal:
             return
         try:
             with self._engine.begin() as conn:
-                if self._fence is not None:
+                if self._read_fence is not None:  # the shards of the writers' checkpoints too
+                    run_fence(conn, self._read_fence, checkpoints_of(ops))
+                elif self._fence is not None:
                     self._fence(conn)
                 raw = conn.connection.driver_connection
                 assert isinstance(raw, psycopg.Connection)

@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -599,10 +599,11 @@ class StoreLock:
         """
         return self._read_epoch, ()
 
-    def check_rows(self, rows: Sequence[Sequence[Any]]) -> dict[int, int]:
+    def check_rows(self, rows: Sequence[Sequence[Any]], carrying: Collection[str] = ()) -> dict[int, int]:
         """:meth:`check_epoch` on what :meth:`statement` read (one row, or none if no epoch row).
 
         Returns the shard and epoch checked (``{shard: epoch}``), the rows a status board may write.
+        ``carrying`` is not checked: a lock is the fence of a whole store, or of tests' one shard.
 
         Raises:
             Fenced: the store's epoch is not the one this coordinator took.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import sqlalchemy as sa
@@ -162,11 +162,15 @@ class Fence(Protocol):
         """The read a commit sends first in its pipeline (psycopg's ``%s`` style, and its parameters)."""
         ...
 
-    def check_rows(self, rows: Sequence[Sequence[Any]]) -> dict[int, int]:
+    def check_rows(self, rows: Sequence[Sequence[Any]], carrying: Collection[str] = ()) -> dict[int, int]:
         """Check what :meth:`statement` read, before the commit; returns each checked shard's epoch.
 
+        ``carrying``: the checkpoints whose rows the commit writes (a fence that knows their
+        shards refuses a commit carrying one of a shard it did not read).
+
         Raises:
-            Fenced: a shard's epoch is not the one this coordinator took.
+            Fenced: a shard's epoch is not the one this coordinator took, or the commit carries a
+                checkpoint of a shard not read.
         """
         ...
 
@@ -185,6 +189,21 @@ class NoShardHeld(Fenced):
         self.shard = None
 
 
+class ShardNotHeld(Fenced):
+    """A commit carried rows of a checkpoint whose shard its fence did not read (handed over, or lost)."""
+
+    def __init__(self, url: sa.URL, shard: int, checkpoint: str) -> None:
+        CompletionWriteError.__init__(
+            self,
+            f"this coordinator no longer holds shard {shard} of the PostgreSQL store {display(url)} "
+            f"(checkpoint {checkpoint!r} is in it): the shard was handed over or lost, so nothing of "
+            "this commit was written; retry against the coordinator that holds it now",
+            path=display(url),
+            disk_full=False,
+        )
+        self.shard = shard
+
+
 class ShardFence:
     """The fence of a coordinator holding several shards of a store: one ``StoreLock`` per shard.
 
@@ -194,21 +213,35 @@ class ShardFence:
     passes if the store's epoch was ours when the commit read it (the read holds the row, so
     whoever takes the shard next waits for that commit).
 
+    Given the store's number of shards (``store_shards``), a commit is also fenced by the shards
+    of the checkpoints it carries (:meth:`check_rows`' ``carrying``): one carrying a checkpoint of
+    a shard its read did not check (a shard removed before the read was sent: handed over or
+    lost) is refused, whatever the epochs of the others. So a late write of a shard given up never
+    passes on the strength of the shards kept.
+
     Args:
         locks: the locks held, by shard (each acquired already).
         url: the store's URL (for messages), if ``locks`` is empty.
+        store_shards: how many shards the store has (None: commits are checked by their read alone).
 
     Raises:
         ValueError: as :meth:`add`, or no lock and no ``url``.
     """
 
-    def __init__(self, locks: Mapping[int, StoreLock] | None = None, *, url: sa.URL | None = None) -> None:
+    def __init__(
+        self,
+        locks: Mapping[int, StoreLock] | None = None,
+        *,
+        url: sa.URL | None = None,
+        store_shards: int | None = None,
+    ) -> None:
         locks = dict(locks or {})
         if url is None:
             if not locks:
                 raise ValueError("a ShardFence without locks needs the store's url")
             url = next(iter(locks.values())).url
         self.url = url
+        self.store_shards = store_shards
         self._mutex = threading.Lock()
         self._locks: dict[int, StoreLock] = {}
         for shard, lock in locks.items():
@@ -262,14 +295,16 @@ class ShardFence:
             held = sorted((shard, lock.epoch) for shard, lock in self._locks.items())
         return _READ_EPOCHS, ([shard for shard, _ in held], [epoch for _, epoch in held])
 
-    def check_rows(self, rows: Sequence[Sequence[Any]]) -> dict[int, int]:
+    def check_rows(self, rows: Sequence[Sequence[Any]], carrying: Collection[str] = ()) -> dict[int, int]:
         """Check what :meth:`statement` read: every shard's epoch must be the one its lock took.
 
-        Returns the shards checked and their epochs.
+        And, given ``store_shards``, every checkpoint in ``carrying`` must be of a shard the read
+        checked. Returns the shards checked and their epochs.
 
         Raises:
             NoShardHeld: no shard was held when the read was sent.
             Fenced: a shard's epoch moved on, or it has no row (another coordinator took it).
+            ShardNotHeld: a checkpoint carried is of a shard the read did not check.
         """
         if not rows:
             raise NoShardHeld(self.url)
@@ -278,24 +313,32 @@ class ShardFence:
             if mine is None or now is None or int(now) != int(mine):
                 raise Fenced(self.url, int(mine or 0), None if now is None else int(now), int(shard))
             checked[int(shard)] = int(mine)
+        if self.store_shards is not None:
+            for name in carrying:
+                shard = shard_of(name, self.store_shards)
+                if shard not in checked:
+                    raise ShardNotHeld(self.url, shard, name)
         return checked
 
-    def fence(self, conn: Connection) -> None:
+    def fence(self, conn: Connection, carrying: Collection[str] = ()) -> None:
         """Read the held shards' epochs ``FOR KEY SHARE`` in ``conn``'s transaction and check them.
 
         Raises:
             NoShardHeld: no shard is held.
-            Fenced: another coordinator took one of them; nothing may be written.
+            Fenced: another coordinator took one of them, or (``ShardNotHeld``) a checkpoint in
+                ``carrying`` is of a shard not held; nothing may be written.
         """
-        run_fence(conn, self)
+        run_fence(conn, self, carrying)
 
 
-def run_fence(conn: Connection, fence: Fence) -> dict[int, int]:
+def run_fence(conn: Connection, fence: Fence, carrying: Collection[str] = ()) -> dict[int, int]:
     """``fence``'s read in ``conn``'s transaction, checked; returns each checked shard's epoch.
+
+    ``carrying``: the checkpoints whose rows the transaction writes (see ``ShardFence``).
 
     Raises:
         Fenced: as ``fence.check_rows``.
     """
     sql, params = fence.statement()
     result = conn.exec_driver_sql(sql, params) if params else conn.exec_driver_sql(sql)
-    return fence.check_rows([tuple(row) for row in result])
+    return fence.check_rows([tuple(row) for row in result], carrying)
