@@ -309,9 +309,7 @@ def test_unreachable_coordinator_is_unavailable() -> None:
         transport.close()
 
 
-def test_a_coordinator_that_refused_a_call_itself_was_reached_and_a_refused_connection_is_retried() -> (
-    None
-):
+def test_a_coordinator_that_refused_a_call_itself_was_reached_and_a_refused_connection_is_retried() -> None:
     """A coordinator answering UNAVAILABLE on its own (a shard moving, an owner out of reach) is
     there: when its port then refuses connections (its service restarting, the process killed), that
     is an outage to retry, not "no coordinator listens here" (found by the sharded chaos run: writers
