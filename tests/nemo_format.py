@@ -78,6 +78,15 @@ def _read_completed_from(env: lmdb.Environment) -> set[str]:
         return {k.decode() for k, _ in cur}
 
 
+def nemo_read_file(path: Path) -> set[str]:
+    """The ids in one completion file, read without holding it (its writer must have closed it)."""
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
+    try:
+        return _read_completed_from(env)
+    finally:
+        env.close()
+
+
 def nemo_read(checkpoint_dir: Path) -> set[str]:
     """ResumabilityActor._load_completed for a reader that owns no file of its own: the union of
     every ``*.mdb``, skipping unreadable files with a warning."""

@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-import lmdb
 import pytest
 import sqlalchemy as sa
 
@@ -42,16 +41,7 @@ def nemo_write() -> NemoWrite:
 def read_file() -> ReadFile:
     """The ids in one file, read without the store (the store must be closed or not hold it)."""
 
-    def read(path: Path) -> set[str]:
-        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=1)
-        try:
-            db = env.open_db(b"completed_sources")
-            with env.begin(db=db) as txn:
-                return {key.decode() for key, _ in txn.cursor(db=db)}
-        finally:
-            env.close()
-
-    return read
+    return nemo_format.nemo_read_file
 
 
 # --------------------------------------------------------------------- registry
