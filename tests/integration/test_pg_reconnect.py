@@ -35,7 +35,7 @@ from tally_server.store.postgres import (
 from tally_server.testing import RunningServer, running_server
 from tests.integration.raw import deltas
 from tests.integration.workload import tree
-from tests.pg_sessions import allow_connections, end_sessions
+from tests.pg_sessions import allow_connections, end_sessions, end_sessions_lock_holders_last
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -269,7 +269,9 @@ def test_a_replica_leaves_the_owner_its_store_when_the_database_comes_back_after
         assert "serving as a replica" in replica.log()
         allow_connections(postgres_url, False)
         try:
-            assert end_sessions(postgres_url) >= 2
+            # The owner's lock session last: ended in one sweep, the replica's session could take the
+            # lock in the moment between the two ends (seen once in CI), which is not this outage.
+            assert end_sessions_lock_holders_last(postgres_url) >= 2
             down_at = time.monotonic()
             wait_until(lambda: not ready(replica), timeout=30, what="the replica finding the database down")
             # The outage itself: down well past the grace (and the owner's last renewal with it).

@@ -80,6 +80,15 @@ def write_one(writers: dict[str, Any], source: str, rng: random.Random, done: di
             done[name].add(source)
 
 
+def assert_as_modelled(client: tally.Client, name: str, asked: list[str], done: set[str]) -> None:
+    """``name`` answers ``asked`` as the model says, its status counts ``done`` and no anomaly."""
+    assert client.are_completed(name, asked) == [s in done for s in asked], name
+    wait_until(
+        lambda: client.checkpoint(name).completed_count == len(done), timeout=30, what=f"{name}'s status"
+    )
+    assert client.checkpoint(name).anomalies == 0
+
+
 @contextlib.contextmanager
 def sharded(tmp_path: Path, url: str, n: int, **options: object) -> Iterator[list[RunningServer]]:
     """``n`` coordinators on a new store of ``SHARDS`` shards, once the shards are split among them."""
@@ -219,12 +228,7 @@ def test_shards_move_to_a_joining_coordinator_and_back_when_it_goes_and_nothing_
                     w.__exit__(None, None, None)
                 wait_until(lambda: held(first) == set(range(SHARDS)), timeout=60, what="every shard back")
                 for name in names:
-                    wait_until(
-                        lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
-                        timeout=30,
-                        what=f"{name}'s status",
-                    )
-                    assert client.checkpoint(name).anomalies == 0
+                    assert_as_modelled(client, name, sources, done[name])
 
 
 def test_a_survivor_adopts_a_killed_coordinators_shards_and_its_own_writer_notices_nothing(
@@ -286,13 +290,7 @@ def test_a_survivor_adopts_a_killed_coordinators_shards_and_its_own_writer_notic
             assert theirs_health.retries > 0 and not theirs_health.lease_lost
         with tally.Client(survivor.grpc_address) as client:
             for name in (theirs, mine):
-                assert client.are_completed(name, written) == [s in done[name] for s in written], name
-                wait_until(
-                    lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
-                    timeout=30,
-                    what=f"{name}'s status",
-                )
-                assert client.checkpoint(name).anomalies == 0
+                assert_as_modelled(client, name, written, done[name])
 
 
 def test_a_coordinator_hands_shards_over_in_place_and_the_writers_of_those_it_keeps_notice_nothing(
@@ -378,14 +376,7 @@ def test_a_coordinator_hands_shards_over_in_place_and_the_writers_of_those_it_ke
             # Through the first coordinator, the second one still holding its share.
             with tally.Client(first.grpc_address) as client:
                 for name in names:
-                    ids = written[name]
-                    assert client.are_completed(name, ids) == [s in done[name] for s in ids], name
-                    wait_until(
-                        lambda name=name: client.checkpoint(name).completed_count == len(done[name]),  # type: ignore[misc]
-                        timeout=30,
-                        what=f"{name}'s status",
-                    )
-                    assert client.checkpoint(name).anomalies == 0
+                    assert_as_modelled(client, name, written[name], done[name])
                 for name in moved_names:  # published by the second, which applied their deltas
                     assert client.checkpoint(name).owner in second.log(), name
             assert held(first) == kept and held(second) == moved
