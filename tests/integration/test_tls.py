@@ -14,7 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +95,16 @@ class Authority:
         self.pem = directory / f"{name}.crt"
         self.pem.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, stem: str, *, server: bool, client: bool = False) -> Pair:
-        """A certificate for a server (127.0.0.1, localhost) or a client; ``client`` adds client use
-        to a server's (what replicas of a store present to each other under mutual TLS)."""
+    def issue(
+        self,
+        stem: str,
+        *,
+        server: bool,
+        client: bool = False,
+        names: Sequence[x509.GeneralName] | None = None,
+    ) -> Pair:
+        """A certificate for a server (127.0.0.1, localhost, or ``names``) or a client; ``client`` adds
+        client use to a server's (what replicas of a store present to each other under mutual TLS)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -123,7 +130,7 @@ class Authority:
         if server:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                    names or [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
                 ),
                 critical=False,
             )

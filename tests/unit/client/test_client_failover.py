@@ -145,13 +145,13 @@ def test_a_list_gets_one_transport_per_replica(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(failover, "first_replica", lambda count: count - 1)
     transport = make_transport(ClientConfig(address="h1:1, grpc://h2:2"))
     assert isinstance(transport, FailoverTransport)
-    assert [type(t) for t in transport._transports] == [GrpcTransport, GrpcTransport]
-    assert transport._rotation.names == ["grpc://h1:1", "grpc://h2:2"] and transport.current == "grpc://h2:2"
+    assert [type(t) for t in transport._view.transports] == [GrpcTransport, GrpcTransport]
+    assert transport.replicas == ["grpc://h1:1", "grpc://h2:2"] and transport.current == "grpc://h2:2"
     transport.close()
     aio = make_async_transport(ClientConfig(address="https://h1:1,https://h2:2/x"))
     assert isinstance(aio, AsyncFailoverTransport)
-    assert [type(t) for t in aio._transports] == [AsyncHttpTransport, AsyncHttpTransport]
-    assert aio._rotation.names == ["https://h1:1", "https://h2:2/x"]
+    assert [type(t) for t in aio._view.transports] == [AsyncHttpTransport, AsyncHttpTransport]
+    assert aio.replicas == ["https://h1:1", "https://h2:2/x"]
 
 
 def test_clients_and_the_environment_take_lists(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,8 +4,9 @@ Clients and writers speak only to a ``Transport`` / ``AsyncTransport``: ``send``
 description (``tally._calls``) and returns its answer, so adding an operation adds a description
 and one entry per wire converter, never a method per transport class. The address scheme chooses
 the implementation once, in :func:`make_transport` / :func:`make_async_transport`; an address
-listing several coordinator replicas gets one transport per replica behind a failover transport
-(``tally._transport.failover``), a single address gets its transport alone.
+listing several coordinator replicas, or naming a host whose DNS name has several records
+(``tally._transport.dns``), gets one transport per replica behind a failover transport
+(``tally._transport.failover``); a single address gets its transport alone.
 Implementations raise only :class:`tally.TallyError` subclasses, never wire-library errors.
 Every send takes an explicit ``timeout`` in seconds for that single attempt; retrying is the
 caller's business (``tally._retry.send``). The one streaming call, ``watch``, returns a generator
@@ -15,7 +16,8 @@ and closing the generator ends the stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator
+import functools
+from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -24,6 +26,7 @@ from tally._config import ClientConfig, read_pem
 from tally._types import CheckpointStatus
 
 T = TypeVar("T")
+Tr = TypeVar("Tr")  # a replica's transport (blocking or asyncio)
 
 
 class Transport(Protocol):
@@ -52,11 +55,19 @@ class AsyncTransport(Protocol):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A parsed address: which wire to speak, where, and whether over TLS."""
+    """A parsed address: which wire to speak, where, and whether over TLS.
+
+    An endpoint found under a DNS name of several records (``tally._transport.dns``) has one of
+    the name's addresses in ``target`` and the name itself in ``authority`` (``host[:port]`` as
+    the user wrote it: the gRPC authority, whose host gRPC's TLS checks the certificate against,
+    and the HTTP ``Host`` header) and ``server_name`` (the host HTTPS asks for by SNI and checks).
+    """
 
     scheme: str  # "grpc" or "http"
     target: str  # gRPC target "host:port", or HTTP base URL without trailing slash
     tls: bool
+    authority: str | None = None
+    server_name: str | None = None
 
 
 _SCHEMES = {
@@ -165,30 +176,64 @@ def make_transport(config: ClientConfig) -> Transport:
         ModuleNotFoundError: An HTTP address, and httpx is not installed.
     """
     endpoints = parse_addresses(config.address)
-    transports = [(_name(e), _one_transport(config, e)) for e in endpoints]
-    if len(transports) == 1:
-        return transports[0][1]
+    replicas = _replicas(endpoints)
+    if len(replicas) == 1:
+        return _one_transport(config, replicas[0])
     from tally._transport.failover import FailoverTransport
 
-    return FailoverTransport(transports)
+    return FailoverTransport(
+        [(_name(e), _one_transport(config, e)) for e in replicas],
+        lookup=_lookup(endpoints, replicas, lambda e: _one_transport(config, e)),
+    )
 
 
 def make_async_transport(config: ClientConfig) -> AsyncTransport:
     """Create the asyncio transport for ``config.address`` (see :func:`make_transport`)."""
     endpoints = parse_addresses(config.address)
-    transports = [(_name(e), _one_async_transport(config, e)) for e in endpoints]
-    if len(transports) == 1:
-        return transports[0][1]
+    replicas = _replicas(endpoints)
+    if len(replicas) == 1:
+        return _one_async_transport(config, replicas[0])
     from tally._transport.failover import AsyncFailoverTransport
 
-    return AsyncFailoverTransport(transports)
+    return AsyncFailoverTransport(
+        [(_name(e), _one_async_transport(config, e)) for e in replicas],
+        lookup=_lookup(endpoints, replicas, lambda e: _one_async_transport(config, e)),
+    )
+
+
+def _replicas(endpoints: list[Endpoint]) -> list[Endpoint]:
+    """``endpoints`` with each DNS name of several records replaced by one endpoint per address."""
+    from tally._transport.dns import replicas_of
+
+    return [replica for endpoint in endpoints for replica in replicas_of(endpoint)]
+
+
+def _lookup(
+    endpoints: list[Endpoint], replicas: list[Endpoint], make: Callable[[Endpoint], Tr]
+) -> Callable[[], list[tuple[str, Callable[[], Tr]]]] | None:
+    """How the failover transport looks the names up again (None: no name had several records)."""
+    if replicas == endpoints:
+        return None
+
+    from tally._transport.dns import looked_up
+
+    def lookup() -> list[tuple[str, Callable[[], Tr]]]:
+        found = [looked_up(endpoint) for endpoint in endpoints]
+        if any(replicas is None for replicas in found):
+            return []  # a name could not be looked up now: keep the replicas known
+        return [(_name(e), functools.partial(make, e)) for replicas in found for e in replicas or ()]
+
+    return lookup
 
 
 def _name(endpoint: Endpoint) -> str:
-    """How logs name a replica: its URL (``grpc://`` for plain gRPC too, so none looks bare)."""
+    """How logs name a replica: its URL (``grpc://`` for plain gRPC too, so none looks bare), and
+    the DNS name it was found under, if any."""
     if endpoint.scheme == "http":
-        return endpoint.target
-    return f"{'grpcs' if endpoint.tls else 'grpc'}://{endpoint.target}"
+        name = endpoint.target
+    else:
+        name = f"{'grpcs' if endpoint.tls else 'grpc'}://{endpoint.target}"
+    return name if endpoint.authority is None else f"{name} ({endpoint.authority})"
 
 
 def _one_transport(config: ClientConfig, endpoint: Endpoint) -> Transport:
@@ -196,13 +241,22 @@ def _one_transport(config: ClientConfig, endpoint: Endpoint) -> Transport:
         from tally._transport.grpc import GrpcTransport
 
         return GrpcTransport(
-            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+            endpoint.target,
+            token=config.token,
+            tls=_tls(config, endpoint),
+            connect_wait=config.connect_wait,
+            authority=endpoint.authority,
         )
     _require_httpx(endpoint)
     from tally._transport.http import HttpTransport
 
     return HttpTransport(
-        endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+        endpoint.target,
+        token=config.token,
+        tls=_tls(config, endpoint),
+        connect_wait=config.connect_wait,
+        authority=endpoint.authority,
+        server_name=endpoint.server_name,
     )
 
 
@@ -211,13 +265,22 @@ def _one_async_transport(config: ClientConfig, endpoint: Endpoint) -> AsyncTrans
         from tally._transport.grpc import AsyncGrpcTransport
 
         return AsyncGrpcTransport(
-            endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+            endpoint.target,
+            token=config.token,
+            tls=_tls(config, endpoint),
+            connect_wait=config.connect_wait,
+            authority=endpoint.authority,
         )
     _require_httpx(endpoint)
     from tally._transport.http import AsyncHttpTransport
 
     return AsyncHttpTransport(
-        endpoint.target, token=config.token, tls=_tls(config, endpoint), connect_wait=config.connect_wait
+        endpoint.target,
+        token=config.token,
+        tls=_tls(config, endpoint),
+        connect_wait=config.connect_wait,
+        authority=endpoint.authority,
+        server_name=endpoint.server_name,
     )
 
 

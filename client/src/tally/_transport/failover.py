@@ -25,17 +25,20 @@ never skips a healthy replica.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tally._calls import AreCompleted, Call, WatchCheckpoint
 from tally._transport.base import AsyncTransport, Transport  # base imports this module lazily
 from tally._transport.contact import NeverReached, never_reached
+from tally._transport.dns import LOOKUP_EVERY_S
 from tally._types import CheckpointStatus
 from tally.errors import Unavailable
 
@@ -45,6 +48,8 @@ T = TypeVar("T")
 # How long reads pass by a replica that did not answer one (writers' calls move as described above).
 READ_PAUSE_S = 5.0
 Tr = TypeVar("Tr")  # a replica's transport (blocking or asyncio)
+# Looks the replicas up again: each one's name and how to make its transport.
+Lookup = Callable[[], list[tuple[str, Callable[[], Tr]]]]
 
 
 def first_replica(count: int) -> int:
@@ -62,8 +67,8 @@ class Rotation:
     """
 
     def __init__(self, names: Sequence[str], start: int) -> None:
-        if len(names) < 2:
-            raise ValueError(f"a rotation needs at least two replicas, got {list(names)}")
+        if not names:
+            raise ValueError("a rotation needs at least one replica")
         self.names = list(names)
         self._generation = start  # the current index is the generation modulo the count
         self._lock = threading.Lock()
@@ -88,108 +93,188 @@ class Rotation:
         )
 
 
+@dataclass
+class _View(Generic[Tr]):
+    """The replicas a client spreads over now, and what it knows of them; replaced whole when a
+    DNS name's records change, so a call holds one view from start to end."""
+
+    names: list[str]
+    transports: list[Tr]
+    rotation: Rotation
+    reads: Iterator[int]
+    read_pause_until: list[float]
+    never_reached: set[int]  # replicas whose first connection was refused
+
+    @classmethod
+    def of(cls, replicas: Sequence[tuple[str, Tr]], start: int) -> _View[Tr]:
+        names = [name for name, _ in replicas]
+        rotation = Rotation(names, start)
+        return cls(
+            names=names,
+            transports=[transport for _, transport in replicas],
+            rotation=rotation,
+            reads=itertools.count(rotation.current()[0]),  # next() is atomic in CPython
+            read_pause_until=[0.0] * len(names),
+            never_reached=set(),
+        )
+
+
 class _Replicas(Generic[Tr]):
     """One transport per replica and the rotation over them: what both flavours hold."""
 
-    def __init__(self, replicas: Sequence[tuple[str, Tr]], *, start: int | None = None) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[tuple[str, Tr]],
+        *,
+        start: int | None = None,
+        lookup: Lookup[Tr] | None = None,
+    ) -> None:
         """Wrap one transport per replica.
 
         Args:
             replicas: Each replica's name (for logs) and transport, in the order given by the user.
             start: Index of the first current replica; None picks one at random.
+            lookup: How to find the replicas again (a DNS name's records, ``tally._transport.dns``):
+                each replica's name and how to make its transport. Called, at most every
+                ``dns.LOOKUP_EVERY_S``, when a replica does not answer; None: the replicas are fixed.
         """
-        self._transports = [transport for _, transport in replicas]
-        names = [name for name, _ in replicas]
-        self._rotation = Rotation(names, first_replica(len(names)) if start is None else start)
-        self._reads = itertools.count(self._rotation.current()[0])  # next() is atomic in CPython
-        self._read_pause_until = [0.0] * len(names)
-        self._never_reached: set[int] = set()  # replicas whose first connection was refused
+        self._view = _View.of(replicas, first_replica(len(replicas)) if start is None else start)
+        self._lookup = lookup
+        self._next_lookup = time.monotonic() + LOOKUP_EVERY_S
+        self._lookup_lock = threading.Lock()
+        self._left: list[Tr] = []  # transports of replicas that left the name: closed with the client
 
-    def _answered(self, index: int) -> None:
-        self._never_reached.discard(index)
+    def _answered(self, view: _View[Tr], index: int) -> None:
+        view.never_reached.discard(index)
 
-    def _unavailable(self, index: int, err: Unavailable) -> Unavailable:
+    def _unavailable(self, view: _View[Tr], index: int, err: Unavailable) -> Unavailable:
         """What a replica's failure becomes: a :class:`NeverReached` only once every replica refused
         its first connection (naming them all); otherwise a plain, retryable :class:`Unavailable`."""
         if not isinstance(err, NeverReached):
             return err
-        self._never_reached.add(index)
-        if len(self._never_reached) < len(self._transports):
+        view.never_reached.add(index)
+        if len(view.never_reached) < len(view.transports):
             return err.refused
-        return never_reached(", ".join(self._rotation.names), err.refused)
+        return never_reached(", ".join(view.names), err.refused)
 
-    def _reader(self, call: Call[T]) -> int | None:
+    def _reader(self, view: _View[Tr], call: Call[T]) -> int | None:
         """The replica a read goes to (the next one answering reads), or None for other calls."""
         if not isinstance(call, AreCompleted):
             return None
         now = time.monotonic()
-        count = len(self._transports)
+        count = len(view.transports)
         for _ in range(count):
-            index = next(self._reads) % count
-            if self._read_pause_until[index] <= now:
+            index = next(view.reads) % count
+            if view.read_pause_until[index] <= now:
                 return index
         return None  # none answered lately: the current replica, like any other call
 
-    def _read_failed(self, index: int, err: Unavailable) -> None:
-        self._read_pause_until[index] = time.monotonic() + READ_PAUSE_S
+    def _read_failed(self, view: _View[Tr], index: int, err: Unavailable) -> None:
+        view.read_pause_until[index] = time.monotonic() + READ_PAUSE_S
         logger.info(
             "tally coordinator %s did not answer a read, reads pass it by for %.0f s: %s",
-            self._rotation.names[index],
+            view.names[index],
             READ_PAUSE_S,
             err.message,
+        )
+
+    def _lookup_due(self) -> Lookup[Tr] | None:
+        """The lookup to run now, if the replicas come from a name not looked up lately."""
+        if self._lookup is None:
+            return None
+        now = time.monotonic()
+        with self._lookup_lock:
+            if now < self._next_lookup:
+                return None
+            self._next_lookup = now + LOOKUP_EVERY_S
+        return self._lookup
+
+    def _found(self, found: Sequence[tuple[str, Callable[[], Tr]]]) -> None:
+        """Spread over the replicas ``found`` from now on (those still there keep their transport)."""
+        view = self._view
+        if not found or [name for name, _ in found] == view.names:
+            return
+        kept = dict(zip(view.names, view.transports, strict=True))
+        replicas = [(name, kept.pop(name) if name in kept else make()) for name, make in found]
+        names = [name for name, _ in replicas]
+        current = view.names[view.rotation.current()[0]]
+        start = names.index(current) if current in names else first_replica(len(names))
+        self._left.extend(kept.values())  # a call may still be on them: closed with the client
+        self._view = _View.of(replicas, start)
+        logger.info(
+            "tally coordinator replicas are now %s (were %s)", ", ".join(names), ", ".join(view.names)
         )
 
     @property
     def current(self) -> str:
         """The name of the replica that gets the next call."""
-        return self._rotation.names[self._rotation.current()[0]]
+        view = self._view
+        return view.names[view.rotation.current()[0]]
+
+    @property
+    def replicas(self) -> list[str]:
+        """The names of the replicas spread over now."""
+        return list(self._view.names)
 
 
 class FailoverTransport(_Replicas[Transport]):
     """Blocking transport over several replicas' transports (see the module docstring)."""
 
     def send(self, call: Call[T], timeout: float) -> T:
-        reader = self._reader(call)
+        view = self._view
+        reader = self._reader(view, call)
         if reader is not None:
             try:
-                answer = self._transports[reader].send(call, timeout)
+                answer = view.transports[reader].send(call, timeout)
             except Unavailable as err:
-                self._read_failed(reader, err)
-                raise self._unavailable(reader, err) from None
-            self._answered(reader)
+                self._read_failed(view, reader, err)
+                raise self._failed(view, reader, err) from None
+            self._answered(view, reader)
             return answer
-        index, generation = self._rotation.current()
+        index, generation = view.rotation.current()
         try:
-            answer = self._transports[index].send(call, timeout)
+            answer = view.transports[index].send(call, timeout)
         except Unavailable as err:
-            self._rotation.failed(generation, err)
-            raise self._unavailable(index, err) from None
-        self._answered(index)
+            view.rotation.failed(generation, err)
+            raise self._failed(view, index, err) from None
+        self._answered(view, index)
         return answer
 
+    def _failed(self, view: _View[Transport], index: int, err: Unavailable) -> Unavailable:
+        """The error a replica's failure becomes, after looking its name up again if that is due."""
+        lookup = self._lookup_due()
+        if lookup is not None:
+            self._found(lookup())
+        return self._unavailable(view, index, err)
+
     def watch(self, call: WatchCheckpoint, timeout: float) -> Generator[CheckpointStatus, None, None]:
-        index, generation = self._rotation.current()
-        return self._watch(self._transports[index].watch(call, timeout), index, generation)
+        view = self._view
+        index, generation = view.rotation.current()
+        return self._watch(view, view.transports[index].watch(call, timeout), index, generation)
 
     def _watch(
-        self, stream: Generator[CheckpointStatus, None, None], index: int, generation: int
+        self,
+        view: _View[Transport],
+        stream: Generator[CheckpointStatus, None, None],
+        index: int,
+        generation: int,
     ) -> Generator[CheckpointStatus, None, None]:
         # Unavailable while opening or later: that replica let the stream down, and the caller's
         # reconnect should find the next one.
         try:
             for status in stream:
-                self._answered(index)
+                self._answered(view, index)
                 yield status
         except Unavailable as err:
-            self._rotation.failed(generation, err)
-            raise self._unavailable(index, err) from None
+            view.rotation.failed(generation, err)
+            raise self._failed(view, index, err) from None
         finally:
             stream.close()
 
     def close(self) -> None:
         """Close every replica's transport, even if closing one fails (the first error is raised)."""
         errors: list[Exception] = []
-        for transport in self._transports:
+        for transport in [*self._view.transports, *self._left]:
             try:
                 transport.close()
             except Exception as err:
@@ -202,45 +287,58 @@ class AsyncFailoverTransport(_Replicas[AsyncTransport]):
     """asyncio twin of :class:`FailoverTransport`."""
 
     async def send(self, call: Call[T], timeout: float) -> T:
-        reader = self._reader(call)
+        view = self._view
+        reader = self._reader(view, call)
         if reader is not None:
             try:
-                answer = await self._transports[reader].send(call, timeout)
+                answer = await view.transports[reader].send(call, timeout)
             except Unavailable as err:
-                self._read_failed(reader, err)
-                raise self._unavailable(reader, err) from None
-            self._answered(reader)
+                self._read_failed(view, reader, err)
+                raise await self._failed(view, reader, err) from None
+            self._answered(view, reader)
             return answer
-        index, generation = self._rotation.current()
+        index, generation = view.rotation.current()
         try:
-            answer = await self._transports[index].send(call, timeout)
+            answer = await view.transports[index].send(call, timeout)
         except Unavailable as err:
-            self._rotation.failed(generation, err)
-            raise self._unavailable(index, err) from None
-        self._answered(index)
+            view.rotation.failed(generation, err)
+            raise await self._failed(view, index, err) from None
+        self._answered(view, index)
         return answer
 
+    async def _failed(self, view: _View[AsyncTransport], index: int, err: Unavailable) -> Unavailable:
+        """As :meth:`FailoverTransport._failed`; the lookup runs on a thread, off the event loop."""
+        lookup = self._lookup_due()
+        if lookup is not None:
+            self._found(await asyncio.get_running_loop().run_in_executor(None, lookup))
+        return self._unavailable(view, index, err)
+
     def watch(self, call: WatchCheckpoint, timeout: float) -> AsyncGenerator[CheckpointStatus, None]:
-        index, generation = self._rotation.current()
-        return self._watch(self._transports[index].watch(call, timeout), index, generation)
+        view = self._view
+        index, generation = view.rotation.current()
+        return self._watch(view, view.transports[index].watch(call, timeout), index, generation)
 
     async def _watch(
-        self, stream: AsyncGenerator[CheckpointStatus, None], index: int, generation: int
+        self,
+        view: _View[AsyncTransport],
+        stream: AsyncGenerator[CheckpointStatus, None],
+        index: int,
+        generation: int,
     ) -> AsyncGenerator[CheckpointStatus, None]:
         try:
             async for status in stream:
-                self._answered(index)
+                self._answered(view, index)
                 yield status
         except Unavailable as err:
-            self._rotation.failed(generation, err)
-            raise self._unavailable(index, err) from None
+            view.rotation.failed(generation, err)
+            raise await self._failed(view, index, err) from None
         finally:
             await stream.aclose()
 
     async def close(self) -> None:
         """Close every replica's transport (see :meth:`FailoverTransport.close`)."""
         errors: list[Exception] = []
-        for transport in self._transports:
+        for transport in [*self._view.transports, *self._left]:
             try:
                 await transport.close()
             except Exception as err:

@@ -64,6 +64,16 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def channel_options(authority: str | None) -> list[tuple[str, Any]]:
+    """The channel's options; ``authority``: the ``host:port`` of the DNS name an address was found
+    under (``tally._transport.dns``), sent as the calls' authority, which is also the name TLS
+    checks the certificate against (instead of the address)."""
+    options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
+    if authority is not None:
+        options.append(("grpc.default_authority", authority))
+    return options
+
+
 def error_from_rpc(
     code: grpc.StatusCode | None, message: str | None, metadata: Any, target: str, tls: bool | None = None
 ) -> TallyError:
@@ -160,7 +170,13 @@ class GrpcTransport:
     """Blocking transport over a ``grpc.Channel``."""
 
     def __init__(
-        self, target: str, *, token: str | None = None, tls: TlsFiles | None = None, connect_wait: float = 0.0
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        connect_wait: float = 0.0,
+        authority: str | None = None,
     ) -> None:
         """Create the channel (connection is lazy: nothing happens until the first call).
 
@@ -171,13 +187,16 @@ class GrpcTransport:
                 speaks plain text.
             connect_wait: Seconds during which a refused first connection is retried (see
                 ``tally._transport.contact``).
+            authority: The ``host:port`` to send as the calls' authority, and whose certificate to
+                expect with TLS, instead of ``target``.
         """
         self._target = target
         self._tls = tls is not None
+        options = channel_options(authority)
         if tls is not None:
-            self._channel = grpc.secure_channel(target, channel_credentials(tls), _CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, channel_credentials(tls), options)
         else:
-            self._channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options)
         self._stub = CoordinatorStub(self._channel)
         self._metadata = _auth_metadata(token)
         self._contact = FirstContact(target, connect_wait)
@@ -225,7 +244,13 @@ class AsyncGrpcTransport:
     """asyncio transport over a ``grpc.aio.Channel``."""
 
     def __init__(
-        self, target: str, *, token: str | None = None, tls: TlsFiles | None = None, connect_wait: float = 0.0
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        connect_wait: float = 0.0,
+        authority: str | None = None,
     ) -> None:
         """Remember where to connect; the channel is created on first use.
 
@@ -236,6 +261,7 @@ class AsyncGrpcTransport:
         """
         self._target = target
         self._tls = tls is not None
+        self._options = channel_options(authority)
         self._credentials = channel_credentials(tls) if tls is not None else None
         self._metadata = _auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
@@ -245,9 +271,9 @@ class AsyncGrpcTransport:
     def _get_stub(self) -> CoordinatorAsyncStub:
         if self._stub is None:
             if self._credentials is not None:
-                self._channel = grpc.aio.secure_channel(self._target, self._credentials, _CHANNEL_OPTIONS)
+                self._channel = grpc.aio.secure_channel(self._target, self._credentials, self._options)
             else:
-                self._channel = grpc.aio.insecure_channel(self._target, _CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(self._target, self._options)
             self._stub = CoordinatorStub(self._channel)
         return self._stub
 

@@ -42,8 +42,11 @@ _LIMITS = httpx.Limits(
 T = TypeVar("T")
 
 
-def _client_options(token: str | None, tls: TlsFiles | None) -> dict[str, Any]:
+def _client_options(token: str | None, tls: TlsFiles | None, authority: str | None) -> dict[str, Any]:
     """The settings both httpx clients share: headers, TLS, pool limits.
+
+    ``authority``: the ``host[:port]`` to send as ``Host`` instead of the URL's (the DNS name an
+    address was found under, ``tally._transport.dns``).
 
     Raises:
         ValueError: A TLS file is not a usable certificate or key.
@@ -51,12 +54,32 @@ def _client_options(token: str | None, tls: TlsFiles | None) -> dict[str, Any]:
     headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    if authority is not None:
+        headers["Host"] = authority
     return {
         "headers": headers,
         # https: the CA and client pair of ``tls`` (system roots without a CA file).
         "verify": ssl_context(tls) if tls is not None else _plain_http_context(),
         "limits": _LIMITS,
     }
+
+
+def _with_server_name(request: httpx.Request, server_name: str) -> None:
+    """Check the certificate of ``server_name`` (and ask for it by SNI), not the URL's address's."""
+    request.extensions["sni_hostname"] = server_name
+
+
+def _server_name_hooks(server_name: str | None, tls: TlsFiles | None, *, aio: bool) -> dict[str, Any]:
+    """The event hooks that make every request of an https client present ``server_name``."""
+    if server_name is None or tls is None:
+        return {}
+    if aio:
+
+        async def hook(request: httpx.Request) -> None:
+            _with_server_name(request, server_name)
+
+        return {"event_hooks": {"request": [hook]}}
+    return {"event_hooks": {"request": [functools.partial(_with_server_name, server_name=server_name)]}}
 
 
 @functools.cache
@@ -102,6 +125,8 @@ class HttpTransport:
         token: str | None = None,
         tls: TlsFiles | None = None,
         connect_wait: float = 0.0,
+        authority: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         """Create the transport; no connection is made until the first call.
 
@@ -110,12 +135,15 @@ class HttpTransport:
             token: Bearer token sent as the ``Authorization`` header.
             tls: For ``https``: the CA to trust and a client certificate (None: system defaults).
             connect_wait: Seconds during which a refused first connection is retried (see contact).
+            authority: The ``host[:port]`` to send as ``Host`` instead of the URL's.
+            server_name: The host whose certificate to expect instead of the URL's (https).
 
         Raises:
             ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
-        self._options = _client_options(token, tls)
+        hooks = _server_name_hooks(server_name, tls, aio=False)
+        self._options = _client_options(token, tls, authority) | hooks
         self._client = httpx.Client(**self._options)
         self._pid = os.getpid()
         self._contact = FirstContact(self._base, connect_wait)
@@ -170,6 +198,8 @@ class AsyncHttpTransport:
         token: str | None = None,
         tls: TlsFiles | None = None,
         connect_wait: float = 0.0,
+        authority: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         """Create the transport (no connection yet); the arguments are :class:`HttpTransport`'s.
 
@@ -177,7 +207,8 @@ class AsyncHttpTransport:
             ValueError: A TLS file is not a usable certificate or key.
         """
         self._base = base_url.rstrip("/")
-        self._options = _client_options(token, tls)
+        hooks = _server_name_hooks(server_name, tls, aio=True)
+        self._options = _client_options(token, tls, authority) | hooks
         self._client = httpx.AsyncClient(**self._options)
         self._pid = os.getpid()
         self._contact = FirstContact(self._base, connect_wait)
