@@ -278,7 +278,8 @@ class GroupCommitter:
         Raises:
             Exception: what ``commit`` raised (a refusal too, after ``_MAX_SPLITS`` of them).
         """
-        part = [(op, future) for op, future in part if future not in refused]
+        if refused:
+            part = [(op, future) for op, future in part if future not in refused]
         splits = 0
         while True:
             if self._not_held is not None:
