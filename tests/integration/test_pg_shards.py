@@ -7,15 +7,30 @@ lock and row of before shards.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from alembic import command
 
 from tally_server.domain.journal import Persisted
-from tally_server.domain.ports import DeleteCompleted, ForgetWriter, JournalEntry, OpenJournal, PutCompleted
+from tally_server.domain.ports import (
+    CommitReport,
+    CompletionOp,
+    DeleteCompleted,
+    ForgetWriter,
+    JournalEntry,
+    JournalOp,
+    OpenJournal,
+    PutCompleted,
+    checkpoints_of,
+)
+from tally_server.errors import Unavailable
+from tally_server.service.committer import GroupCommitter
+from tally_server.service.stats import ServiceStats
 from tally_server.store.pg_completions import PgCompletionStore
 from tally_server.store.pg_journal import PgJournal
 from tally_server.store.pg_revisions import REVISIONS
@@ -335,6 +350,158 @@ def test_a_shard_fences_read_holds_up_a_takeover_of_its_shards_until_the_commit_
         assert epochs(postgres_url)[2] == (2, "b")
     finally:
         engine.dispose()
+
+
+# ------------------------------------------------------------------ group commits over shards
+
+
+def opened(handle: str, checkpoint: str) -> OpenJournal:
+    return OpenJournal(dataclasses.replace(who(handle), checkpoint=checkpoint))
+
+
+def completed_ids(url: str) -> list[tuple[object, ...]]:
+    return sorted(rows(url, "SELECT checkpoint, convert_from(source_id, 'UTF8') FROM completed"))
+
+
+class Recorded:
+    """A group committer's joint commit on the store, recording the checkpoints each call carried.
+
+    ``then(n)`` runs before the n-th call (from 1): what a race does between two commits.
+    """
+
+    def __init__(self, store: PgCompletionStore, journal: PgJournal) -> None:
+        self.store, self.journal = store, journal
+        self.carried: list[set[str]] = []
+        self.before: dict[int, Any] = {}
+
+    def __call__(self, entries: Sequence[JournalOp], changes: Sequence[CompletionOp]) -> CommitReport:
+        self.carried.append(checkpoints_of([*entries, *changes]))
+        if (then := self.before.get(len(self.carried))) is not None:
+            then()
+        return self.store.commit_group(self.journal, entries, changes)
+
+
+async def answered_in_order(futures: Sequence[asyncio.Future[None]]) -> tuple[list[object], list[int]]:
+    """Every future's outcome (None or the exception), and the order they were answered in."""
+    order: list[int] = []
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: order.append(i))
+    return list(await asyncio.gather(*futures, return_exceptions=True)), order
+
+
+def is_shard_moved(outcome: object, shard: int) -> bool:
+    return isinstance(outcome, Unavailable) and f"no longer holds shard {shard} of the PostgreSQL" in str(
+        outcome
+    )
+
+
+@pytest.mark.parametrize("how", ["joint", "joint, failed up front", "two stages"])
+def test_a_group_carrying_a_shard_not_held_commits_the_other_shards_ops_and_fails_only_its_own(
+    postgres_url: str, locks: list[StoreLock], how: str
+) -> None:
+    """One group commit with ops of shards held and of a shard that left the fence (handed over or
+    lost): the held shards' ops are durable and their submitters answered; the other shard's
+    submitters get UNAVAILABLE (the shard moved: retry), and nothing of its ops is written, nor of
+    ops sharing a future with one of them. Every submitter is answered in the order it queued (per
+    stage, with two). Either the commit is refused for the shard and the rest committed again, or,
+    given the fence's ``refusal``, the shard's ops are failed before any commit."""
+    fence = ShardFence({k: take(locks, postgres_url, "a", k) for k in (1, 2, 3)}, store_shards=4)
+    ones, twos, threes = name_in(1, 4, "x"), name_in(2, 4, "y"), name_in(3, 4, "z")
+    store, journal = PgCompletionStore(postgres_url, fence), PgJournal(postgres_url, fence)
+    joint = Recorded(store, journal)
+    options: dict[str, Any] = {"not_held": fence.refusal} if "up front" in how else {}
+    committer = GroupCommitter(
+        store, journal, ServiceStats(), joint=joint if how.startswith("joint") else None, **options
+    )
+    ops: list[Any] = [
+        opened("h1", ones),
+        PutCompleted(ones, "w1", ["a"]),
+        opened("h2", twos),
+        opened("h3", threes),
+        PutCompleted(twos, "w2", ["a"]),
+        # One future for both: durable together or not at all.
+        [JournalEntry("h3", 1, Persisted(["a"]), threes), JournalEntry("h2", 1, Persisted(["a"]), twos)],
+        DeleteCompleted(twos, ["old"]),
+        PutCompleted(threes, "w3", ["a"]),
+        JournalEntry("h1", 1, Persisted(["a"]), ones),
+    ]
+    moved = {2, 4, 5, 6}
+
+    async def main() -> tuple[list[object], list[int]]:
+        committer.start()
+        try:
+            await committer.submit(PutCompleted(twos, "w2", ["old"]))  # while shard 2 was held
+            assert fence.remove(2) is not None
+            joint.carried.clear()
+            # Queued together: one group.
+            futures = [
+                committer.enqueue_all(op) if isinstance(op, list) else committer.enqueue(op) for op in ops
+            ]
+            return await answered_in_order(futures)
+        finally:
+            await committer.close()
+
+    try:
+        outcomes, order = asyncio.run(main())
+    finally:
+        journal.close()
+        store.close()
+    assert [i for i, outcome in enumerate(outcomes) if outcome is not None] == sorted(moved)
+    assert all(is_shard_moved(outcomes[i], 2) for i in moved), outcomes
+    if how == "two stages":  # the journal's submitters first, then the completions'
+        assert order == sorted(
+            range(len(ops)), key=lambda i: isinstance(ops[i], PutCompleted | DeleteCompleted)
+        )
+    else:
+        assert order == list(range(len(ops)))
+    assert completed_ids(postgres_url) == sorted([(ones, "a"), (twos, "old"), (threes, "a")])
+    assert rows(postgres_url, "SELECT handle FROM journal_writers ORDER BY handle") == [("h1",), ("h3",)]
+    assert rows(postgres_url, "SELECT handle, idx FROM journal_entries") == [("h1", 1)]
+    if how == "joint":  # refused for shard 2, then committed without its ops
+        assert joint.carried == [{ones, twos, threes}, {ones, threes}]
+    elif how.startswith("joint"):  # never sent
+        assert joint.carried == [{ones, threes}]
+    assert committer._stats.commit_failures == (0 if "up front" in how else 1)
+
+
+def test_a_group_refused_again_for_a_shard_lost_meanwhile_commits_what_is_left(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """A second shard leaves the fence between the refusal and the commit again: that one is refused
+    too, and what is left of the group (the shard still held) is committed the third time."""
+    fence = ShardFence({k: take(locks, postgres_url, "a", k) for k in (1, 2, 3)}, store_shards=4)
+    ones, twos, threes = name_in(1, 4, "x"), name_in(2, 4, "y"), name_in(3, 4, "z")
+    store, journal = PgCompletionStore(postgres_url, fence), PgJournal(postgres_url, fence)
+    joint = Recorded(store, journal)
+    joint.before[2] = lambda: fence.remove(3)  # lost while the first refusal was answered
+    committer = GroupCommitter(store, journal, ServiceStats(), joint=joint)
+    names = [twos, ones, threes]
+
+    async def main() -> tuple[list[object], list[int]]:
+        committer.start()
+        try:
+            assert fence.remove(2) is not None
+            futures = [
+                committer.enqueue(op)
+                for name in names
+                for op in (opened(name, name), PutCompleted(name, "w", ["a"]))
+            ]
+            return await answered_in_order(futures)
+        finally:
+            await committer.close()
+
+    try:
+        outcomes, order = asyncio.run(main())
+    finally:
+        journal.close()
+        store.close()
+    assert order == list(range(6))
+    assert outcomes[2:4] == [None, None]
+    assert all(is_shard_moved(o, 2) for o in outcomes[:2]) and all(is_shard_moved(o, 3) for o in outcomes[4:])
+    assert joint.carried == [{ones, twos, threes}, {ones, threes}, {ones}]
+    assert completed_ids(postgres_url) == [(ones, "a")]
+    assert rows(postgres_url, "SELECT handle FROM journal_writers") == [(ones,)]
+    assert committer._stats.commit_failures == 2
 
 
 # ------------------------------------------------------------------ status and owners

@@ -57,7 +57,7 @@ from tally_server.store.postgres import (
 )
 from tally_server.store.registry import RegistryUnavailable, SqlRegistry
 from tally_server.store.replicas import ReplicaBoard, ReplicaNameInUse, check_name_free
-from tally_server.store.shards import Fence, prepare_layout
+from tally_server.store.shards import Fence, ShardFence, prepare_layout
 
 log = logging.getLogger(__name__)
 # On the PostgreSQL store, how long the event loop may keep the GIL from a thread that wants it back
@@ -127,6 +127,8 @@ def build_service(
         loop_idle=loop_idle,
         joint_commit=joint_commit,
         owns=owns,
+        # Ops of a shard not held fail before their commit, not with the others' ops in it.
+        not_held=fence.refusal if isinstance(fence, ShardFence) else None,
     )
 
 

@@ -91,7 +91,12 @@ class CompletionWriteError(Exception):
         path: the file (or folder) that could not be written.
         disk_full: the disk or quota holding the data directory is full (ENOSPC, EDQUOT); the
             message then says so and what to do.
+        refuses: set when the commit was refused for the rows of some checkpoints only (those
+            for which it is true: of a shard of the store this coordinator no longer holds); the
+            same commit without their ops may go through. None: the commit failed as a whole.
     """
+
+    refuses: Callable[[str], bool] | None = None
 
     def __init__(self, message: str, *, path: str, disk_full: bool) -> None:
         super().__init__(message)
@@ -430,14 +435,14 @@ class ForgetWriter:
 JournalOp = OpenJournal | JournalEntry | ForgetWriter
 
 
+def checkpoint_of(op: JournalOp | CompletionOp) -> str:
+    """The checkpoint whose rows ``op`` writes ("" for a journal op that does not say)."""
+    return op.opened.checkpoint if isinstance(op, OpenJournal) else op.checkpoint
+
+
 def checkpoints_of(ops: Iterable[JournalOp | CompletionOp]) -> set[str]:
     """The checkpoints whose rows ``ops`` write (those that say theirs)."""
-    names = set()
-    for op in ops:
-        name = op.opened.checkpoint if isinstance(op, OpenJournal) else op.checkpoint
-        if name:
-            names.add(name)
-    return names
+    return {name for name in map(checkpoint_of, ops) if name}
 
 
 #: Where the journal and the completions live in one database (the PostgreSQL store): commits a

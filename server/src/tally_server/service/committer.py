@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from tally_server.domain.ports import (
+    CommitReport,
     CompletionOp,
     CompletionStore,
     CompletionWriteError,
@@ -21,82 +20,24 @@ from tally_server.domain.ports import (
     JournalOp,
     PutCompleted,
     QuarantinedFile,
+    checkpoint_of,
 )
 from tally_server.errors import Unavailable
 from tally_server.logs import FailureLog
+from tally_server.service.lane import Lane
 from tally_server.service.stats import ServiceStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Op = CompletionOp | JournalOp
-
-
-class Lane:
-    """One thread running blocking calls in the order given, each answered as an asyncio future.
-
-    What ``loop.run_in_executor`` on a one-thread ``ThreadPoolExecutor`` does, without its
-    per-submit semaphore: that one is released by the worker thread after each call, so the loop
-    often stops on it until that thread is scheduled again (tens of microseconds per commit, ten
-    times that at the tail on a busy machine). A queue and a callback into the loop are all a
-    commit needs.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._stopped = False
-        # A daemon: close() stops it; a process that dies without close() loses no acknowledged
-        # work, since nothing is answered before its commit returned.
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def run(
-        self, fn: Callable[..., T], *args: object, then: Callable[[], None] | None = None
-    ) -> asyncio.Future[T]:
-        """Queue ``fn(*args)``; the future has its result or exception.
-
-        ``then`` runs on the loop as soon as ``fn`` returned (not if it raised), before the
-        awaiting coroutine resumes: what it wakes runs one turn of the loop earlier.
-        """
-        if self._stopped:  # as an executor after shutdown: nothing would ever run it
-            raise RuntimeError(f"{self._thread.name} is shut down")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._queue.put((loop, future, fn, args, then))
-        return future
-
-    def shutdown(self) -> None:
-        """Run what is queued, then stop the thread."""
-        self._stopped = True
-        self._queue.put(None)
-        self._thread.join()
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            loop, future, fn, args, then = item
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting coroutine, as an executor does
-                _answer(loop, future.set_exception, future, exc, None)
-            else:
-                _answer(loop, future.set_result, future, result, then)
-            del item, future, args, then  # hold no reference to the last call while waiting
-
-
-def _answer(
-    loop: asyncio.AbstractEventLoop,
-    setter: Callable[[Any], None],
-    future: Any,
-    value: Any,
-    then: Callable[[], None] | None,
-) -> None:
-    def settle() -> None:
-        if not future.done():  # cancelled meanwhile
-            setter(value)
-        if then is not None:
-            then()
-
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-        loop.call_soon_threadsafe(settle)
+Pending = tuple[Op, asyncio.Future[None]]
+#: The futures of ops left out of their group's commit (their checkpoint's shard not held), with
+#: the op that was refused and why.
+Refused = dict[asyncio.Future[None], tuple[Op, CompletionWriteError]]
+#: How many times a group is committed again without the checkpoints its commit was refused for
+#: (``CompletionWriteError.refuses``: a shard handed over or lost meanwhile); a further refusal
+#: fails what is left of the group.
+_MAX_SPLITS = 4
 
 
 class GroupCommitter:
@@ -114,6 +55,14 @@ class GroupCommitter:
     With ``joint`` (the PostgreSQL store, where both live in one database), a group's journal
     entries and its completions are one transaction instead, on the completion files' thread: one
     WAL flush and one fence per group rather than two, and a failure fails the whole group.
+
+    A group may carry ops of checkpoints this coordinator no longer owns in the store (of a shard
+    handed over or lost). ``not_held`` says so of a checkpoint up front (with the error to fail its
+    ops with), so those ops are failed rather than committed; and a commit refused for some
+    checkpoints only (``CompletionWriteError.refuses``: their shard left meanwhile) is committed
+    again without their ops. Either way only their submitters fail (a submitter's ops sharing one
+    future fail together); the others' ops are written as if alone, and every submitter is still
+    answered in group order.
     """
 
     def __init__(
@@ -123,13 +72,15 @@ class GroupCommitter:
         stats: ServiceStats,
         on_quarantined: Callable[[QuarantinedFile], None] = lambda q: None,
         joint: JointCommit | None = None,
+        not_held: Callable[[str], CompletionWriteError | None] | None = None,
     ) -> None:
         self._store = store
         self._joint = joint
+        self._not_held = not_held
         self._journal = journal
         self._stats = stats
         self._on_quarantined = on_quarantined
-        self._queue: list[tuple[Op, asyncio.Future[None]]] = []
+        self._queue: list[Pending] = []
         self._wake = asyncio.Event()
         self._closing = False
         # Completion files (and other file operations, see run) on one thread, the journal on another.
@@ -211,7 +162,7 @@ class GroupCommitter:
                 self._wake.set()
 
     async def _commit(
-        self, group: Sequence[tuple[Op, asyncio.Future[None]]], after: asyncio.Task[None] | None
+        self, group: Sequence[Pending], after: asyncio.Task[None] | None
     ) -> asyncio.Task[None] | None:
         """Write the group's journal entries and start committing its completion files.
 
@@ -222,90 +173,150 @@ class GroupCommitter:
         journal = [(op, f) for op, f in group if not isinstance(op, PutCompleted | DeleteCompleted)]
         completions = [(op, f) for op, f in group if isinstance(op, PutCompleted | DeleteCompleted)]
         started = time.perf_counter()
+        refused: Refused = {}
+
+        def write(part: Sequence[Pending]) -> Awaitable[None]:
+            entries = [op for op, _ in part if not isinstance(op, PutCompleted | DeleteCompleted)]
+            # Its submitters are answered as soon as the entries are durable.
+            answer = functools.partial(_settle, journal, refused)
+            return self._journal_lane.run(self._journal.commit, entries, then=answer)
+
         try:
-            if journal:
-                entries = [op for op, _ in journal if not isinstance(op, PutCompleted | DeleteCompleted)]
-                # Its submitters are answered as soon as the entries are durable.
-                await self._journal_lane.run(self._journal.commit, entries, then=lambda: _resolve(journal))
+            written, _ = await self._commit_held(journal, refused, write)
         except Exception as exc:
-            self._fail(group, exc, self._journal_failures, "could not write the writers' journal")
+            self._fail(group, exc, self._journal_failures, "could not write the writers' journal", refused)
             return after
-        if journal:
+        if written:
             self._journal_failures.succeeded()
+        _settle(journal, refused)
         if not completions:
             return after
-        return loop.create_task(self._commit_files(completions, after, started), name="tally-commit-files")
+        # A completion is never durable before its journal: none of a checkpoint whose entries were left out.
+        left_out = {checkpoint_of(op): why for op, why in refused.values()}
+        for op, future in completions:
+            if checkpoint_of(op) in left_out:
+                refused.setdefault(future, (op, left_out[checkpoint_of(op)]))
+        files = self._commit_files(completions, after, started, refused)
+        return loop.create_task(files, name="tally-commit-files")
 
-    async def _commit_joint(self, group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:
+    async def _commit_joint(self, group: list[Pending]) -> None:
         """Commit the group's journal entries and completions in one transaction (see ``joint``)."""
-        assert self._joint is not None
-        journal = [(op, f) for op, f in group if not isinstance(op, PutCompleted | DeleteCompleted)]
-        completions = [(op, f) for op, f in group if isinstance(op, PutCompleted | DeleteCompleted)]
-        entries = [op for op, _ in journal if not isinstance(op, PutCompleted | DeleteCompleted)]
-        changes = [op for op, _ in completions if isinstance(op, PutCompleted | DeleteCompleted)]
+        joint = self._joint
+        assert joint is not None
         started = time.perf_counter()
+        refused: Refused = {}
+
+        def commit(part: Sequence[Pending]) -> Awaitable[CommitReport]:
+            entries = [op for op, _ in part if not isinstance(op, PutCompleted | DeleteCompleted)]
+            changes = [op for op, _ in part if isinstance(op, PutCompleted | DeleteCompleted)]
+            return self._files_lane.run(joint, entries, changes)
+
         try:
-            report = await self._files_lane.run(self._joint, entries, changes)
+            part, report = await self._commit_held(group, refused, commit)
         except Exception as exc:
             # Neither part is durable: the journal's submitters re-queue their entries, and the
             # completions settle again, as when the journal alone fails.
-            what = "could not write the writers' journal" if not changes else "could not persist completions"
-            self._fail(group, exc, self._failures if changes else self._journal_failures, what)
+            files = any(isinstance(op, PutCompleted | DeleteCompleted) for op, f in group if f not in refused)
+            what = "could not write the writers' journal" if not files else "could not persist completions"
+            self._fail(group, exc, self._failures if files else self._journal_failures, what, refused)
             return
-        if journal:
+        changes = [op for op, _ in part if isinstance(op, PutCompleted | DeleteCompleted)]
+        if len(changes) < len(part):
             self._journal_failures.succeeded()
-        if completions:
+        if changes:
             self._failures.succeeded()
-        for quarantined in report.quarantined:
+        for quarantined in report.quarantined if report is not None else ():
             self._on_quarantined(quarantined)
-        if completions:
+        if changes:
             elapsed = time.perf_counter() - started
             sources = sum(len(op.sources) for op in changes)
             for observe in self._stats.commit_observers:
-                observe(elapsed, len(completions), sources)
+                observe(elapsed, len(changes), sources)
         # In the group's order, journal entries and completions alike: submitters resume in the
         # order they queued (a submitter with no journal entry queued first resumes first).
-        _resolve(group)
+        _settle(group, refused)
 
     async def _commit_files(
         self,
-        completions: Sequence[tuple[Op, asyncio.Future[None]]],
+        completions: Sequence[Pending],
         after: asyncio.Task[None] | None,
         started: float,
+        refused: Refused,
     ) -> None:
         if after is not None:
             await after  # never raises: failures resolve the futures instead
+
+        def commit(part: Sequence[Pending]) -> Awaitable[CommitReport]:
+            changes = [op for op, _ in part if isinstance(op, PutCompleted | DeleteCompleted)]
+            return self._files_lane.run(self._store.commit, changes)
+
         try:
-            changes = [op for op, _ in completions if isinstance(op, PutCompleted | DeleteCompleted)]
-            report = await self._files_lane.run(self._store.commit, changes)
+            part, report = await self._commit_held(completions, refused, commit)
         except Exception as exc:
-            self._fail(completions, exc, self._failures, "could not persist completions")
+            self._fail(completions, exc, self._failures, "could not persist completions", refused)
             return
-        self._failures.succeeded()
-        for quarantined in report.quarantined:
-            self._on_quarantined(quarantined)
-        elapsed = time.perf_counter() - started
-        sources = sum(len(op.sources) for op in changes)
-        for observe in self._stats.commit_observers:
-            observe(elapsed, len(completions), sources)
-        _resolve(completions)
+        if part:
+            self._failures.succeeded()
+            for quarantined in report.quarantined if report is not None else ():
+                self._on_quarantined(quarantined)
+            elapsed = time.perf_counter() - started
+            sources = sum(len(op.sources) for op, _ in part if isinstance(op, PutCompleted | DeleteCompleted))
+            for observe in self._stats.commit_observers:
+                observe(elapsed, len(part), sources)
+        _settle(completions, refused)
+
+    async def _commit_held(
+        self, part: Sequence[Pending], refused: Refused, commit: Callable[[Sequence[Pending]], Awaitable[T]]
+    ) -> tuple[Sequence[Pending], T | None]:
+        """``commit`` the ops of ``part`` but those of checkpoints not held; returns those committed.
+
+        Ops ``not_held`` refuses (and those ``refused`` already) are left out first; a commit
+        refused for some checkpoints only (``CompletionWriteError.refuses``) runs again without
+        their ops (up to ``_MAX_SPLITS`` times). The futures left out go to ``refused``, with why.
+        Nothing is committed (and None returned with no ops) when every op is left out.
+
+        Raises:
+            Exception: what ``commit`` raised (a refusal too, after ``_MAX_SPLITS`` of them).
+        """
+        if refused:
+            part = [(op, future) for op, future in part if future not in refused]
+        splits = 0
+        while True:
+            if self._not_held is not None:
+                part = _leave_out(part, refused, self._not_held)
+            if not part:
+                return part, None
+            try:
+                return part, await commit(part)
+            except CompletionWriteError as exc:
+                if exc.refuses is None or splits == _MAX_SPLITS:
+                    raise
+                rest = _leave_out(part, refused, functools.partial(_refused_by, exc))
+                if len(rest) == len(part):
+                    raise  # refused for none of its ops: it would be refused again
+                splits += 1
+                self._stats.commit_failures += 1
+                log.info(
+                    "a group commit was refused for some of its checkpoints (%s); committing the rest", exc
+                )
+                part = rest
 
     def _fail(
         self,
-        group: Sequence[tuple[Op, asyncio.Future[None]]],
+        group: Sequence[Pending],
         exc: Exception,
         failures: FailureLog,
         what: str,
+        refused: Refused,
     ) -> None:
+        """Fail the group's submitters in its order: with ``exc``, or their refusal if ``refused``."""
         self._stats.commit_failures += 1
         failures.failed(exc)
-        if isinstance(exc, CompletionWriteError):
-            message = f"{what}: {exc}"  # says what to do
-        else:
-            message = f"{what} ({exc}); retry"
         for _, future in group:
             if not future.done():
-                future.set_exception(Unavailable(message, cause=str(exc)[:500]))
+                future.set_exception(
+                    _refusal(*refused[future]) if future in refused else _unavailable(what, exc)
+                )
 
     async def close(self) -> None:
         """Commit what is queued, then stop the commit loop and its thread."""
@@ -318,7 +329,50 @@ class GroupCommitter:
         self._journal_lane.shutdown()
 
 
-def _resolve(group: Sequence[tuple[Op, asyncio.Future[None]]]) -> None:
+def _settle(group: Sequence[Pending], refused: Refused) -> None:
+    """Answer the group's submitters in its order: durable, or UNAVAILABLE for those ``refused``."""
     for _, future in group:
         if not future.done():
-            future.set_result(None)
+            if future in refused:
+                future.set_exception(_refusal(*refused[future]))
+            else:
+                future.set_result(None)
+
+
+def _leave_out(
+    part: Sequence[Pending], refused: Refused, refusal: Callable[[str], CompletionWriteError | None]
+) -> list[Pending]:
+    """``part`` without the ops of checkpoints ``refusal`` refuses, and the ops sharing their futures.
+
+    A future's ops are durable together or not at all. The futures left out go to ``refused``.
+    """
+    why: dict[str, CompletionWriteError | None] = {}
+    for op, future in part:
+        name = checkpoint_of(op)
+        if name and future not in refused:
+            if name not in why:
+                why[name] = refusal(name)
+            error = why[name]
+            if error is not None:
+                refused[future] = (op, error)
+    return [(op, future) for op, future in part if future not in refused]
+
+
+def _refused_by(exc: CompletionWriteError, checkpoint: str) -> CompletionWriteError | None:
+    """``exc`` if it refused ``checkpoint``'s rows (``CompletionWriteError.refuses``), else None."""
+    return exc if exc.refuses is not None and exc.refuses(checkpoint) else None
+
+
+def _refusal(op: Op, exc: CompletionWriteError) -> Unavailable:
+    """What a submitter whose ``op`` was left out of its commit gets (the shard moved: retry)."""
+    if isinstance(op, PutCompleted | DeleteCompleted):
+        return _unavailable("could not persist completions", exc)
+    return _unavailable("could not write the writers' journal", exc)
+
+
+def _unavailable(what: str, exc: Exception) -> Unavailable:
+    if isinstance(exc, CompletionWriteError):
+        message = f"{what}: {exc}"  # says what to do
+    else:
+        message = f"{what} ({exc}); retry"
+    return Unavailable(message, cause=str(exc)[:500])

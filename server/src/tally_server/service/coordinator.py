@@ -25,7 +25,7 @@ from tally_server.domain.checkpoint import Checkpoint, WriterState
 from tally_server.domain.events import EventKind
 from tally_server.domain.leases import StallClock
 from tally_server.domain.ledger import Delta
-from tally_server.domain.ports import CompletionStore, JointCommit, Journal, Registry
+from tally_server.domain.ports import CompletionStore, CompletionWriteError, JointCommit, Journal, Registry
 from tally_server.domain.validation import Limits
 from tally_server.domain.words import count
 from tally_server.service.admin import Admin
@@ -108,6 +108,10 @@ class CoordinatorService:
             checkpoints only. Another's writer handles are simply unknown here; a writer restored
             by :meth:`adopt`, which widens ``owns`` at run time (a shard taken over) once it has
             restored what it adds, is refused alike until then.
+        not_held: where several share one store, the error a commit carrying a checkpoint (by
+            name) would be refused with now (its shard not held: handed over or lost), else None.
+            The group committer fails such ops at once, and commits the others of their group
+            without them (``GroupCommitter``); None: every op is committed.
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class CoordinatorService:
         loop_idle: Sequence[Callable[[], float]] = (),
         joint_commit: JointCommit | None = None,
         owns: Callable[[str], bool] | None = None,
+        not_held: Callable[[str], CompletionWriteError | None] | None = None,
     ) -> None:
         self.limits = limits
         self.settle_ms = settle_ms
@@ -138,7 +143,12 @@ class CoordinatorService:
         self._sleep = sleep
         self._journal = journal
         committer = GroupCommitter(
-            completions, journal, self.stats, lambda q: self._checkpoints.quarantined(q), joint_commit
+            completions,
+            journal,
+            self.stats,
+            lambda q: self._checkpoints.quarantined(q),
+            joint_commit,
+            not_held,
         )
         self._core = core = Core(
             limits=limits,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import sqlalchemy as sa
@@ -190,9 +190,16 @@ class NoShardHeld(Fenced):
 
 
 class ShardNotHeld(Fenced):
-    """A commit carried rows of a checkpoint whose shard its fence did not read (handed over, or lost)."""
+    """A commit carried rows of a checkpoint whose shard its fence did not read (handed over, or lost).
 
-    def __init__(self, url: sa.URL, shard: int, checkpoint: str) -> None:
+    ``refuses`` (``CompletionWriteError.refuses``): the checkpoints of every shard the commit
+    carried but its fence did not read; the commit without their ops may go through (the group
+    committer commits the rest of its group again).
+    """
+
+    def __init__(
+        self, url: sa.URL, shard: int, checkpoint: str, refuses: Callable[[str], bool] | None = None
+    ) -> None:
         CompletionWriteError.__init__(
             self,
             f"this coordinator no longer holds shard {shard} of the PostgreSQL store {display(url)} "
@@ -202,6 +209,7 @@ class ShardNotHeld(Fenced):
             disk_full=False,
         )
         self.shard = shard
+        self.refuses = refuses
 
 
 class ShardFence:
@@ -317,8 +325,23 @@ class ShardFence:
             for name in carrying:
                 shard = shard_of(name, self.store_shards)
                 if shard not in checked:
-                    raise ShardNotHeld(self.url, shard, name)
+                    raise ShardNotHeld(self.url, shard, name, _outside(frozenset(checked), self.store_shards))
         return checked
+
+    def refusal(self, checkpoint: str) -> ShardNotHeld | None:
+        """What a commit carrying ``checkpoint`` would be refused with now, given the shards held.
+
+        None if its shard is held (or the fence does not know the store's number of shards). Lets
+        the group committer fail such ops before their commit rather than have it refused (the
+        fence still refuses one whose shard leaves meanwhile).
+        """
+        if self.store_shards is None:
+            return None
+        shard = shard_of(checkpoint, self.store_shards)
+        held = self.shards
+        if shard in held:
+            return None
+        return ShardNotHeld(self.url, shard, checkpoint, _outside(held, self.store_shards))
 
     def fence(self, conn: Connection, carrying: Collection[str] = ()) -> None:
         """Read the held shards' epochs ``FOR KEY SHARE`` in ``conn``'s transaction and check them.
@@ -329,6 +352,11 @@ class ShardFence:
                 ``carrying`` is of a shard not held; nothing may be written.
         """
         run_fence(conn, self, carrying)
+
+
+def _outside(shards: frozenset[int], store_shards: int) -> Callable[[str], bool]:
+    """Whether a checkpoint is of none of ``shards`` (of a store of ``store_shards``)."""
+    return lambda name: shard_of(name, store_shards) not in shards
 
 
 def run_fence(conn: Connection, fence: Fence, carrying: Collection[str] = ()) -> dict[int, int]:
