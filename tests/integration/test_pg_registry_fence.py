@@ -300,3 +300,25 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
             (kept, "c1"),
             (gone, "c0"),
         }
+
+
+def test_the_registry_is_fenced_only_in_the_stores_database(
+    tmp_path: Path, postgres_url: str, locks: list[StoreLock], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a registry in the store's database can run the fence in its own transactions: one
+    elsewhere (``--registry-url``) is not fenced, and the coordinator says so at start."""
+    fence = ShardFence({1: take(locks, postgres_url, "a", 1)}, store_shards=SHARDS)
+    elsewhere = f"sqlite:///{tmp_path / 'registry.sqlite3'}"
+    # The store's database spelled otherwise (libpq's scheme, a connection option).
+    spelled = store_url(postgres_url).set(drivername="postgresql", query={"connect_timeout": "5"})
+    same = spelled.render_as_string(hide_password=False)
+    for registry_url, fenced in ((None, True), (same, True), (elsewhere, False)):
+        settings = Settings(data_dir=tmp_path / "data", store=postgres_url, registry_url=registry_url)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tally_server.app"):
+            service = build_service(settings, fence=fence, owns=lambda name: shard_of(name, SHARDS) == 1)
+        try:
+            assert (service._core.registry.fence is fence) == fenced, registry_url  # type: ignore[attr-defined]
+            assert ("is not in the store's database" in caplog.text) != fenced
+        finally:
+            asyncio.run(service.shutdown())
