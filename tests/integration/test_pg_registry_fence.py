@@ -289,7 +289,7 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
 
     with caplog.at_level(logging.WARNING, logger="tally_server.service.registry_writer"):
         asyncio.run(main())
-    assert f"dropped the registry's rows of {gone}: nothing of this registry write" in caplog.text
+    assert f"dropped the registry's rows of {gone} (" in caplog.text
     rows = registry_rows(postgres_url)
     assert any("event of the shard kept" in r for r in rows["events"])
     assert not any("lost shard" in r for r in rows["events"])

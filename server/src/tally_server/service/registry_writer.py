@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from tally_server.domain.ports import EventRecord, ProgressRecord, Registry, WriterRecord
+from tally_server.domain.words import count
 from tally_server.errors import RegistryFenced
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,15 @@ class RegistryWriter:
                     await self._flush_once()
                     return
                 except RegistryFenced as exc:
-                    if not self._drop(exc.refused):
+                    dropped = self._drop(exc.refused)
+                    if not dropped:
                         raise  # refused for a shard none of them is in: queued, for the next flush
+                    names = sorted(exc.refused)
                     log.warning(
-                        "dropped the registry's rows of %s: %s",
-                        ", ".join(sorted(exc.refused)[:5]) + (", ..." if len(exc.refused) > 5 else ""),
+                        "dropped the registry's rows of %s (%s), which this coordinator may no longer "
+                        "write; writing the others again: %s",
+                        ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+                        count(dropped, "row"),
                         exc.message,
                     )
 

@@ -122,7 +122,7 @@ class SqlRegistry:
             ``postgresql+psycopg://tally@db:5432/tally``.
         fence: on a PostgreSQL store whose database holds the registry, the coordinator's fence
             (its store lock, or the ``ShardFence`` of its shards): every write about checkpoints
-            runs it first in its transaction with the checkpoints it writes, and is refused as a
+            runs it in its own transaction with the checkpoints it writes, and is refused as a
             whole (``errors.RegistryFenced``, nothing written) if one of them is of a shard
             no longer this coordinator's. None (SQLite, a registry elsewhere): writes as they come.
     """
