@@ -3,8 +3,9 @@
 Against the real local PostgreSQL, a fresh database per test: the registry in the store's database,
 given the coordinator's ``ShardFence`` (``store.registry_fence``). A write about a checkpoint of a
 shard whose epoch moved on (another coordinator took it), or of a shard no longer in the fence, is
-refused as a whole and writes nothing; one of a shard still held passes. The last test runs a
-coordinator service that loses a shard: it can record nothing of that shard's checkpoints afterwards.
+refused as a whole and writes nothing; one of a shard still held passes (and on a store of one
+shard, the store's lock fences them alike). A coordinator service that loses a shard can record
+nothing of that shard's checkpoints afterwards.
 """
 
 from __future__ import annotations
@@ -322,3 +323,22 @@ def test_the_registry_is_fenced_only_in_the_stores_database(
             assert ("is not in the store's database" in caplog.text) != fenced
         finally:
             asyncio.run(service.shutdown())
+
+
+def test_on_a_store_of_one_shard_a_deposed_owners_registry_writes_are_refused(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """The store's lock is the fence of a store of one shard: once another coordinator took the
+    store, every registry write of the deposed owner is refused and names every checkpoint it wrote."""
+    lock = take(locks, postgres_url, "a", 0)
+    with SqlRegistry(postgres_url, fence=lock) as registry:
+        seed(registry, "cp/a", "ha")
+        take_over(locks, postgres_url, lock)
+        before = registry_rows(postgres_url)
+        with pytest.raises(RegistryFenced, match="no longer owns the PostgreSQL store") as no:
+            registry.write_batch(writers=[writer("ha", "cp/a", WriterState.CLOSED), writer("hb", "cp/b")])
+        assert (no.value.shard, no.value.refused) == (None, {"cp/a", "cp/b"})
+        for write in every_write(registry, "cp/a", "ha"):
+            with pytest.raises(RegistryFenced):
+                write()
+        assert registry_rows(postgres_url) == before
