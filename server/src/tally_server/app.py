@@ -100,7 +100,7 @@ def build_service(
             completions.close()
             raise
     try:
-        registry = SqlRegistry(settings.resolved_registry_url())
+        registry = SqlRegistry(settings.resolved_registry_url(), fence=_registry_fence(settings, fence))
     except RegistryUnavailable as exc:  # at start: one line from tally serve, not a traceback
         completions.close()
         journal.close()
@@ -130,6 +130,34 @@ def build_service(
         # Ops of a shard not held fail before their commit, not with the others' ops in it.
         not_held=fence.refusal if isinstance(fence, ShardFence) else None,
     )
+
+
+def _registry_fence(settings: Settings, fence: Fence | Callable[[Connection], None] | None) -> Fence | None:
+    """The fence of the registry's writes: the store's, if the registry is in the store's database.
+
+    Every registry write about checkpoints then runs it in its own transaction
+    (``store.registry_fence``). A registry in another database (``--registry-url``) cannot run it
+    in the same transaction: its writes are not fenced, and this says so at start.
+    """
+    if not isinstance(fence, Fence) or settings.store is None:
+        return None
+    if settings.registry_url is None or _same_database(settings.registry_url, settings.store):
+        return fence
+    log.warning(
+        "the registry %s is not in the store's database, so its writes (writer rows, events, claims, "
+        "cursors, failed attempts) are not fenced by the store's epochs: a coordinator that lost a "
+        "shard may still write them; leave --registry-url out to keep the registry in the store",
+        _hide_password(settings.registry_url),
+    )
+    return None
+
+
+def _same_database(registry: str, store: str) -> bool:
+    """Whether two database URLs name one PostgreSQL database (host, port and name; any driver)."""
+    a, b = sa.make_url(registry), sa.make_url(store)
+    if a.get_backend_name() != "postgresql" or b.get_backend_name() != "postgresql":
+        return False
+    return (a.host or "", a.port or 5432, a.database) == (b.host or "", b.port or 5432, b.database)
 
 
 class _Uvicorn(uvicorn.Server):

@@ -92,6 +92,26 @@ class NotOwned(Unavailable):
         )
 
 
+class RegistryFenced(Unavailable):
+    """A registry write refused by the store's fence (``store.registry_fence``): nothing of it was written.
+
+    UNAVAILABLE, so a call refused so is retried, and reaches the checkpoint's owner now.
+
+    Attributes:
+        shard: the shard whose epoch moved on or that is no longer held (None: the whole store's,
+            or no shard held at all).
+        refused: the checkpoints written that this coordinator can never write again (those of
+            ``shard``; all of them with None). Empty if the write was refused for a shard none of
+            them is in (a lost shard still in the fence, soon dropped): it may pass once that shard
+            left the fence.
+    """
+
+    def __init__(self, message: str, shard: int | None, refused: frozenset[str]) -> None:
+        super().__init__(message, cause=message[:500])
+        self.shard = shard
+        self.refused = refused
+
+
 class Unauthenticated(TallyServerError):
     """The request carries no valid token."""
 

@@ -287,7 +287,10 @@ class Registry(Protocol):
     """Checkpoints, writers and events in a SQL database.
 
     A database that cannot be reached or written (down, disk full) raises
-    :class:`tally_server.errors.Unavailable`; anything else that fails is a bug.
+    :class:`tally_server.errors.Unavailable`; anything else that fails is a bug. On a PostgreSQL
+    store holding the registry, a write about a checkpoint whose shard is no longer this
+    coordinator's is refused as a whole, nothing written (``errors.RegistryFenced``, an
+    ``Unavailable``).
     """
 
     def list_checkpoints(self) -> list[CheckpointRecord]:

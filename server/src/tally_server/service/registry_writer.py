@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from tally_server.domain.ports import EventRecord, ProgressRecord, Registry, WriterRecord
+from tally_server.domain.words import count
+from tally_server.errors import RegistryFenced
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,44 +93,72 @@ class RegistryWriter:
     async def flush(self) -> None:
         """Write everything queued so far in one transaction.
 
+        A batch the store's fence refuses (``RegistryFenced``: rows of checkpoints whose shard this
+        coordinator lost or gave up) is written again at once without the rows that can never pass
+        here, which are dropped with a warning (their new owner restored those checkpoints from the
+        registry as it was); the rest is written, or stays queued as below.
+
         Raises:
             Unavailable: the registry cannot be written; the rows stay queued for the next flush.
         """
         async with self._lock:
-            if not self.queued:
-                return
-            writers, self._writers = self._writers, {}
-            events, self._events = list(self._events), deque()
-            samples, self._samples = self._samples, []
-            write = asyncio.ensure_future(
-                self._run(
-                    lambda: self._registry.write_batch(
-                        writers=list(writers.values()), events=events, samples=samples
+            while self.queued:
+                try:
+                    await self._flush_once()
+                    return
+                except RegistryFenced as exc:
+                    dropped = self._drop(exc.refused)
+                    if not dropped:
+                        raise  # refused for a shard none of them is in: queued, for the next flush
+                    names = sorted(exc.refused)
+                    log.warning(
+                        "dropped the registry's rows of %s (%s), which this coordinator may no longer "
+                        "write; writing the others again: %s",
+                        ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+                        count(dropped, "row"),
+                        exc.message,
                     )
+
+    def _drop(self, checkpoints: frozenset[str]) -> int:
+        """Drop the queued rows of ``checkpoints``; returns how many were dropped."""
+        before = self.queued
+        self._writers = {h: r for h, r in self._writers.items() if r.checkpoint not in checkpoints}
+        self._events = deque(e for e in self._events if e.checkpoint not in checkpoints)
+        self._samples = [x for x in self._samples if x.checkpoint not in checkpoints]
+        return before - self.queued
+
+    async def _flush_once(self) -> None:
+        """One transaction of everything queued; on failure the rows are queued again, in front."""
+        writers, self._writers = self._writers, {}
+        events, self._events = list(self._events), deque()
+        samples, self._samples = self._samples, []
+        write = asyncio.ensure_future(
+            self._run(
+                lambda: self._registry.write_batch(
+                    writers=list(writers.values()), events=events, samples=samples
                 )
             )
-            # The write goes on in its thread whatever happens to this task: a flush cancelled
-            # meanwhile (the coordinator stopping) waits for its outcome, so the rows are neither
-            # put back although written (the last flush then wrote them twice, and a progress
-            # sample's key twice failed the whole batch) nor lost.
-            stopped = False  # this task was cancelled while the write went on
-            while not write.done():
-                try:
-                    await asyncio.shield(write)
-                except asyncio.CancelledError:
-                    stopped = stopped or not write.done()
-                except BaseException:
-                    pass  # the write's own failure: below
-            failure: BaseException | None = (
-                asyncio.CancelledError() if write.cancelled() else write.exception()
-            )
-            if failure is not None:
-                # Put them back in front of anything queued meanwhile (which is newer).
-                for handle, record in writers.items():
-                    self._writers.setdefault(handle, record)
-                self._events.extendleft(reversed(events))
-                self._samples[:0] = samples
-            if stopped:
-                raise asyncio.CancelledError
-            if failure is not None:
-                raise failure
+        )
+        # The write goes on in its thread whatever happens to this task: a flush cancelled
+        # meanwhile (the coordinator stopping) waits for its outcome, so the rows are neither
+        # put back although written (the last flush then wrote them twice, and a progress
+        # sample's key twice failed the whole batch) nor lost.
+        stopped = False  # this task was cancelled while the write went on
+        while not write.done():
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                stopped = stopped or not write.done()
+            except BaseException:
+                pass  # the write's own failure: below
+        failure: BaseException | None = asyncio.CancelledError() if write.cancelled() else write.exception()
+        if failure is not None:
+            # Put them back in front of anything queued meanwhile (which is newer).
+            for handle, record in writers.items():
+                self._writers.setdefault(handle, record)
+            self._events.extendleft(reversed(events))
+            self._samples[:0] = samples
+        if stopped:
+            raise asyncio.CancelledError
+        if failure is not None:
+            raise failure

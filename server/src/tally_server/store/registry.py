@@ -30,6 +30,7 @@ from tally_server.domain.ports import (
     WriterRecord,
 )
 from tally_server.errors import Unavailable
+from tally_server.store.registry_fence import fence_write
 from tally_server.store.registry_migrations import upgrade_registry
 from tally_server.store.registry_schema import (
     budgets_table,
@@ -46,6 +47,7 @@ from tally_server.store.registry_schema import (
     writer_record,
     writers_table,
 )
+from tally_server.store.shards import Fence
 
 REGISTRY_FILENAME = "registry.sqlite3"
 
@@ -118,10 +120,16 @@ class SqlRegistry:
     Args:
         url: an SQLAlchemy URL, e.g. ``sqlite:////var/lib/tally/registry.sqlite3`` or
             ``postgresql+psycopg://tally@db:5432/tally``.
+        fence: on a PostgreSQL store whose database holds the registry, the coordinator's fence
+            (its store lock, or the ``ShardFence`` of its shards): every write about checkpoints
+            runs it in its own transaction with the checkpoints it writes, and is refused as a
+            whole (``errors.RegistryFenced``, nothing written) if one of them is of a shard
+            no longer this coordinator's. None (SQLite, a registry elsewhere): writes as they come.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, fence: Fence | None = None) -> None:
         parsed = registry_url(url)
+        self.fence = fence
         # Never show a password in messages and logs.
         self.display_url = parsed.render_as_string(hide_password=True)
         self._engine = _create_engine(parsed)
@@ -181,6 +189,10 @@ class SqlRegistry:
         Called after a restart: writers the journal brought back stay open; the others' pending
         state did not survive the old process. ``owns``: only writers of the checkpoints it accepts
         change; the others' belong to other coordinators of the store, live, and stay open.
+
+        Raises:
+            RegistryFenced: a writer to change is of a checkpoint whose shard is no longer this
+                coordinator's (``fence``); none was changed.
         """
         w = writers_table.c
         condition = w.state == WriterState.OPEN
@@ -197,10 +209,13 @@ class SqlRegistry:
                 .values(state=state, closed_at=at)
                 .returning(*writers_table.c)
             ).all()
+            # Fenced after the update (it names the checkpoints changed), before the commit: the
+            # read holds the epochs' rows until then, so a takeover waits for it or refuses it.
+            self._fenced(conn, {str(row.checkpoint) for row in rows})
         return sorted((writer_record(row) for row in rows), key=lambda r: (r.opened_at, r.handle))
 
-    @staticmethod
     def _mark_owned(
+        self,
         conn: Connection,
         condition: sa.ColumnElement[bool],
         state: str,
@@ -215,7 +230,9 @@ class SqlRegistry:
         """
         w = writers_table.c
         found = conn.execute(sa.select(w.handle, w.checkpoint).where(condition).with_for_update()).all()
-        handles = sorted(str(row.handle) for row in found if owns(str(row.checkpoint)))
+        owned = [row for row in found if owns(str(row.checkpoint))]
+        self._fenced(conn, {str(row.checkpoint) for row in owned})
+        handles = sorted(str(row.handle) for row in owned)
         rows: list[Any] = []
         for start in range(0, len(handles), _HANDLES_PER_STATEMENT):
             chunk = handles[start : start + _HANDLES_PER_STATEMENT]
@@ -239,8 +256,15 @@ class SqlRegistry:
         """Upsert checkpoints and writers, append events and samples, in one transaction.
 
         Event ids come from the database and are stored into each ``event.id``.
+
+        Raises:
+            RegistryFenced: a row is of a checkpoint whose shard is no longer this coordinator's
+                (``fence``); nothing was written.
         """
+        carrying = {x.name for x in checkpoints} | {x.checkpoint for x in writers}
+        carrying |= {x.checkpoint for x in events} | {x.checkpoint for x in samples}
         with self._engine.begin() as conn:
+            self._fenced(conn, carrying)
             for checkpoint in checkpoints:
                 self._upsert(conn, checkpoints_table, dataclasses.asdict(checkpoint))
             for writer in writers:
@@ -311,6 +335,7 @@ class SqlRegistry:
     def delete_samples(self, checkpoint: str) -> None:
         """Forget a checkpoint's progress history (on reset)."""
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             conn.execute(sa.delete(progress_table).where(progress_table.c.checkpoint == checkpoint))
 
     # ---------------------------------------------------------------- cursors
@@ -319,6 +344,7 @@ class SqlRegistry:
     def save_cursors(self, cursors: Sequence[CursorRecord]) -> None:
         """Write cursors (each replacing its source's), in one transaction: durable on return."""
         with self._engine.begin() as conn:
+            self._fenced(conn, {cursor.checkpoint for cursor in cursors})
             for cursor in cursors:
                 self._upsert(conn, cursors_table, dataclasses.asdict(cursor))
 
@@ -340,6 +366,7 @@ class SqlRegistry:
         """Drop these sources' cursors (every cursor of the checkpoint with None)."""
         c = cursors_table.c
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             if source_ids is None:
                 conn.execute(sa.delete(cursors_table).where(c.checkpoint == checkpoint))
                 return
@@ -366,6 +393,7 @@ class SqlRegistry:
         if not attempt.attempt_id:
             del entry["attempt_id"]
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             row = conn.execute(
                 sa.select(c.attempts, c.recent)
                 .where(c.checkpoint == checkpoint, c.source_id == source_id)
@@ -430,6 +458,7 @@ class SqlRegistry:
         """Forget these sources' failed attempts (every one of the checkpoint with None)."""
         c = failures_table.c
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             if source_ids is None:
                 conn.execute(sa.delete(failures_table).where(c.checkpoint == checkpoint))
                 return
@@ -444,6 +473,7 @@ class SqlRegistry:
     def set_budget(self, checkpoint: str, max_attempts: int) -> None:
         """Record a checkpoint's failure budget (0: unlimited)."""
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             self._upsert(conn, budgets_table, {"checkpoint": checkpoint, "max_attempts": max_attempts})
 
     @_transient_as_unavailable
@@ -470,6 +500,7 @@ class SqlRegistry:
         c = claims_table.c
         tokens: dict[str, int] = {}
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             ids = list(source_ids)
             for start in range(0, len(ids), 1000):
                 chunk = ids[start : start + 1000]
@@ -499,6 +530,7 @@ class SqlRegistry:
         c = claims_table.c
         mine = sa.update(claims_table).where(c.checkpoint == checkpoint, c.holder == holder).values(holder="")
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             if source_ids is None:
                 conn.execute(mine)
                 return
@@ -531,6 +563,7 @@ class SqlRegistry:
         """Add declared sources (those declared already are left as they are) and raise the count."""
         dialect = postgresql if self._engine.dialect.name == "postgresql" else sqlite
         with self._engine.begin() as conn:
+            self._fenced(conn, [checkpoint])
             ids = list(source_ids)
             for start in range(0, len(ids), 5000):
                 rows = [{"checkpoint": checkpoint, "source_id": sid} for sid in ids[start : start + 5000]]
@@ -586,6 +619,17 @@ class SqlRegistry:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _fenced(self, conn: Connection, carrying: Collection[str]) -> None:
+        """Inside a write transaction: go on only while ``carrying``'s shards are this coordinator's.
+
+        A write about no checkpoint (nothing to write, no writer to mark) is not fenced.
+
+        Raises:
+            RegistryFenced: one is not (``fence``); the transaction must write nothing.
+        """
+        if self.fence is not None and carrying:
+            fence_write(conn, self.fence, carrying)
 
     def _upsert_many(self, conn: Connection, table: sa.Table, rows: list[dict[str, Any]]) -> None:
         """Insert or update ``rows`` (all with the same columns) in one executemany."""

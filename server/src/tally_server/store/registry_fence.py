@@ -1,0 +1,45 @@
+"""The registry's writes fenced by the store's epochs, when the registry is in the store's database.
+
+On a PostgreSQL store the registry (``registry.SqlRegistry``) lives in the store's database unless
+``--registry-url`` says otherwise. Its writes about a checkpoint (writer rows, events, progress
+samples, claims, cursors, failed attempts, budgets, declared sources) are then conditional on the
+epoch of that checkpoint's shard, as the store's completions and journal are: each write
+transaction runs the coordinator's fence (``shards.run_fence``, the same read ``FOR KEY SHARE`` of
+``store_epoch``) with the checkpoints it writes, and is refused as a whole, nothing of it written,
+when a shard's epoch moved on (another coordinator took it) or a checkpoint written is of a shard
+no longer held. So a coordinator that lost a shard (paused past its lease) writes nothing of it to
+the registry either. A registry in another database cannot be fenced in the same transaction; its
+writes are not (``app.build_service`` says so at start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from sqlalchemy.engine import Connection
+
+from tally_server.errors import RegistryFenced
+from tally_server.store.postgres import Fenced
+from tally_server.store.shards import Fence, ShardFence, run_fence, shard_of
+
+
+def fence_write(conn: Connection, fence: Fence, carrying: Collection[str]) -> None:
+    """Run ``fence`` in ``conn``'s transaction for a registry write of the checkpoints ``carrying``.
+
+    Raises:
+        RegistryFenced: a shard's epoch moved on, or a checkpoint carried is of a shard not held;
+            the caller's transaction must write nothing (raising out of it rolls it back).
+    """
+    try:
+        run_fence(conn, fence, carrying)
+    except Fenced as exc:
+        message = f"nothing of this registry write was written: {exc}"
+        raise RegistryFenced(message, exc.shard, _refused(fence, exc, carrying)) from exc
+
+
+def _refused(fence: Fence, refusal: Fenced, carrying: Collection[str]) -> frozenset[str]:
+    """The checkpoints of ``carrying`` that ``refusal`` says can never pass this fence again."""
+    shards = fence.store_shards if isinstance(fence, ShardFence) else None
+    if refusal.shard is None or shards is None:
+        return frozenset(carrying)  # the whole store's epoch (or every shard) is gone
+    return frozenset(name for name in carrying if shard_of(name, shards) == refusal.shard)
