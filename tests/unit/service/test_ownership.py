@@ -20,8 +20,8 @@ from tally_server.app import build_service
 from tally_server.domain.checkpoint import WriterState
 from tally_server.domain.journal import Persisted
 from tally_server.domain.ports import DeleteCompleted, ForgetWriter, JournalEntry, PutCompleted
-from tally_server.errors import ErrorCode, NotOwned, Unavailable
-from tally_server.service import CoordinatorService
+from tally_server.errors import ErrorCode, NotFound, NotOwned, Unavailable
+from tally_server.service import CoordinatorService, writers
 from tally_server.service.views import ReplicasView
 from tally_server.settings import Settings
 from tally_server.store.pg_completions import PgCompletionStore
@@ -386,6 +386,29 @@ def test_a_running_coordinator_gives_checkpoints_up_and_keeps_its_own_as_they_we
             await a.flush(wa)
             assert await a.are_completed("a/live", ["half"]) == [True]
             assert (await a.get_checkpoint("a/live")).anomalies == 0
+
+    asyncio.run(main())
+
+
+def test_the_handles_of_writers_let_go_are_forgotten_after_a_while(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle let go with its checkpoint answers a late call UNAVAILABLE, but only for
+    ``RELEASED_KEPT_S``: the next release forgets the handles older than that, so a coordinator
+    that hands shards over for weeks does not remember every writer it ever let go."""
+
+    async def main() -> None:
+        async with serving(settings, everything) as svc:
+            one = (await svc.open_writer("a/one", writer_id="w1")).handle
+            two = (await svc.open_writer("a/two", writer_id="w2")).handle
+            await svc.release(lambda name: name == "a/one", owns=lambda name: name != "a/one")
+            with pytest.raises(NotOwned):
+                await svc.flush(one)
+            monkeypatch.setattr(writers, "RELEASED_KEPT_S", 0.0)
+            await svc.release(lambda name: name == "a/two", owns=lambda name: name.startswith("b/"))
+            for handle in (one, two):
+                with pytest.raises(NotFound):
+                    await svc.flush(handle)
 
     asyncio.run(main())
 

@@ -288,9 +288,7 @@ class CoordinatorService:
                 await core.settle_behind()
         except BaseException:
             for session in let_go:  # the restart that follows flushes their journals on its stop
-                if core.sessions.get(session.handle) is None:
-                    core.sessions.add(session)
-                    self._writers.released.pop(session.handle, None)
+                self._writers.take_back(session)
             raise
         try:  # rows not written now stay queued for the next flush
             await core.bookkeeping.flush()

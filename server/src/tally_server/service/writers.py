@@ -42,6 +42,8 @@ MAX_BATCHES_IN_FLIGHT = 2
 # How long an ordered batch waits for the one before it to be applied; then it is refused as
 # UNAVAILABLE and sent again (the one before it was lost on the way, or is being resent).
 PREVIOUS_BATCH_WAIT_S = 1.0
+# How long the handle of a writer let go with its checkpoint is remembered (``Writers.let_go``).
+RELEASED_KEPT_S = 600.0
 # Anomalies of one batch that are events of their own; the rest of the batch's are one event.
 ANOMALY_EVENTS_PER_BATCH = 20
 
@@ -65,18 +67,19 @@ class Writers:
         self._claims = claims
         # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
         self._dirty: set[str] = set()
-        # The checkpoints of writers let go with them (``CoordinatorService.release``), by handle.
-        self.released: dict[str, str] = {}
+        # The checkpoints of writers let go with them (``CoordinatorService.release``), by handle,
+        # with when (``real_clock``), oldest first.
+        self._released: dict[str, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ sessions
 
     def session(self, handle: str) -> Session:
         """The open session behind a handle; NOT_FOUND if it is unknown, closed or expired."""
         session = self._core.sessions.get(handle)
-        if session is None and handle in self.released:
+        if session is None and handle in self._released:
             # Let go with its checkpoint, open at its next owner: UNAVAILABLE (retried there), never
             # NOT_FOUND, for a call that passed the router before its shard left (``release``).
-            self._core.check_owned(self.released[handle])
+            self._core.check_owned(self._released[handle][0])
         if session is None or session.state != WriterState.OPEN:
             raise NotFound(
                 f"writer handle {validation.describe(handle)} is not open (unknown, closed, or its lease "
@@ -436,12 +439,30 @@ class Writers:
         """Take a session out of the table with its checkpoint (``CoordinatorService.release``).
 
         Neither closed nor journaled as ended: it is open at the checkpoint's next owner. Its handle
-        is kept (a few dozen bytes): a late call naming it is refused as not owned here
-        (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state gone).
+        is kept for ``RELEASED_KEPT_S`` (a few dozen bytes): a late call naming it is refused as not
+        owned here (UNAVAILABLE) rather than as an unknown writer (NOT_FOUND: its pending state
+        gone). Only calls that passed the router before the shard left can be that late; later ones
+        are routed to the shard's new owner by the handle's tag.
         """
         self._core.sessions.remove(session)  # the settle and lease steps leave it from here
         self._dirty.discard(session.handle)
-        self.released[session.handle] = session.checkpoint
+        now = self._core.real_clock()
+        self._released.pop(session.handle, None)  # let go again: kept from now, at the end
+        self._released[session.handle] = (session.checkpoint, now)
+        while self._released:  # forget the oldest ones past their time (the first one kept stops it)
+            oldest = next(iter(self._released))
+            if now - self._released[oldest][1] < RELEASED_KEPT_S:
+                break
+            del self._released[oldest]
+
+    def take_back(self, session: Session) -> None:
+        """Undo :meth:`let_go`: the session is in the table again, its handle not among those let go.
+
+        For a release that failed (a restart follows, which flushes the session's journal).
+        """
+        if self._core.sessions.get(session.handle) is None:
+            self._core.sessions.add(session)
+        self._released.pop(session.handle, None)
 
     def queue_heartbeats(self) -> None:
         """Queue the registry rows of writers seen since the last flush (their last heartbeat)."""
