@@ -78,6 +78,11 @@ def registry_rows(url: str) -> dict[str, list[str]]:
         engine.dispose()
 
 
+def rows_of(name: str, rows: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The rows of ``registry_rows`` that are about checkpoint ``name``."""
+    return {table: [r for r in found if repr(name) in r] for table, found in rows.items()}
+
+
 def writer(handle: str, checkpoint: str, state: str = WriterState.OPEN) -> WriterRecord:
     return WriterRecord(handle, checkpoint, f"w-{handle}", "host", 1, {}, {}, state, 1.0, 1.0)
 
@@ -166,12 +171,17 @@ def test_a_registry_write_for_a_shard_taken_by_another_coordinator_is_refused_an
         with pytest.raises(RegistryFenced) as mixed:
             registry.write_batch(writers=[writer("hk", kept, WriterState.CLOSED), writer("hg2", gone)])
         assert mixed.value.refused == {gone}
-        # While the lost shard is in the fence, a write of the shard kept is refused too (as commits
-        # are), but none of its checkpoints is named: it passes once the shard left the fence.
-        with pytest.raises(RegistryFenced) as kept_refused:
-            registry.take_claims(kept, ["s9"], "hk", "w-hk", 3.0)
-        assert kept_refused.value.refused == frozenset()
         assert registry_rows(postgres_url) == before  # nothing of any refused write was written
+        # While the lost shard is still in the fence (its loss not noticed yet), every write of the
+        # shard kept passes: it is fenced by shard 1's epoch alone.
+        for i, write in enumerate(every_write(registry, kept, "hk")):
+            if i != 4:  # marking every open writer: shard 2's too (refused, as above)
+                write()
+        assert {w.handle: w.state for w in registry.list_writers(kept)} == {"hk": WriterState.CLOSED}
+        assert registry.budget_of(kept) == 7
+        registry.write_batch(writers=[writer("hk", kept, WriterState.LOST)])
+        assert {w.handle: w.state for w in registry.list_writers(kept)} == {"hk": WriterState.LOST}
+        assert rows_of(gone, registry_rows(postgres_url)) == rows_of(gone, before)  # shard 2's untouched
 
 
 def test_a_registry_write_for_a_shard_held_passes_and_one_of_a_shard_left_the_fence_does_not(
@@ -227,7 +237,8 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
     """A coordinator service (the registry in the store's database) whose shard 2 another coordinator
     took: its claims, cursors, failed attempts, writer rows and events of shard 2's checkpoints are
     refused or dropped, nothing of them written, before and after the shard leaves its fence; shard 1
-    is recorded as before once the lost shard left the fence."""
+    is recorded as before all along, even before the lost shard left the fence (the write-behind
+    drops the lost shard's rows and writes the kept shard's in the same flush)."""
     one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
     fence = ShardFence({1: one, 2: two}, store_shards=SHARDS)
     kept, gone = name_in(1, SHARDS, "k"), name_in(2, SHARDS, "g")
@@ -262,14 +273,16 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
             await refused(service.acquire(wg.handle, ["c1"]))
             await refused(service.save_cursors(wg.handle, [("c1", b"at 2")]))
             await refused(service.report_failure(wg.handle, "f1", "second"))
-            await refused(service.acquire(wk.handle, ["c1"]))  # every write, as commits
+            # Shard 1's writes are fenced by shard 1's epoch alone: they pass meanwhile.
+            assert (await service.acquire(wk.handle, ["c1"]))[0].token == 1
+            await service.save_cursors(wk.handle, [("c1", b"at 2")])
             core.event(gone, EventKind.ANOMALY, "late event of the lost shard")
             core.event(kept, EventKind.ANOMALY, "event of the shard kept")
             await service.keep_alive(wg.handle)
             service._writers.queue_heartbeats()
-            with pytest.raises(RegistryFenced):
-                await core.bookkeeping.flush()  # the lost shard's rows dropped, the kept's queued
-            assert core.bookkeeping.queued and not core.bookkeeping.queued_writers(gone)
+            await core.bookkeeping.flush()  # the lost shard's rows dropped, the kept's written
+            assert not core.bookkeeping.queued
+            assert any("event of the shard kept" in r for r in registry_rows(postgres_url)["events"])
             mark = core.registry.mark_open_writers
             await refused(core.registry_write(mark, WriterState.LOST, 9.0, (), in_shards(1, 2)))
             # Dropped from the fence and the service, as serve_shards drops a lost shard.
@@ -280,7 +293,7 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
             core.event(gone, EventKind.WRITER_CLOSED, "late close of the lost shard's writer")
             await core.bookkeeping.flush()
             assert not core.bookkeeping.queued
-            assert (await service.acquire(wk.handle, ["c1"]))[0].token == 1
+            assert (await service.acquire(wk.handle, ["c2"]))[0].token == 1
             # Marking writers for a stale set of checkpoints owned, the lost shard's among them.
             await refused(core.registry_write(mark, WriterState.LOST, 9.0, (), in_shards(1, 2)))
         finally:
@@ -299,6 +312,7 @@ def test_a_coordinator_that_lost_a_shard_records_nothing_of_its_checkpoints_afte
         assert {(c.checkpoint, c.source_id) for c in registry.live_claims()} == {
             (kept, "c0"),
             (kept, "c1"),
+            (kept, "c2"),
             (gone, "c0"),
         }
 

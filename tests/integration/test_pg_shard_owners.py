@@ -24,8 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 import tally
+from tally_server.store.postgres import store_url
 from tally_server.store.shards import shard_of
 from tally_server.testing import RunningServer, running_server
 from tests.integration.workload import tree
@@ -491,3 +493,53 @@ def test_three_coordinators_one_killed_one_stopped_writers_on_each_lose_nothing(
                 assert client.are_completed(name, sources) == [s in done[name] for s in sources], name
                 status = client.checkpoint(name)
                 assert status.anomalies == 0
+
+
+def test_the_writers_of_the_shards_kept_notice_nothing_while_a_shard_taken_is_still_in_the_fence(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A coordinator holding every shard; shard 2's epoch moves on (another coordinator's takeover)
+    while shard 2 is still in its fence. Its writes are fenced by the shards they carry: writers on
+    the other shards write and flush on, not one refusal among them, and every completion is durable.
+
+    Deterministic by moving the epoch without ending the coordinator's lock session: its renewal
+    notices a lost shard only by that session having ended (``StoreLock.check``), so shard 2 stays in
+    its fence for the whole test, where a real takeover of a paused coordinator (SIGSTOP) is noticed
+    by the first renewal after it resumes, racing the writers' first commits."""
+    with running_server(
+        tmp_path / "c", store=postgres_url, args=["--store-shards", str(SHARDS)], settle_ms=0, lease_ttl_s=60
+    ) as server:
+        wait_until(lambda: held(server) == set(range(SHARDS)), timeout=60, what="every shard held")
+        names = [n for n in names_per_shard("kept", per_shard=1) if shard_of(n, SHARDS) != 2]
+        sources = [f"s{i}" for i in range(20)]
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(tally.Client(server.grpc_address, timeout=30))
+            writers = {
+                n: stack.enter_context(client.writer(n, writer_id=f"w{i}")) for i, n in enumerate(names)
+            }
+            for source in sources[:10]:
+                for w in writers.values():
+                    w.apply_deltas(tree(source))
+            for w in writers.values():
+                w.flush()
+            engine = sa.create_engine(store_url(postgres_url), poolclass=sa.pool.NullPool)
+            try:
+                with engine.begin() as conn:  # as another coordinator's takeover bumps it
+                    moved = conn.execute(
+                        sa.text("UPDATE store_epoch SET epoch = epoch + 1 WHERE id = 3 RETURNING epoch")
+                    ).scalar_one()
+            finally:
+                engine.dispose()
+            assert moved == 2
+            for source in sources[10:]:
+                for w in writers.values():
+                    w.apply_deltas(tree(source))
+                for w in writers.values():
+                    w.flush(timeout=30)
+            for name, w in writers.items():
+                health = w.health()
+                assert (health.retries, health.last_error, health.lease_lost) == (0, None, False), name
+            for name in names:
+                assert client.are_completed(name, sources) == [True] * len(sources), name
+        assert "no longer owns shard" not in server.log()
+        assert held(server) == set(range(SHARDS))  # shard 2 still in the fence all along

@@ -8,6 +8,7 @@ lock and row of before shards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -301,6 +302,101 @@ def test_a_shard_fence_refuses_a_commit_carrying_a_checkpoint_of_a_shard_it_does
         store.close()
 
 
+def test_a_commit_is_fenced_by_the_shards_it_carries_not_by_every_shard_held(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """Shard 2 taken by another coordinator while still in the fence (this one paused past its lease,
+    its loss not noticed yet): commits carrying only shard 1's checkpoints pass and are durable; one
+    carrying a checkpoint of shard 2 is refused (naming shard 2's checkpoints alone), nothing of it
+    written. A commit that carries nothing named, or rows of a checkpoint it cannot name, is still
+    fenced by every shard held."""
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two}, store_shards=4)
+    ones, twos = name_in(1, 4, "x"), name_in(2, 4, "y")
+    store, journal = PgCompletionStore(postgres_url, fence), PgJournal(postgres_url, fence)
+    try:
+        store.commit([PutCompleted(ones, "w", ["a"]), PutCompleted(twos, "w", ["a"])])
+        journal.commit([opened("h1", ones), opened("h2", twos)])
+        end_sessions(postgres_url, [lock_session(two)])  # paused past its lease ...
+        take(locks, postgres_url, "b", 2)  # ... and another coordinator took shard 2
+        assert fence.shards == {1, 2}  # not noticed yet
+        store.commit([PutCompleted(ones, "w", ["b"]), DeleteCompleted(ones, ["a"])])
+        store.commit_group(
+            journal, [JournalEntry("h1", 1, Persisted(["b"]), ones)], [PutCompleted(ones, "w", ["c"])]
+        )
+        journal.commit([opened("h3", ones)])
+        assert completed_ids(postgres_url) == [(ones, "b"), (ones, "c"), (twos, "a")]
+        assert rows(postgres_url, "SELECT handle, idx FROM journal_entries") == [("h1", 1)]
+        with psycopg_engine(postgres_url) as conn:
+            assert run_fence(conn, fence, (ones,)) == {1: one.epoch}  # shard 1's epoch alone read
+        refusals = [
+            lambda: store.commit([PutCompleted(twos, "w", ["b"])]),
+            lambda: store.commit([PutCompleted(ones, "w", ["d"]), DeleteCompleted(twos, ["a"])]),
+            lambda: store.commit_group(
+                journal, [JournalEntry("h2", 1, Persisted(["b"]), twos)], [PutCompleted(ones, "w", ["d"])]
+            ),
+            lambda: journal.commit([opened("h4", ones), ForgetWriter("h2", twos)]),
+            lambda: store.trash(twos, "stamp"),
+        ]
+        for i, refusal in enumerate(refusals):
+            with pytest.raises(Fenced, match="no longer owns shard 2 of the PostgreSQL store") as fenced:
+                refusal()
+            assert fenced.value.shard == 2 and fenced.value.refuses is not None, i
+            assert fenced.value.refuses(twos) and not fenced.value.refuses(ones), i
+        # Rows of a checkpoint not named (a journal op that does not say its own): every shard held.
+        unnamed = [
+            lambda: journal.commit([opened("h5", ones), ForgetWriter("h1")]),
+            lambda: store.commit_group(
+                journal, [JournalEntry("h1", 2, Persisted(["e"]))], [PutCompleted(ones, "w", ["e"])]
+            ),
+        ]
+        for refusal in unnamed:
+            with pytest.raises(Fenced, match="no longer owns shard 2"):
+                refusal()
+        with psycopg_engine(postgres_url) as conn, pytest.raises(Fenced, match="no longer owns shard 2"):
+            run_fence(conn, fence)  # carrying nothing: every shard held
+        assert completed_ids(postgres_url) == [(ones, "b"), (ones, "c"), (twos, "a")]
+        assert rows(postgres_url, "SELECT handle, idx FROM journal_entries") == [("h1", 1)]
+        writers = rows(postgres_url, "SELECT handle FROM journal_writers ORDER BY handle")
+        assert writers == [("h1",), ("h2",), ("h3",)]
+    finally:
+        journal.close()
+        store.close()
+
+
+@contextlib.contextmanager
+def psycopg_engine(url: str) -> Iterator[sa.Connection]:
+    """A connection to ``url``'s database in a transaction, rolled back at the end."""
+    engine = sa.create_engine(store_url(url), poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def test_a_commit_carrying_one_shard_holds_up_a_takeover_of_that_shard_until_it_ends(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """The read of the shards carried is FOR KEY SHARE on their rows, in the commit's transaction: the
+    next taker of a shard carried waits for the commit; a shard held but not carried is not read."""
+    alter_database(postgres_url, "SET lock_timeout = '1s'")
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two}, store_shards=4)
+    with psycopg_engine(postgres_url) as commit:
+        assert run_fence(commit, fence, (name_in(1, 4),)) == {1: one.epoch}  # a commit in flight
+        one.release()
+        two.release()
+        taker = StoreLock(store_url(postgres_url), "b", shard=1)
+        with pytest.raises(StoreUnreachable, match="lock timeout"):
+            taker.acquire(wait_s=0)  # the bump of shard 1 waits for the commit in flight
+        take(locks, postgres_url, "b", 2)  # shard 2 was not read: its bump does not wait
+        commit.commit()
+    taker.acquire(wait_s=0)
+    locks.append(taker)
+    assert {k: v for k, v in epochs(postgres_url).items() if k in (1, 2)} == {1: (2, "b"), 2: (2, "b")}
+
+
 def test_a_shard_fence_holding_nothing_lets_nothing_through(
     postgres_url: str, locks: list[StoreLock]
 ) -> None:
@@ -462,6 +558,58 @@ def test_a_group_carrying_a_shard_not_held_commits_the_other_shards_ops_and_fail
     elif how.startswith("joint"):  # never sent
         assert joint.carried == [{ones, threes}]
     assert committer._stats.commit_failures == (0 if "up front" in how else 1)
+
+
+@pytest.mark.parametrize("joint_commit", [True, False], ids=["joint", "two stages"])
+def test_a_group_with_ops_of_a_shard_taken_over_commits_the_kept_shards_ops_and_fails_only_its_own(
+    postgres_url: str, locks: list[StoreLock], joint_commit: bool
+) -> None:
+    """Shard 2 taken by another coordinator while still in the fence (its loss not noticed yet): a
+    group with ops of shards 1 and 2 is refused for shard 2 alone (its epoch moved), then committed
+    again without shard 2's ops: shard 1's are durable and their submitters answered, shard 2's
+    submitters get UNAVAILABLE (the shard moved: retry) and nothing of their ops is written."""
+    one, two = take(locks, postgres_url, "a", 1), take(locks, postgres_url, "a", 2)
+    fence = ShardFence({1: one, 2: two}, store_shards=4)
+    ones, twos = name_in(1, 4, "x"), name_in(2, 4, "y")
+    store, journal = PgCompletionStore(postgres_url, fence), PgJournal(postgres_url, fence)
+    joint = Recorded(store, journal)
+    committer = GroupCommitter(store, journal, ServiceStats(), joint=joint if joint_commit else None)
+    ops: list[Any] = [
+        opened("h1", ones),
+        opened("h2", twos),
+        PutCompleted(ones, "w1", ["a"]),
+        PutCompleted(twos, "w2", ["a"]),
+        JournalEntry("h1", 1, Persisted(["a"]), ones),
+        JournalEntry("h2", 1, Persisted(["a"]), twos),
+    ]
+    moved = {1, 3, 5}
+
+    async def main() -> tuple[list[object], list[int]]:
+        committer.start()
+        try:
+            end_sessions(postgres_url, [lock_session(two)])  # paused past its lease ...
+            take(locks, postgres_url, "b", 2)  # ... and another coordinator took shard 2
+            assert fence.shards == {1, 2}  # not noticed yet
+            futures = [committer.enqueue(op) for op in ops]  # queued together: one group
+            return await answered_in_order(futures)
+        finally:
+            await committer.close()
+
+    try:
+        outcomes, order = asyncio.run(main())
+    finally:
+        journal.close()
+        store.close()
+    assert [i for i, outcome in enumerate(outcomes) if outcome is not None] == sorted(moved)
+    moved_on = "no longer owns shard 2 of the PostgreSQL"
+    assert all(isinstance(outcomes[i], Unavailable) and moved_on in str(outcomes[i]) for i in moved), outcomes
+    if joint_commit:
+        assert order == list(range(len(ops)))
+        assert joint.carried == [{ones, twos}, {ones}]  # refused for shard 2, then without its ops
+    assert completed_ids(postgres_url) == [(ones, "a")]
+    assert rows(postgres_url, "SELECT handle FROM journal_writers") == [("h1",)]
+    assert rows(postgres_url, "SELECT handle, idx FROM journal_entries") == [("h1", 1)]
+    assert committer._stats.commit_failures == 1
 
 
 def test_a_group_refused_again_for_a_shard_lost_meanwhile_commits_what_is_left(

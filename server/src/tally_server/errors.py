@@ -102,8 +102,8 @@ class RegistryFenced(Unavailable):
             or no shard held at all).
         refused: the checkpoints written that this coordinator can never write again (those of
             ``shard``; all of them with None). Empty if the write was refused for a shard none of
-            them is in (a lost shard still in the fence, soon dropped): it may pass once that shard
-            left the fence.
+            them is in (only with a fence that does not know the store's shard count, which reads
+            every shard held): it may pass once that shard left the fence.
     """
 
     def __init__(self, message: str, shard: int | None, refused: frozenset[str]) -> None:

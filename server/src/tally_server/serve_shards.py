@@ -25,7 +25,8 @@ notice nothing; those of the moved shard re-attach at its new holder, from the j
 A shard lost (its lease taken while this coordinator was paused or cut off) is dropped in place
 (:func:`_drop_lost`): its epoch moved on, so nothing of it can be written here and its new holder
 restored it from the store as after a crash; its calls are refused here, its lock leaves the fence
-at once (the shards kept commit again) and the service forgets its checkpoints without flushing
+at once (the shards kept committed all along: a commit is fenced by the shards it carries) and the
+service forgets its checkpoints without flushing
 (``CoordinatorService.lose``). A loss, a hand-over or an adoption that fails (the database out of
 reach, calls that would not finish) restarts the service instead: it stops gracefully (every
 acknowledged completion flushed, the writers' journals kept), lets go of the shards it hands over,
@@ -346,9 +347,10 @@ async def _drop_lost(stack: _Stack, shard_map: ShardMap, shards: int, lost: froz
 
     Their epochs moved on: nothing of theirs can be written here, and their new holder restored
     them from the store as after a crash. So their calls are refused here at once (moving), their
-    locks leave the fence at once (the commits of the shards kept pass again; one carrying a lost
-    shard's checkpoint is refused), and the service forgets their checkpoints without flushing
-    (``CoordinatorService.lose``). A lock replaced (lost and taken back) is adopted afterwards.
+    locks leave the fence at once (the commits of the shards kept passed meanwhile too, fenced by
+    their own shards; one carrying a lost shard's checkpoint is refused), and the service forgets
+    their checkpoints without flushing (``CoordinatorService.lose``). A lock replaced (lost and
+    taken back) is adopted afterwards.
     """
     kept = frozenset(stack.held) - lost
     names = ", ".join(map(str, sorted(lost)))

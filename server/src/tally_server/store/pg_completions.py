@@ -33,6 +33,7 @@ from tally_server.domain.ports import (
     LoadedCheckpoint,
     LoadedIndex,
     PutCompleted,
+    checkpoint_of,
     checkpoints_of,
 )
 from tally_server.domain.words import count
@@ -209,6 +210,8 @@ class PgCompletionStore:
         first: Callable[[psycopg.Cursor[Any]], None] | None,
         ops: Sequence[CompletionOp],
         carrying: Collection[str] = (),
+        *,
+        unnamed: bool = False,
     ) -> CommitReport:
         """:meth:`commit`, with ``first(cursor)`` writing in the same transaction, after the fence.
 
@@ -216,7 +219,10 @@ class PgCompletionStore:
         one fence, one round of statements; see ``commit_group``): a failure of either leaves
         nothing of both. ``first`` may run twice (see ``_write``), so it must be idempotent within
         the transaction's retry. ``carrying``: the checkpoints ``first`` writes rows of; the fence
-        checks their shards with those of ``ops`` (``ShardFence``).
+        checks their shards with those of ``ops``, and only those (``ShardFence``). ``unnamed``:
+        ``first`` also writes rows of checkpoints it cannot name (journal ops that do not say
+        theirs), so the fence checks every shard held as well; so it does for a ``first`` that
+        carries nothing named.
 
         Raises:
             ValueError: as :meth:`commit` (nothing written, ``first`` not called).
@@ -234,15 +240,16 @@ class PgCompletionStore:
             return CommitReport()
         new = sorted({op.checkpoint for op, _ in planned if isinstance(op, PutCompleted)} - self._marked)
         carried = checkpoints_of(ops) | set(carrying) if self._carries else set()
+        fenced = (carried, unnamed or (first is not None and not carrying))
         for again in (True, False):
             try:
                 try:
-                    self._write(first, planned, new, carried, tolerant=False)
+                    self._write(first, planned, new, fenced, tolerant=False)
                 except psycopg.errors.UniqueViolation:
                     # An id the origin holds already (a retried commit whose first try was durable,
                     # or two puts of one id in a group): nothing of that try stayed; again, skipping
                     # those.
-                    self._write(first, planned, new, carried, tolerant=True)
+                    self._write(first, planned, new, fenced, tolerant=True)
                 break
             except postgres.TRANSIENT_RAW as exc:
                 if again and postgres.stale_connection(exc):
@@ -281,6 +288,7 @@ class PgCompletionStore:
             functools.partial(journal.write, ops=journal_ops),
             ops,
             checkpoints_of(journal_ops) if self._carries else (),
+            unnamed=not all(map(checkpoint_of, journal_ops)),
         )
 
     def _write(
@@ -288,7 +296,7 @@ class PgCompletionStore:
         first: Callable[[psycopg.Cursor[Any]], None] | None,
         planned: list[tuple[CompletionOp, list[bytes]]],
         new: list[str],
-        carrying: Collection[str],
+        fenced: tuple[Collection[str], bool],
         tolerant: bool,
     ) -> None:
         """One transaction: the fence, then ``first`` and the ops in order, then the commit.
@@ -307,7 +315,7 @@ class PgCompletionStore:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             try:
-                self._transaction(conn, raw, first, planned, new, carrying, tolerant)
+                self._transaction(conn, raw, first, planned, new, fenced, tolerant)
             except BaseException:
                 # Never left open for the connection's next commit to join: rolled back here, not
                 # only by the pool's reset as the connection returns (a commit that was refused
@@ -324,9 +332,10 @@ class PgCompletionStore:
         first: Callable[[psycopg.Cursor[Any]], None] | None,
         planned: list[tuple[CompletionOp, list[bytes]]],
         new: list[str],
-        carrying: Collection[str],
+        fenced: tuple[Collection[str], bool],
         tolerant: bool,
     ) -> None:
+        carrying, unnamed = fenced  # the checkpoints written, and whether rows of others are too
         with raw.cursor() as epoch, raw.cursor() as cursor:
             if self._read_fence is None:
                 cursor.execute(_BEGIN)
@@ -334,7 +343,8 @@ class PgCompletionStore:
             with raw.pipeline():
                 if self._read_fence is not None:
                     epoch.execute(_BEGIN)
-                    read, params = self._read_fence.statement()  # first in the transaction, FOR KEY SHARE
+                    # First in the transaction, FOR KEY SHARE: the epochs of the shards carried.
+                    read, params = self._read_fence.statement(carrying, all_held=unnamed)
                     epoch.execute(read, params or None)
                 if first is not None:
                     first(cursor)

@@ -17,7 +17,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from tally_server.domain.journal import JournaledWriter, Snapshot
-from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal, checkpoints_of
+from tally_server.domain.ports import (
+    ForgetWriter,
+    JournalEntry,
+    JournalOp,
+    OpenJournal,
+    checkpoint_of,
+    checkpoints_of,
+)
 from tally_server.store import pg_revisions, postgres
 from tally_server.store.journal import decode_entry, decode_opened, encode_entry, encode_opened
 from tally_server.store.pg_arrays import bytea_array
@@ -128,8 +135,9 @@ class PgJournal:
             return
         try:
             with self._engine.begin() as conn:
-                if self._read_fence is not None:  # the shards of the writers' checkpoints too
-                    run_fence(conn, self._read_fence, checkpoints_of(ops))
+                if self._read_fence is not None:  # by the shards of the writers' checkpoints
+                    unnamed = not all(map(checkpoint_of, ops))  # then by every shard held as well
+                    run_fence(conn, self._read_fence, checkpoints_of(ops), all_held=unnamed)
                 elif self._fence is not None:
                     self._fence(conn)
                 raw = conn.connection.driver_connection

@@ -335,9 +335,19 @@ class Fenced(CompletionWriteError):
 
     Nothing of the refused commit was written. The coordinator stops (its lock check says so within
     seconds); its writers' calls fail as UNAVAILABLE and go on at the coordinator that took over.
+    Of a store of several shards, only the shard's (``shard``) is lost: ``refuses`` (see
+    ``CompletionWriteError``) then says which checkpoints are in it, so that the same commit without
+    their rows may go through.
     """
 
-    def __init__(self, url: sa.URL, mine: int, now: int | None, shard: int | None = None) -> None:
+    def __init__(
+        self,
+        url: sa.URL,
+        mine: int,
+        now: int | None,
+        shard: int | None = None,
+        refuses: Callable[[str], bool] | None = None,
+    ) -> None:
         what = _of_store(url, shard, "the PostgreSQL")
         super().__init__(
             f"this coordinator no longer owns {what}: its epoch is {mine}, "
@@ -347,6 +357,7 @@ class Fenced(CompletionWriteError):
             disk_full=False,
         )
         self.shard = shard
+        self.refuses = refuses
 
 
 def _of_store(url: sa.URL, shard: int | None, kind: str = "") -> str:
@@ -592,8 +603,12 @@ class StoreLock:
         """The shards this lock fences: its own (the ``Fence`` protocol)."""
         return frozenset({self.shard})
 
-    def statement(self) -> tuple[str, tuple[Any, ...]]:
+    def statement(
+        self, carrying: Collection[str] = (), *, all_held: bool = False
+    ) -> tuple[str, tuple[Any, ...]]:
         """What a commit sends first in its pipeline: ``READ_EPOCH`` (of this shard), no parameters.
+
+        Whatever the commit carries (``carrying``, ``all_held``): a lock fences its one shard.
 
         Its rows go to :meth:`check_rows` before the commit (the ``Fence`` protocol).
         """

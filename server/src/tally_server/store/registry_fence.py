@@ -5,11 +5,13 @@ On a PostgreSQL store the registry (``registry.SqlRegistry``) lives in the store
 samples, claims, cursors, failed attempts, budgets, declared sources) are then conditional on the
 epoch of that checkpoint's shard, as the store's completions and journal are: each write
 transaction runs the coordinator's fence (``shards.run_fence``, the same read ``FOR KEY SHARE`` of
-``store_epoch``) with the checkpoints it writes, and is refused as a whole, nothing of it written,
-when a shard's epoch moved on (another coordinator took it) or a checkpoint written is of a shard
-no longer held. So a coordinator that lost a shard (paused past its lease) writes nothing of it to
-the registry either. A registry in another database cannot be fenced in the same transaction; its
-writes are not (``app.build_service`` says so at start).
+``store_epoch``) with the checkpoints it writes, reading the epochs of their shards only, and is
+refused as a whole, nothing of it written, when one of those shards' epoch moved on (another
+coordinator took it) or a checkpoint written is of a shard no longer held. So a coordinator that
+lost a shard (paused past its lease) writes nothing of it to the registry either, while its writes
+of the shards it kept go on; a refusal names the checkpoints refused (``RegistryFenced.refused``),
+so the write-behind writes the others again without them. A registry in another database cannot
+be fenced in the same transaction; its writes are not (``app.build_service`` says so at start).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def fence_write(conn: Connection, fence: Fence, carrying: Collection[str]) -> No
 
 def _refused(fence: Fence, refusal: Fenced, carrying: Collection[str]) -> frozenset[str]:
     """The checkpoints of ``carrying`` that ``refusal`` says can never pass this fence again."""
+    if refusal.refuses is not None:  # those of the shards lost or moved on (``ShardFence.check_rows``)
+        return frozenset(filter(refusal.refuses, carrying))
     shards = fence.store_shards if isinstance(fence, ShardFence) else None
     if refusal.shard is None or shards is None:
         return frozenset(carrying)  # the whole store's epoch (or every shard) is gone

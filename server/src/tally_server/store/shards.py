@@ -7,10 +7,11 @@ modulo that number (:func:`shard_of`). Each shard is leased on its own (``postgr
 (docs/scale-out.md, "What comes next"). With one shard, the default, shard 0 is the whole store,
 locked and fenced exactly as before shards.
 
-Every transaction that writes is fenced (:class:`Fence`): it reads the epochs of the shards its
-coordinator holds ``FOR KEY SHARE`` first, and commits only if each is still the epoch that
-coordinator took. A :class:`ShardFence` is the fence of a coordinator holding several shards; a
-``StoreLock`` is the fence of the one shard it locks.
+Every transaction that writes is fenced (:class:`Fence`): it reads the epochs of the shards of the
+checkpoints it writes (of every shard its coordinator holds, when it does not say which
+checkpoints) ``FOR KEY SHARE`` first, and commits only if each is still the epoch that coordinator
+took. A :class:`ShardFence` is the fence of a coordinator holding several shards; a ``StoreLock``
+is the fence of the one shard it locks.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ _SET_STATUS_SHARDS = sa.text(
     sa.bindparam("names", type_=postgresql.ARRAY(sa.Text())),
     sa.bindparam("shards", type_=postgresql.ARRAY(sa.Integer())),
 )
-# What a ShardFence reads first in a transaction that writes: for each shard it holds, the epoch it
-# took (sent with the statement, so the check needs nothing else) and the store's, read FOR KEY
-# SHARE (a row per shard, ``store_epoch.id = shard + 1``; see ``postgres.READ_EPOCH``). A shard
-# without a row reads NULL: not ours.
+# What a ShardFence reads first in a transaction that writes: for each shard it checks (those held
+# of the checkpoints the transaction writes, or every shard held), the epoch it took (sent with the
+# statement, so the check needs nothing else) and the store's, read FOR KEY SHARE (a row per shard,
+# ``store_epoch.id = shard + 1``; see ``postgres.READ_EPOCH``). A shard without a row reads NULL:
+# not ours.
 _READ_EPOCHS = (
     "SELECT k.shard, k.mine, "
     "(SELECT e.epoch FROM store_epoch e WHERE e.id = k.shard + 1 FOR KEY SHARE) AS now "
@@ -158,8 +160,15 @@ class Fence(Protocol):
         """
         ...
 
-    def statement(self) -> tuple[str, tuple[Any, ...]]:
-        """The read a commit sends first in its pipeline (psycopg's ``%s`` style, and its parameters)."""
+    def statement(
+        self, carrying: Collection[str] = (), *, all_held: bool = False
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The read a commit sends first in its pipeline (psycopg's ``%s`` style, and its parameters).
+
+        ``carrying``: the checkpoints whose rows the commit writes; a fence that knows their shards
+        reads only those it holds of them. ``all_held`` (or no ``carrying``): every shard held, for a
+        commit that also writes rows of checkpoints it cannot name.
+        """
         ...
 
     def check_rows(self, rows: Sequence[Sequence[Any]], carrying: Collection[str] = ()) -> dict[int, int]:
@@ -170,7 +179,8 @@ class Fence(Protocol):
 
         Raises:
             Fenced: a shard's epoch is not the one this coordinator took, or the commit carries a
-                checkpoint of a shard not read.
+                checkpoint of a shard not read (``refuses`` says which checkpoints, when the fence
+                knows their shards).
         """
         ...
 
@@ -221,11 +231,16 @@ class ShardFence:
     passes if the store's epoch was ours when the commit read it (the read holds the row, so
     whoever takes the shard next waits for that commit).
 
-    Given the store's number of shards (``store_shards``), a commit is also fenced by the shards
-    of the checkpoints it carries (:meth:`check_rows`' ``carrying``): one carrying a checkpoint of
-    a shard its read did not check (a shard removed before the read was sent: handed over or
-    lost) is refused, whatever the epochs of the others. So a late write of a shard given up never
-    passes on the strength of the shards kept.
+    Given the store's number of shards (``store_shards``), a commit is fenced by the shards of the
+    checkpoints it carries (``carrying``), not by every shard held: its read covers only those
+    (held) shards, so a shard another coordinator took (this one paused past its lease) refuses the
+    commits of its own checkpoints alone, and those of the shards kept go on before this
+    coordinator even notices. A commit carrying a checkpoint of a shard its read did not check (a
+    shard removed before the read was sent: handed over or lost) is refused, whatever the epochs of
+    the others, so a late write of a shard given up never passes on the strength of the shards
+    kept. Either refusal says which checkpoints it refuses (``refuses``): the same commit without
+    them may pass. A commit carrying nothing, or rows of checkpoints it cannot name (``all_held``),
+    reads every shard held, as without ``store_shards``.
 
     Args:
         locks: the locks held, by shard (each acquired already).
@@ -297,10 +312,23 @@ class ShardFence:
         with self._mutex:
             return self._locks.get(shard)
 
-    def statement(self) -> tuple[str, tuple[Any, ...]]:
-        """The read of the held shards' epochs (``FOR KEY SHARE``), with the epochs they were taken with."""
+    def statement(
+        self, carrying: Collection[str] = (), *, all_held: bool = False
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The read of shards' epochs (``FOR KEY SHARE``), with the epochs they were taken with.
+
+        The shards held of the checkpoints in ``carrying``, given ``store_shards``; every shard held
+        with ``all_held``, no ``carrying`` or no ``store_shards``.
+        """
+        wanted = None
+        if self.store_shards is not None and carrying and not all_held:
+            wanted = {shard_of(name, self.store_shards) for name in carrying}
         with self._mutex:
-            held = sorted((shard, lock.epoch) for shard, lock in self._locks.items())
+            held = sorted(
+                (shard, lock.epoch)
+                for shard, lock in self._locks.items()
+                if wanted is None or shard in wanted
+            )
         return _READ_EPOCHS, ([shard for shard, _ in held], [epoch for _, epoch in held])
 
     def check_rows(self, rows: Sequence[Sequence[Any]], carrying: Collection[str] = ()) -> dict[int, int]:
@@ -310,22 +338,29 @@ class ShardFence:
         checked. Returns the shards checked and their epochs.
 
         Raises:
-            NoShardHeld: no shard was held when the read was sent.
-            Fenced: a shard's epoch moved on, or it has no row (another coordinator took it).
-            ShardNotHeld: a checkpoint carried is of a shard the read did not check.
+            NoShardHeld: no shard was held when the read was sent (and nothing is carried).
+            Fenced: a shard's epoch moved on, or it has no row (another coordinator took it); given
+                ``store_shards``, it ``refuses`` the checkpoints of that shard.
+            ShardNotHeld: a checkpoint carried is of a shard the read did not check; it ``refuses``
+                the checkpoints of every such shard.
         """
-        if not rows:
+        if not rows and (self.store_shards is None or not carrying):
             raise NoShardHeld(self.url)
         checked: dict[int, int] = {}
         for shard, mine, now in rows:
             if mine is None or now is None or int(now) != int(mine):
-                raise Fenced(self.url, int(mine or 0), None if now is None else int(now), int(shard))
+                refuses = (
+                    None if self.store_shards is None else _within(frozenset({int(shard)}), self.store_shards)
+                )
+                raise Fenced(self.url, int(mine or 0), None if now is None else int(now), int(shard), refuses)
             checked[int(shard)] = int(mine)
         if self.store_shards is not None:
-            for name in carrying:
-                shard = shard_of(name, self.store_shards)
-                if shard not in checked:
-                    raise ShardNotHeld(self.url, shard, name, _outside(frozenset(checked), self.store_shards))
+            missing = {shard_of(name, self.store_shards): name for name in carrying}
+            for shard in checked:
+                missing.pop(shard, None)
+            if missing:
+                shard, name = min(missing.items())
+                raise ShardNotHeld(self.url, shard, name, _within(frozenset(missing), self.store_shards))
         return checked
 
     def refusal(self, checkpoint: str) -> ShardNotHeld | None:
@@ -348,8 +383,8 @@ class ShardFence:
 
         Raises:
             NoShardHeld: no shard is held.
-            Fenced: another coordinator took one of them, or (``ShardNotHeld``) a checkpoint in
-                ``carrying`` is of a shard not held; nothing may be written.
+            Fenced: another coordinator took one of the shards read, or (``ShardNotHeld``) a
+                checkpoint in ``carrying`` is of a shard not held; nothing may be written.
         """
         run_fence(conn, self, carrying)
 
@@ -359,14 +394,23 @@ def _outside(shards: frozenset[int], store_shards: int) -> Callable[[str], bool]
     return lambda name: shard_of(name, store_shards) not in shards
 
 
-def run_fence(conn: Connection, fence: Fence, carrying: Collection[str] = ()) -> dict[int, int]:
+def _within(shards: frozenset[int], store_shards: int) -> Callable[[str], bool]:
+    """Whether a checkpoint is of one of ``shards`` (of a store of ``store_shards``)."""
+    return lambda name: shard_of(name, store_shards) in shards
+
+
+def run_fence(
+    conn: Connection, fence: Fence, carrying: Collection[str] = (), *, all_held: bool = False
+) -> dict[int, int]:
     """``fence``'s read in ``conn``'s transaction, checked; returns each checked shard's epoch.
 
-    ``carrying``: the checkpoints whose rows the transaction writes (see ``ShardFence``).
+    ``carrying``: the checkpoints whose rows the transaction writes (see ``ShardFence``: the read
+    covers their shards); ``all_held``: it also writes rows of checkpoints it cannot name, so the
+    read covers every shard held.
 
     Raises:
         Fenced: as ``fence.check_rows``.
     """
-    sql, params = fence.statement()
+    sql, params = fence.statement(carrying, all_held=all_held)
     result = conn.exec_driver_sql(sql, params) if params else conn.exec_driver_sql(sql)
     return fence.check_rows([tuple(row) for row in result], carrying)
