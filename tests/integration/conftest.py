@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.store.postgres import StoreLock
 from tally_server.testing import RunningServer
 from tests.integration import raw
 
@@ -24,3 +25,12 @@ def stub(server: RunningServer) -> Iterator[pb_grpc.CoordinatorStub]:
     """A raw gRPC stub to the test's ``server``."""
     with raw.stub(server) as coordinator:
         yield coordinator
+
+
+@pytest.fixture
+def locks() -> Iterator[list[StoreLock]]:
+    """Store locks a test takes, released at its end (whatever it asserted)."""
+    taken: list[StoreLock] = []
+    yield taken
+    for lock in taken:
+        lock.release()

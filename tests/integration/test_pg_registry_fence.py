@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from tally_server.store.registry_schema import (
     writers_table,
 )
 from tally_server.store.shards import ShardFence, shard_of
-from tests.integration.test_pg_shards import lock_session, name_in
+from tests.integration.test_pg_shards import lock_session, name_in, take
 from tests.integration.workload import tree
 from tests.pg_sessions import end_sessions
 
@@ -87,26 +87,10 @@ def writer(handle: str, checkpoint: str, state: str = WriterState.OPEN) -> Write
     return WriterRecord(handle, checkpoint, f"w-{handle}", "host", 1, {}, {}, state, 1.0, 1.0)
 
 
-@pytest.fixture
-def locks() -> Iterator[list[StoreLock]]:
-    """Locks a test takes, released at its end (whatever it asserted)."""
-    taken: list[StoreLock] = []
-    yield taken
-    for lock in taken:
-        lock.release()
-
-
-def take(locks: list[StoreLock], url: str, holder: str, shard: int) -> StoreLock:
-    lock = StoreLock(store_url(url), holder, shard=shard)
-    lock.acquire()
-    locks.append(lock)
-    return lock
-
-
 def take_over(locks: list[StoreLock], url: str, lock: StoreLock) -> StoreLock:
     """Another coordinator takes ``lock``'s shard, as after a pause: its session ended, its epoch bumped."""
     end_sessions(url, [lock_session(lock)])
-    return take(locks, url, "b", lock.shard)
+    return take(locks, url, "b", lock.shard, wait_s=10)
 
 
 def every_write(registry: SqlRegistry, name: str, handle: str) -> list[Callable[[], object]]:

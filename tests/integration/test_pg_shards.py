@@ -97,18 +97,11 @@ def name_in(shard: int, shards: int, stem: str = "cp") -> str:
     return next(f"{stem}/{i}" for i in range(10_000) if shard_of(f"{stem}/{i}", shards) == shard)
 
 
-@pytest.fixture
-def locks() -> Iterator[list[StoreLock]]:
-    """Locks a test takes, released at its end (whatever it asserted)."""
-    taken: list[StoreLock] = []
-    yield taken
-    for lock in taken:
-        lock.release()
-
-
-def take(locks: list[StoreLock], url: str, holder: str, shard: int) -> StoreLock:
+def take(locks: list[StoreLock], url: str, holder: str, shard: int, *, wait_s: float = 0) -> StoreLock:
+    """``holder`` takes ``shard``'s lock (waiting ``wait_s`` for a holder going away), released by
+    the ``locks`` fixture at the test's end."""
     lock = StoreLock(store_url(url), holder, shard=shard)
-    lock.acquire(wait_s=0)
+    lock.acquire(wait_s=wait_s)
     locks.append(lock)
     return lock
 
