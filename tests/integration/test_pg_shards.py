@@ -336,6 +336,7 @@ def test_a_commit_is_fenced_by_the_shards_it_carries_not_by_every_shard_held(
                 refusal()
             assert fenced.value.shard == 2 and fenced.value.refuses is not None, i
             assert fenced.value.refuses(twos) and not fenced.value.refuses(ones), i
+            assert "this one drops it, so retry against the one that took over" in str(fenced.value), i
         # Rows of a checkpoint not named (a journal op that does not say its own): every shard held.
         unnamed = [
             lambda: journal.commit([opened("h5", ones), ForgetWriter("h1")]),

@@ -349,9 +349,11 @@ class Fenced(CompletionWriteError):
         refuses: Callable[[str], bool] | None = None,
     ) -> None:
         what = _of_store(url, shard, "the PostgreSQL")
+        # Of a shard of a store of several, the coordinator drops that shard and serves the others on.
+        after = "drops it" if refuses is not None else "is stopping"
         super().__init__(
             f"this coordinator no longer owns {what}: its epoch is {mine}, "
-            f"the store's is {now}; another coordinator took over and this one is stopping, so retry "
+            f"the store's is {now}; another coordinator took over and this one {after}, so retry "
             "against the one that took over",
             path=display(url),
             disk_full=False,
