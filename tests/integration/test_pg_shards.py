@@ -679,6 +679,51 @@ def test_owners_of_different_shards_publish_and_drop_only_their_own_statuses(
             board.close()
 
 
+def test_a_board_whose_shard_was_taken_but_is_still_in_its_fence_publishes_and_drops_the_others(
+    postgres_url: str, locks: list[StoreLock]
+) -> None:
+    """Shard 2 taken by another coordinator while still in this one's fence (paused past its lease,
+    its loss not noticed yet): a publish of shards 1 and 2 writes shard 1's statuses and leaves
+    shard 2's rows (the new holder's) as they are; a full publish (``keep``) drops the stale rows of
+    the shards still held (3 too, though it publishes none of its checkpoints), none of shard 2."""
+    url = store_url(postgres_url)
+    assert prepare_layout(url, 4) == 4
+    one, two, three = (take(locks, postgres_url, "a", k) for k in (1, 2, 3))
+    fence = ShardFence({1: one, 2: two, 3: three}, store_shards=4)
+    board = StatusBoard(url, fence, shards=4)
+    ones, twos, threes = [name_in(1, 4, "x"), name_in(1, 4, "y")], name_in(2, 4, "z"), name_in(3, 4, "w")
+    reader = StatusBoard(url)
+    b_board: StatusBoard | None = None
+    try:
+        assert board.publish({ones[0]: "a", ones[1]: "a", twos: "a", threes: "a"}, [*ones, twos, threes])
+        end_sessions(postgres_url, [lock_session(two)])  # paused past its lease ...
+        b_two = take(locks, postgres_url, "b", 2)  # ... and another coordinator took shard 2
+        b_board = StatusBoard(url, b_two, shards=4)
+        b_new = name_in(2, 4, "v")
+        assert b_board.publish({twos: "b", b_new: "b"})
+        assert fence.shards == {1, 2, 3}  # not noticed yet
+
+        assert board.publish({ones[0]: "a2", twos: "a2, stale"})
+        published = {
+            r[0]: r[1:] for r in rows(postgres_url, "SELECT checkpoint, status, epoch FROM checkpoint_status")
+        }
+        assert published == {
+            ones[0]: ("a2", one.epoch),
+            ones[1]: ("a", one.epoch),
+            twos: ("b", b_two.epoch),
+            b_new: ("b", b_two.epoch),
+            threes: ("a", three.epoch),
+        }
+        assert not board.publish({twos: "a3, stale"})  # nothing of it may be written
+        # A full publish: a knows ones[0] alone now; shard 2's rows are not its to drop.
+        assert board.publish({ones[0]: "a4"}, [ones[0]])
+        assert reader.statuses([*ones, twos, b_new, threes]) == {ones[0]: "a4", twos: "b", b_new: "b"}
+    finally:
+        for each in (board, reader, b_board):
+            if each is not None:
+                each.close()
+
+
 def test_the_replica_board_names_each_shards_owner(postgres_url: str, locks: list[StoreLock]) -> None:
     url = store_url(postgres_url)
     boards = [ReplicaBoard(url, name, f"{name}:1", f"{name}:2") for name in ("a", "b", "c")]

@@ -7,12 +7,14 @@ deposed owner writes nothing. Replicas read it back (:meth:`StatusBoard.status`)
 answer is at most that half second, plus a commit, behind the owner's memory.
 
 On a store of several shards (``store.shards``) each owner publishes the checkpoints of the shards
-it holds, fenced by those shards' epochs, and drops only rows of its own shards: each row records
-its checkpoint's shard.
+it holds, each fenced by its own shard's epoch (the shards a publish carries), and drops only rows
+of the shards its fence read checked: each row records its checkpoint's shard. A shard another
+coordinator took refuses its own rows alone; the others are published before this owner notices.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -93,10 +95,16 @@ class StatusBoard:
     def publish(self, changed: Mapping[str, Any], keep: Sequence[str] | None = None) -> bool:
         """Write the statuses that changed; with ``keep``, drop every other checkpoint's row.
 
-        Only checkpoints of the shards the fence holds are written (others are skipped), and
-        ``keep`` drops only rows of those shards. Returns False (writing nothing) when a shard's
-        epoch is no longer this owner's. Runs once more on a connection a database restart cut (it
-        writes the same again).
+        Only checkpoints of the shards the fence holds are written (others are skipped), fenced by
+        those checkpoints' shards alone (what the publish carries), so a shard another coordinator
+        took (this one paused past its lease, its loss not noticed yet) refuses its own statuses
+        only: the others are published without them. ``keep`` reads every shard held and drops
+        only rows of the shards that read checked, so never a row of a shard another coordinator
+        holds; a shard refused is left out of the read (its rows left be) and the others go on.
+
+        Returns False (writing nothing) when the fence refuses the publish as a whole (the store's
+        epoch, or that of every shard it carries, is no longer this owner's). Runs once more on a
+        connection a database restart cut (it writes the same again).
 
         Raises:
             RuntimeError: this board has no fence (a replica's: it only reads).
@@ -104,33 +112,63 @@ class StatusBoard:
         fence = self._fence
         if fence is None:
             raise RuntimeError("this status board has no fence: only the board of an owner publishes")
+        held = fence.shards
+        pending: dict[str, tuple[int, str]] = {}
+        for name, status in changed.items():
+            shard = shard_of(name, self._shards)
+            if shard not in held:
+                logger.debug("not publishing checkpoint %r: its shard %d is not held", name, shard)
+                continue
+            pending[name] = (shard, json.dumps(status))
+        skip: set[int] = set()  # shards refused: the read leaves them out, their rows are left be
+        while True:
+            try:
+                again_if_cut(functools.partial(self._write, fence, pending, keep, frozenset(skip)))
+                return True
+            except Fenced as exc:
+                if exc.refuses is None:
+                    return False  # the whole store's epoch, or every shard's: nothing may be written
+                refused = {name for name in pending if exc.refuses(name)}
+                skipped = exc.shard is not None and exc.shard not in skip
+                if exc.shard is not None:
+                    skip.add(exc.shard)
+                if not refused and not skipped:
+                    return False  # refused for nothing it can leave out: it would be refused again
+                logger.info("publishing the statuses of the other shards than those refused: %s", exc)
+                pending = {name: value for name, value in pending.items() if name not in refused}
+                if not pending and keep is None:
+                    return False  # nothing of it was published
 
-        def write() -> bool:
-            with self._engine.begin() as conn:
-                try:
-                    held = run_fence(conn, fence)
-                except Fenced:
-                    return False
-                names, statuses, epochs, shards = [], [], [], []
-                for name, status in changed.items():
-                    shard = shard_of(name, self._shards)
-                    if shard not in held:
-                        logger.debug("not publishing checkpoint %r: its shard %d is not held", name, shard)
-                        continue
-                    names.append(name)
-                    statuses.append(json.dumps(status))
-                    epochs.append(held[shard])
-                    shards.append(shard)
-                if names:
-                    params = {"names": names, "statuses": statuses, "epochs": epochs, "shards": shards}
-                    conn.execute(_UPSERT, params)
-                if keep is not None and self._shards == 1:
-                    conn.execute(_DROP_OTHERS, {"names": list(keep)})
-                elif keep is not None:
-                    conn.execute(_DROP_OTHERS_IN, {"names": list(keep), "shards": sorted(held)})
-            return True
+    def _write(
+        self,
+        fence: Fence,
+        pending: Mapping[str, tuple[int, str]],
+        keep: Sequence[str] | None,
+        skip: frozenset[int],
+    ) -> None:
+        """One fenced transaction of :meth:`publish`: ``pending`` (shard, JSON) by name, ``keep``'s drop.
 
-        return again_if_cut(write)
+        Raises:
+            Fenced: as ``run_fence`` (nothing was written).
+        """
+        with self._engine.begin() as conn:
+            checked = run_fence(conn, fence, list(pending), all_held=keep is not None, skip=skip)
+            # A fence not told the store's shard count does not refuse a shard let go since
+            # ``publish`` looked: its checkpoints are skipped here.
+            written = {name: value for name, value in pending.items() if value[0] in checked}
+            if written:
+                shards = [shard for shard, _ in written.values()]
+                params = {
+                    "names": list(written),
+                    "statuses": [status for _, status in written.values()],
+                    "epochs": [checked[shard] for shard in shards],
+                    "shards": shards,
+                }
+                conn.execute(_UPSERT, params)
+            if keep is not None and self._shards == 1:
+                conn.execute(_DROP_OTHERS, {"names": list(keep)})
+            elif keep is not None:
+                conn.execute(_DROP_OTHERS_IN, {"names": list(keep), "shards": sorted(checked)})
 
     def names(self) -> list[str]:
         """Every checkpoint with a published status.

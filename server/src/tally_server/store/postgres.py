@@ -606,11 +606,12 @@ class StoreLock:
         return frozenset({self.shard})
 
     def statement(
-        self, carrying: Collection[str] = (), *, all_held: bool = False
+        self, carrying: Collection[str] = (), *, all_held: bool = False, skip: Collection[int] = ()
     ) -> tuple[str, tuple[Any, ...]]:
         """What a commit sends first in its pipeline: ``READ_EPOCH`` (of this shard), no parameters.
 
-        Whatever the commit carries (``carrying``, ``all_held``): a lock fences its one shard.
+        Whatever the commit carries (``carrying``, ``all_held``) or skips (``skip``): a lock fences
+        its one shard.
 
         Its rows go to :meth:`check_rows` before the commit (the ``Fence`` protocol).
         """

@@ -161,13 +161,15 @@ class Fence(Protocol):
         ...
 
     def statement(
-        self, carrying: Collection[str] = (), *, all_held: bool = False
+        self, carrying: Collection[str] = (), *, all_held: bool = False, skip: Collection[int] = ()
     ) -> tuple[str, tuple[Any, ...]]:
         """The read a commit sends first in its pipeline (psycopg's ``%s`` style, and its parameters).
 
         ``carrying``: the checkpoints whose rows the commit writes; a fence that knows their shards
         reads only those it holds of them. ``all_held`` (or no ``carrying``): every shard held, for a
-        commit that also writes rows of checkpoints it cannot name.
+        commit that also writes rows of checkpoints it cannot name. ``skip``: shards not to read (a
+        writer that found them refused already and writes nothing of them); a fence of one shard
+        reads it whatever ``skip`` says.
         """
         ...
 
@@ -313,12 +315,13 @@ class ShardFence:
             return self._locks.get(shard)
 
     def statement(
-        self, carrying: Collection[str] = (), *, all_held: bool = False
+        self, carrying: Collection[str] = (), *, all_held: bool = False, skip: Collection[int] = ()
     ) -> tuple[str, tuple[Any, ...]]:
         """The read of shards' epochs (``FOR KEY SHARE``), with the epochs they were taken with.
 
         The shards held of the checkpoints in ``carrying``, given ``store_shards``; every shard held
-        with ``all_held``, no ``carrying`` or no ``store_shards``.
+        with ``all_held``, no ``carrying`` or no ``store_shards``. Never those in ``skip`` (a
+        checkpoint carried of one of them is then refused by :meth:`check_rows`, as not read).
         """
         wanted = None
         if self.store_shards is not None and carrying and not all_held:
@@ -327,7 +330,7 @@ class ShardFence:
             held = sorted(
                 (shard, lock.epoch)
                 for shard, lock in self._locks.items()
-                if wanted is None or shard in wanted
+                if (wanted is None or shard in wanted) and shard not in skip
             )
         return _READ_EPOCHS, ([shard for shard, _ in held], [epoch for _, epoch in held])
 
@@ -400,17 +403,22 @@ def _within(shards: frozenset[int], store_shards: int) -> Callable[[str], bool]:
 
 
 def run_fence(
-    conn: Connection, fence: Fence, carrying: Collection[str] = (), *, all_held: bool = False
+    conn: Connection,
+    fence: Fence,
+    carrying: Collection[str] = (),
+    *,
+    all_held: bool = False,
+    skip: Collection[int] = (),
 ) -> dict[int, int]:
     """``fence``'s read in ``conn``'s transaction, checked; returns each checked shard's epoch.
 
     ``carrying``: the checkpoints whose rows the transaction writes (see ``ShardFence``: the read
     covers their shards); ``all_held``: it also writes rows of checkpoints it cannot name, so the
-    read covers every shard held.
+    read covers every shard held; ``skip``: shards the read leaves out even so (``Fence.statement``).
 
     Raises:
         Fenced: as ``fence.check_rows``.
     """
-    sql, params = fence.statement(carrying, all_held=all_held)
+    sql, params = fence.statement(carrying, all_held=all_held, skip=skip)
     result = conn.exec_driver_sql(sql, params) if params else conn.exec_driver_sql(sql)
     return fence.check_rows([tuple(row) for row in result], carrying)
