@@ -314,11 +314,7 @@ class _StoreKeeper:
                 self.confirmed_at = time.monotonic()
                 self._board.announce()  # where the replicas forward writers' calls to
             except StoreInUse as exc:
-                log.error(
-                    "this coordinator lost the store's lock (its database session ended) and another "
-                    "took it meanwhile: %s; stopping this one",
-                    exc,
-                )
+                log.error("this coordinator lost the store's lock: %s; stopping this one", exc)
                 self._loop.call_soon_threadsafe(self._stop.set)
                 return
             except StoreUnreachable as exc:

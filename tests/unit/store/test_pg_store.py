@@ -286,6 +286,39 @@ def test_a_coordinator_whose_store_was_taken_while_its_lock_session_was_gone_sto
             assert anew.epoch == (other.epoch or 0) + 1
 
 
+@pytest.mark.parametrize("shard", [0, 3])
+def test_a_lock_whose_epoch_moved_under_its_live_session_is_lost_and_let_go(
+    postgres_url: str, shard: int
+) -> None:
+    """The renewal finds the epoch changed though the lock's session never ended (an operator's
+    UPDATE, or a coordinator bumping it without the lock): the store is lost, as when taken while
+    the session was gone; the lock is let go, so a coordinator started anew takes the store."""
+    url = store_url(postgres_url)
+    with StoreLock(url, shard=shard) as lock:
+        lock.check()  # renews
+        pid = lock_session(lock)
+        operator = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            with operator.begin() as conn:  # an operator's change of the epoch, the lock held
+                bumped = conn.execute(
+                    sa.text("UPDATE store_epoch SET epoch = epoch + 1 WHERE id = :id"), {"id": shard + 1}
+                )
+                assert bumped.rowcount == 1
+        finally:
+            operator.dispose()
+        with pytest.raises(
+            StoreTakenMeanwhile, match="moved on while this coordinator held its lock"
+        ) as lost:
+            lock.check()
+        assert isinstance(lost.value, StoreInUse)  # what the store's and the shard keeper's checks stop on
+        assert f"the store's epoch is {(lock.epoch or 0) + 1}, this one's was {lock.epoch}" in str(lost.value)
+        assert "find out who changed the epoch" in str(lost.value)
+        assert ("shard 3 of" in str(lost.value)) == (shard == 3)
+        assert rows(postgres_url, f"SELECT 1 FROM pg_stat_activity WHERE pid = {pid}") == []
+        with StoreLock(url, shard=shard) as anew:
+            assert anew.epoch == (lock.epoch or 0) + 2
+
+
 def wait_for_locks_at_most(url: str, timeout: str) -> None:
     """Every new session of ``url``'s database gives up waiting for a lock after ``timeout``."""
     alter_database(url, f"SET lock_timeout = '{timeout}'")

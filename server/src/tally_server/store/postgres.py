@@ -397,14 +397,39 @@ class StoreTakenMeanwhile(StoreInUse):
 
     Its lock is free again, but the store's epoch moved on: that coordinator may have changed
     completions this one still holds in memory, so this one must stop rather than serve on.
+
+    Or (``while_held``) the epoch moved on under the lock's live session: not a takeover (that
+    takes the lock first) but an operator's change of ``store_epoch``, or a coordinator bumping it
+    without the lock (a bug). Every write of this one is refused from then on, so it stops as well.
     """
 
-    def __init__(self, url: sa.URL, mine: int | None, now: int | None, shard: int | None = None) -> None:
-        text = (
-            f"{_of_store(url, shard)} was served by another coordinator while this one had no database "
-            f"session (the store's epoch is {now}, this one's was {mine})"
-        )
-        OSError.__init__(self, f"{text}; start this one again to serve it with what the store holds now")
+    def __init__(
+        self,
+        url: sa.URL,
+        mine: int | None,
+        now: int | None,
+        shard: int | None = None,
+        *,
+        while_held: bool = False,
+    ) -> None:
+        epochs = f"the store's epoch is {now}, this one's was {mine}"
+        if while_held:
+            text = (
+                f"the epoch of {_of_store(url, shard)} moved on while this coordinator held its lock "
+                f"({epochs}): an operator changed its row of store_epoch, or a coordinator bumped it "
+                "without the lock"
+            )
+            what = (
+                "this one lets the lock go and writes nothing more to it; find out who changed the "
+                "epoch, then start this one again to serve it with what the store holds now"
+            )
+        else:
+            text = (
+                f"{_of_store(url, shard)} was served by another coordinator while this one had no "
+                f"database session ({epochs})"
+            )
+            what = "start this one again to serve it with what the store holds now"
+        OSError.__init__(self, f"{text}; {what}")
         self.holder: dict[str, Any] = {}
         self.holder_text = text
 
@@ -734,7 +759,9 @@ class StoreLock:
 
         Raises:
             StoreInUse: another coordinator took the lock meanwhile (or took it and let it go:
-                ``StoreTakenMeanwhile``); this one must stop.
+                ``StoreTakenMeanwhile``), or the epoch moved on under the lock held (a renewal
+                that finds another epoch: ``StoreTakenMeanwhile``, the lock let go); this one must
+                stop.
             StoreUnreachable: the database cannot be reached (try again later).
         """
         with self._mutex:
@@ -747,7 +774,13 @@ class StoreLock:
         if conn is not None:
             try:
                 started = time.perf_counter()
-                conn.execute(_RENEW, {**self._id, "epoch": self.epoch})  # alive: a standby leaves us be
+                # Alive: a standby leaves us be.
+                renewed = conn.execute(_RENEW, {**self._id, "epoch": self.epoch}).rowcount
+                if not renewed:
+                    # Our session (and the lock) is alive, yet the epoch is no longer ours.
+                    now = conn.execute(_EPOCH_NOW, self._id).scalar()
+                    self._release()
+                    raise StoreTakenMeanwhile(self.url, self.epoch, now, self._named, while_held=True)
                 took = time.perf_counter() - started
                 logger.debug(
                     "renewed the lock of %s in %.2f ms", _of_store(self.url, self._named), took * 1000
