@@ -101,9 +101,9 @@ class RegistryFenced(Unavailable):
         shard: the shard whose epoch moved on or that is no longer held (None: the whole store's,
             or no shard held at all).
         refused: the checkpoints written that this coordinator can never write again (those of
-            ``shard``; all of them with None). Empty if the write was refused for a shard none of
-            them is in (only with a fence that does not know the store's shard count, which reads
-            every shard held): it may pass once that shard left the fence.
+            the shards refused, when the fence knows the store's shards; else all of them). Empty
+            only if refused for a shard none of them is in: it may pass once that shard left the
+            fence.
     """
 
     def __init__(self, message: str, shard: int | None, refused: frozenset[str]) -> None:

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 
 from tally_server.errors import RegistryFenced
 from tally_server.store.postgres import Fenced
-from tally_server.store.shards import Fence, ShardFence, run_fence, shard_of
+from tally_server.store.shards import Fence, run_fence
 
 
 def fence_write(conn: Connection, fence: Fence, carrying: Collection[str]) -> None:
@@ -36,14 +36,15 @@ def fence_write(conn: Connection, fence: Fence, carrying: Collection[str]) -> No
         run_fence(conn, fence, carrying)
     except Fenced as exc:
         message = f"nothing of this registry write was written: {exc}"
-        raise RegistryFenced(message, exc.shard, _refused(fence, exc, carrying)) from exc
+        raise RegistryFenced(message, exc.shard, _refused(exc, carrying)) from exc
 
 
-def _refused(fence: Fence, refusal: Fenced, carrying: Collection[str]) -> frozenset[str]:
-    """The checkpoints of ``carrying`` that ``refusal`` says can never pass this fence again."""
-    if refusal.refuses is not None:  # those of the shards lost or moved on (``ShardFence.check_rows``)
+def _refused(refusal: Fenced, carrying: Collection[str]) -> frozenset[str]:
+    """The checkpoints of ``carrying`` that ``refusal`` says can never pass this fence again.
+
+    Those of the shards lost or moved on, when the fence knows the store's shards (``refuses``,
+    set by ``ShardFence.check_rows``); else all of them: the whole store's epoch is gone.
+    """
+    if refusal.refuses is not None:
         return frozenset(filter(refusal.refuses, carrying))
-    shards = fence.store_shards if isinstance(fence, ShardFence) else None
-    if refusal.shard is None or shards is None:
-        return frozenset(carrying)  # the whole store's epoch (or every shard) is gone
-    return frozenset(name for name in carrying if shard_of(name, shards) == refusal.shard)
+    return frozenset(carrying)
