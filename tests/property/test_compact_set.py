@@ -141,6 +141,8 @@ class CompactSetMachine(RuleBasedStateMachine):
         if not hasattr(self, "compact"):
             return
         assert len(self.compact) == len(self.model.completed)
+        # Kept count of as ids come and go (merge_due reads it); a merge no longer recounts it.
+        assert self.compact._mergeable == self.compact.mergeable_recounted()
         if self.compact.declared is self.declared:  # declared totals: remaining is exact
             assert self.compact.declared_done == len(self.declared & self.model.completed.keys())
         live = [sid in self.model.completed for sid in IDS]

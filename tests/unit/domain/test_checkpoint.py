@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable
+
 import pytest
 
 from tally_server.domain.checkpoint import Checkpoint, CompletedSet, choose_unloads
+from tally_server.domain.compact import CompactIndex, Hasher
 
 
 def test_initial_sources_are_visible_to_views_taken_at_once() -> None:
@@ -118,3 +122,65 @@ def test_estimated_bytes_follow_additions_and_removals() -> None:
     assert completed.estimated_bytes() == one
     completed.in_byte_order()  # nothing is cached for paging: pages are read from the files
     assert completed.estimated_bytes() == one
+
+
+def _files_set(
+    key_hash: Callable[[bytes], int] | None = None, initial: tuple[str, ...] = ()
+) -> tuple[CompletedSet, dict[str, set[bytes]]]:
+    """A compact set over writer files (a dict of file -> keys), merging only when asked.
+
+    ``initial``: ids it starts with that no file holds (they never merge).
+    """
+    files: dict[str, set[bytes]] = {}
+    completed = CompletedSet(
+        initial,
+        index=CompactIndex.build([]),
+        confirm=lambda origin, keys: [key in files.get(origin, set()) for key in keys],
+        hasher=Hasher(key_hash),
+        merge_at=10**9,
+    )
+    return completed, files
+
+
+def _commit(completed: CompletedSet, files: dict[str, set[bytes]], sids: list[str], origin: str) -> None:
+    files.setdefault(origin, set()).update(sid.encode() for sid in sids)
+    completed.add(sids, origin)
+
+
+def test_a_merge_of_the_whole_overlay_keeps_what_was_added_while_it_was_built() -> None:
+    completed, files = _files_set()
+    _commit(completed, files, ["x", "y"], "w0")
+    plan = completed.plan_merge()
+    assert plan is not None and plan.whole and plan.sids == ["x", "y"]
+    _commit(completed, files, ["z"], "w1")  # while the merge builds in a load thread
+    completed.finish_merge(plan, plan.build())
+    assert list(completed._overlay) == ["z"]
+    assert completed.contains_many(["x", "y", "z", "w"]) == [True, True, True, False]
+    assert len(completed) == 3
+    assert completed.mergeable_recounted() == 1 == completed._mergeable
+
+
+def test_a_merge_that_leaves_ids_in_the_overlay_moves_only_the_ones_it_planned() -> None:
+    # "a" and "b" share their whole hash: neither may move (the index could not tell them apart).
+    completed, files = _files_set(lambda key: 7 if key in (b"a", b"b") else zlib.crc32(key) << 20)
+    _commit(completed, files, ["a", "x", "b", "y"], "w0")
+    plan = completed.plan_merge()
+    assert plan is not None and not plan.whole and plan.sids == ["x", "y"]
+    _commit(completed, files, ["z"], "w0")
+    completed.finish_merge(plan, plan.build())
+    assert list(completed._overlay) == ["a", "b", "z"]
+    assert completed.contains_many(["a", "b", "x", "y", "z", "w"]) == [True] * 5 + [False]
+    assert len(completed) == 5
+    assert completed.mergeable_recounted() == 3 == completed._mergeable
+
+
+def test_a_merge_leaves_ids_without_a_file_where_they_are() -> None:
+    completed, files = _files_set(initial=("i",))
+    _commit(completed, files, ["x", "y"], "w0")
+    plan = completed.plan_merge()
+    assert plan is not None and not plan.whole and plan.sids == ["x", "y"]
+    _commit(completed, files, ["z"], "w0")
+    completed.finish_merge(plan, plan.build())
+    assert list(completed._overlay) == ["i", "z"]
+    assert completed.contains_many(["i", "x", "y", "z"]) == [True] * 4
+    assert completed.mergeable_recounted() == 1 == completed._mergeable

@@ -6,7 +6,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, islice
 
 import numpy as np
 import numpy.typing as npt
@@ -345,7 +345,8 @@ class CompletedSet:
         keep = (values & np.uint64(_NO_ORIGIN)) != np.uint64(_NO_ORIGIN)
         if tombstones:
             keep &= ~np.fromiter(map(tombstones.__contains__, sids), dtype=bool, count=len(sids))
-        if not keep.all():
+        whole = bool(keep.all())
+        if not whole:
             sids, values = list(compress(sids, keep.tolist())), values[keep]
         if not sids:
             return None
@@ -361,6 +362,7 @@ class CompletedSet:
         alone[first[counts == 1]] = True
         keep = alone & ~taken
         if not keep.all():
+            whole = False
             sids, values, hashes = list(compress(sids, keep.tolist())), values[keep], hashes[keep]
             if not sids:
                 return None
@@ -377,6 +379,7 @@ class CompletedSet:
             len(self._origins),
             settled,
             self._overlay_discards,
+            whole,
         )
 
     def finish_merge(self, plan: MergePlan, merged: CompactIndex) -> None:
@@ -385,31 +388,52 @@ class CompletedSet:
             return  # another merge came first: this one is moot, its ids are still in the overlay
         self._index = merged
         overlay, tombstones = self._overlay, self._tombstones
+        if plan.whole and not tombstones and self._overlay_discards == plan.discards:
+            # The plan took the whole overlay and nothing left it since (add only appends ids it
+            # lacks): the moved ids are its first entries, in order. What came after them is the
+            # new overlay, copied without a lookup per moved id.
+            moved_count = len(plan.sids)
+            self._overlay = dict(islice(overlay.items(), moved_count, None))
+            self._id_chars -= sum(map(len, plan.sids))
+            self._mergeable -= moved_count  # each had a file and no tombstone
+            self._merge_at = max(self._merge_at, self._index.count // 32)
+            return
         if not tombstones and (
             self._overlay_discards == plan.discards or list(map(overlay.get, plan.sids)) == plan.values
         ):
             # Each moved id is in the overlay as planned (nothing was discarded meanwhile): C passes.
+            # Each had a file and no tombstone, so each was counted mergeable.
             deque(map(overlay.__delitem__, plan.sids), maxlen=0)
             self._id_chars -= sum(map(len, plan.sids))
+            self._mergeable -= len(plan.sids)
             moved: Iterable[tuple[str, int]] = ()
         else:
             moved = zip(plan.sids, plan.values, strict=True)
         for sid, value in moved:
             if sid in tombstones:
                 # Discarded while the merge was built (and maybe completed again since, which
-                # keeps it in the overlay): its tombstone now hides an entry of the index.
+                # keeps it in the overlay): its tombstone now hides an entry of the index. Its
+                # discard took it out of the mergeable count; an add since did not count it.
                 self._hidden += 1
             elif overlay.get(sid) == value:
                 del overlay[sid]
                 self._id_chars -= len(sid)
+                self._mergeable -= 1  # planned with a file, and no tombstone: it was counted
         if len(overlay) <= len(plan.sids):
             # A dict never shrinks as keys leave it: its table stays sized for every id it held
             # (3.7 MB for 100,000) until it is copied.
             self._overlay = overlay = dict(overlay)
-        self._mergeable = sum(
-            1 for sid, v in overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
-        )
         self._merge_at = max(self._merge_at, self._index.count // 32)
+
+    def mergeable_recounted(self) -> int:
+        """The overlay's ids with a file and no tombstone, counted one by one.
+
+        ``merge_due`` reads the count kept as ids come and go; this is what it must equal.
+        """
+        tombstones = self._tombstones
+        return sum(
+            1 for sid, v in self._overlay.items() if v & _NO_ORIGIN != _NO_ORIGIN and sid not in tombstones
+        )
 
     def estimated_bytes(self) -> int:
         """Roughly how many bytes the set holds in memory.
@@ -456,6 +480,8 @@ class MergePlan:
     origin_count: int
     settled: int
     discards: int = 0  # the set's count of overlay discards when planned
+    # ``sids`` are every id of the overlay when planned, in its order (none was left out).
+    whole: bool = False
 
     def build(self) -> CompactIndex:
         """The index with the ids added: a copy of it, the costly part (any thread)."""
