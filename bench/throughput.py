@@ -83,13 +83,13 @@ def bench_baseline(writers: int, sources: int) -> tuple[float, int, int]:
     from tally_server.domain.ports import PutCompleted
     from tally_server.store.lmdb_files import LmdbCompletionStore
 
+    per_writer = [deltas_for(writer, sources) for writer in range(writers)]  # made before the clock runs
     with tempfile.TemporaryDirectory() as tmp:
         store = LmdbCompletionStore(Path(tmp))
         total_deltas = completed = 0
         t0 = time.perf_counter()
-        for writer in range(writers):
+        for writer, deltas in enumerate(per_writer):
             ledger = WriterLedger(lambda _sid: False, settle_s=0)
-            deltas = deltas_for(writer, sources)
             total_deltas += len(deltas)
             for i in range(0, len(deltas), BATCH):
                 done = ledger.mark_completing(ledger.apply(deltas[i : i + BATCH], 0.0).complete_now)
