@@ -80,6 +80,9 @@ def test_counters_and_gauges_are_exact_for_a_known_delta_stream(server: RunningS
     assert value(live, "tally_pending_sources", checkpoint=checkpoint) == 1  # p
     assert value(closed, "tally_live_writers", checkpoint=checkpoint) == 0
     assert value(closed, "tally_pending_sources", checkpoint=checkpoint) == 0
+    # w1's distinct task ids (its retry and rewrite add none); w2's anomalous delta is not kept.
+    assert value(live, "tally_remembered_tasks", checkpoint=checkpoint) == 26
+    assert value(closed, "tally_remembered_tasks", checkpoint=checkpoint) == 0
 
 
 def test_request_latency_is_observed_for_both_transports_with_route_templates(

@@ -213,6 +213,13 @@ class ServiceCollector(Collector):
                 "Sources of a checkpoint live writers hold a claim on (Acquire).",
                 labels=["checkpoint"],
             ),
+            "remembered_tasks": GaugeMetricFamily(
+                "tally_remembered_tasks",
+                "Task ids the live writers of a checkpoint remember, so that a task fired again is "
+                "skipped: each takes about 160 bytes of the coordinator's memory (its writer's counts "
+                "and the journal's live state) until its writer closes.",
+                labels=["checkpoint"],
+            ),
             "loaded_bytes": GaugeMetricFamily(
                 "tally_checkpoint_loaded_bytes",
                 "Estimated memory of a checkpoint's completed set while loaded (0 when unloaded).",

@@ -117,6 +117,10 @@ class SessionTable:
         """Sources with work in flight (settling ones excluded) across the checkpoint's writers."""
         return sum(s.ledger.in_flight for s in self.live(checkpoint).values())
 
+    def remembered_tasks(self, checkpoint: str) -> int:
+        """Task ids the checkpoint's live writers remember (each writer's dedup map), in all."""
+        return sum(len(s.ledger.applied) for s in self.live(checkpoint).values())
+
     def settling_sources(self, checkpoint: str) -> int:
         """Sources whose settle window is running, across the checkpoint's writers."""
         return sum(len(s.ledger.settling) for s in self.live(checkpoint).values())

@@ -47,6 +47,7 @@ class CheckpointGauges:
     declared_sources: int  # 0: none declared
     remaining_sources: int  # -1: not known
     claimed_sources: int
+    remembered_tasks: int
 
 
 class Status:
@@ -98,6 +99,7 @@ class Status:
                 declared_sources=cp.total,
                 remaining_sources=cp.remaining,
                 claimed_sources=len(cp.claims),
+                remembered_tasks=sessions.remembered_tasks(name),
             )
             for name, cp in self._checkpoints.known.items()
         }
