@@ -56,6 +56,32 @@ def load_trace() -> list[dict[str, Any]]:
     return [json.loads(line) for line in NEMO_TRACE.read_text().splitlines() if line.strip()]
 
 
+def compiled_core_required() -> None:
+    """Skip without the compiled counting core (fail under CI, where ./dev builds it)."""
+    from tally_server.domain import idmap
+
+    if idmap.COMPILED is None:
+        message = "the compiled counting core (tally_server._ledgercore) is not built; ./dev builds it"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must test it")
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def each_ledger_core(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module's tests once on each counting core (``pytestmark = usefixtures(...)``)."""
+    from tally_server.domain import idmap
+
+    if request.param == "compiled":
+        compiled_core_required()
+    before = idmap.current().name
+    idmap.use(request.param)
+    try:
+        yield request.param
+    finally:
+        idmap.use(before)
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RunningServer]:
     """A coordinator with settle_ms=0: NeMo Curator's exact behaviour, no timing involved."""

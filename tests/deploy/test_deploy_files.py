@@ -344,6 +344,15 @@ def test_image_is_multi_stage_and_the_runtime_installs_wheels_only() -> None:
     assert "--no-index" in install and f"from={builder.name}" in install
 
 
+def test_image_builds_the_compiled_counting_core_and_fails_without_it() -> None:
+    builder, runtime = dockerfile_stages()[0], dockerfile_stages()[-1]
+    # setup.py's extension is optional: without a compiler the wheel would quietly lack it.
+    assert any("apt-get install" in run and "gcc" in run for run in builder.all("RUN"))
+    assert not any("gcc" in run for run in runtime.all("RUN"))
+    (install,) = [run for run in runtime.all("RUN") if "pip install" in run]
+    assert 'python -c "import tally_server._ledgercore"' in install
+
+
 def test_image_runs_tally_serve_as_the_tests_do() -> None:
     runtime = dockerfile_stages()[-1]
     assert json.loads(runtime.all("CMD")[-1]) == ["tally", "serve"]

@@ -18,6 +18,7 @@ import tally
 import tally_server
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tally_server.domain import idmap
 from tally_server.testing import RunningServer
 from tests.conftest import system_tool
 from tests.integration.workload import tree
@@ -219,7 +220,14 @@ def test_build_info_and_data_dir_space(server: RunningServer) -> None:
     samples = scrape(server)
     info = [s for s in samples if s.name == "tally_build_info"]
     assert [(s.labels, s.value) for s in info] == [
-        ({"version": tally_server.__version__, "python": platform.python_version()}, 1)
+        (
+            {
+                "version": tally_server.__version__,
+                "python": platform.python_version(),
+                "ledger_core": idmap.current().name,
+            },
+            1,
+        )
     ]
     free = value(samples, "tally_data_dir_free_bytes")
     size = value(samples, "tally_data_dir_size_bytes")

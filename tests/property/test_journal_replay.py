@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,9 @@ from tally_server.domain.journal import (
 )
 from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
 from tally_server.store.journal import decode_entry, encode_entry
+
+# The rules on each counting core: compiled (tally_server._ledgercore) and pure Python.
+pytestmark = pytest.mark.usefixtures("each_ledger_core")
 
 settings.register_profile("tally-journal", max_examples=200, derandomize=True, deadline=None, database=None)
 PROFILE = settings.get_profile("tally-journal")

@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tally_server.domain import effects
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.ledger import Anomaly, ApplyCounts, Delta, WriterLedger
+
+# The rules on each counting core: compiled (tally_server._ledgercore) and pure Python.
+pytestmark = pytest.mark.usefixtures("each_ledger_core")
 
 # Quick and reproducible by default; the profile applies to this module's tests only.
 settings.register_profile(

@@ -3,11 +3,15 @@ server's ledger, driven through the service's own steps, on random delta streams
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tally.replay import Rules
 from tests.property.test_ledger_model import PROFILE, SOURCES, Step, Writer, befores, steps
+
+# The rules on each counting core: compiled (tally_server._ledgercore) and pure Python.
+pytestmark = pytest.mark.usefixtures("each_ledger_core")
 
 
 @PROFILE

@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection
 
 from tally_server import malloc, replica
 from tally_server.auth import Authorizer, load_tokens
+from tally_server.domain import idmap
 from tally_server.domain.ports import CompletionStore, JointCommit, Journal
 from tally_server.grpc_api.server import SERVICE_NAME, build_server, server_credentials
 from tally_server.http_api.app import create_app
@@ -403,6 +404,7 @@ class _HttpThread:
 def run(settings: Settings) -> None:
     """Serve on an event loop whose load is measured (lease time slows while it is saturated)."""
     malloc.fix_mmap_threshold()
+    idmap.use(settings.ledger_core)
     if settings.store is not None:
         sys.setswitchinterval(PG_SWITCH_INTERVAL_S)
     loop, selector = new_event_loop()
@@ -552,11 +554,12 @@ async def serve(settings: Settings, loop_idle: Callable[[], float] | None = None
     print(f"grpc listening on {_address(grpc_host, grpc_port)}", flush=True)
     print(f"http listening on {_address(http_host, http_port)}", flush=True)
     log.info(
-        "tally serving%s; data in %s, completions in %s, registry %s",
+        "tally serving%s; data in %s, completions in %s, registry %s; %s counting core",
         " over TLS" + (" with client certificates" if settings.tls_client_ca else "") if settings.tls else "",
         settings.data_dir,
         display(store_url(settings.store)) if settings.store else "LMDB files in the data directory",
         _hide_password(settings.resolved_registry_url()),
+        idmap.current().name,
     )
 
     await stop.wait()

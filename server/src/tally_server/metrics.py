@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from tally_server.store.postgres import StoreLock
 
 import tally_server
+from tally_server.domain import idmap
 
 __all__ = ["CONTENT_TYPE", "BuildInfo", "Metrics", "ServiceCollector", "new_registry"]
 
@@ -61,16 +62,20 @@ def new_registry() -> CollectorRegistry:
 
 
 class BuildInfo(Collector):
-    """``tally_build_info{version, python}``: always 1, for joins and "which version runs where"."""
+    """``tally_build_info{version, python, ledger_core}``: always 1, for "which version runs where".
+
+    ``ledger_core``: ``compiled`` or ``python``, the counting core new writers get (domain/idmap.py).
+    """
 
     def collect(self) -> Iterable[Metric]:
         """The one series."""
         info = GaugeMetricFamily(
             "tally_build_info",
-            "Always 1; labels: the tally-server version and the Python version running it.",
-            labels=["version", "python"],
+            "Always 1; labels: the tally-server version, the Python version running it, and the "
+            "counting core live writers run on (compiled or python).",
+            labels=["version", "python", "ledger_core"],
         )
-        info.add_metric([tally_server.__version__, platform.python_version()], 1)
+        info.add_metric([tally_server.__version__, platform.python_version(), idmap.current().name], 1)
         yield info
 
 

@@ -17,6 +17,9 @@ import pytest
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.ledger import Anomaly, ApplyCounts, BatchResult, Delta, WriterLedger
 
+# The rules on each counting core: compiled (tally_server._ledgercore) and pure Python.
+pytestmark = pytest.mark.usefixtures("each_ledger_core")
+
 
 def open_writer(settle_s: float = 0.0, before: Iterable[str] = ()) -> tuple[WriterLedger, CompletedSet]:
     completed = CompletedSet(before)

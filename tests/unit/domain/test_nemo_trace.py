@@ -14,6 +14,9 @@ from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.ledger import ApplyCounts, Delta, WriterLedger
 from tests.conftest import load_trace
 
+# The rules on each counting core: compiled (tally_server._ledgercore) and pure Python.
+pytestmark = pytest.mark.usefixtures("each_ledger_core")
+
 
 def batch_of(row: dict[str, Any]) -> list[Delta]:
     return [(task_id, sid, d) for task_id, sid, d in row["per_task"]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tally_server.domain.idmap import IdMap
 from tally_server.domain.ledger import ApplyCounts, Delta, LedgerState, WriterLedger
 
 
@@ -96,7 +97,7 @@ class _View:
     def __init__(self, cutoff: Callable[[str], bool]) -> None:
         self._cutoff = cutoff
         self.hits: frozenset[str] | None = frozenset()  # None once the replay is over
-        self.pending: dict[str, int] = {}
+        self.pending: IdMap | dict[str, int] = {}
 
     def __call__(self, source_id: str) -> bool:
         if self.hits is not None:

@@ -9,11 +9,13 @@ and any delta for it in the meantime cancels the settle (§2.2).
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import compress
 from typing import NamedTuple, overload
+
+from tally_server.domain import idmap
+from tally_server.domain.idmap import IdMap, LedgerCore
 
 Delta = tuple[str, str, int]
 
@@ -138,48 +140,31 @@ class LedgerState:
     Settle deadlines are not kept: a window starts over when the state is restored.
     """
 
-    pending: dict[str, int]
-    applied: dict[str, int]
+    pending: Mapping[str, int]
+    applied: Mapping[str, int]
     own_completed: set[str]
     uncompleted: set[str]
     settling: list[str]
     totals: ApplyCounts
 
 
-def _all_added(applied: dict[str, int], tasks: list[str], values: list[int]) -> bool:
-    """Add the tasks, none of them in ``applied``, if no task comes twice; returns whether it did.
-
-    One C pass adds them and the size tells whether one came twice; then those added are taken out
-    again (none was there before) and nothing changed.
-    """
-    before = len(applied)
-    applied.update(zip(tasks, values, strict=True))
-    if len(applied) - before == len(tasks):
-        return True
-    deque(map(applied.pop, tasks, repeat(None)), maxlen=0)
-    return False
-
-
-def _all_added_to_set(target: set[str], items: list[str]) -> bool:
-    """:func:`_all_added` for a set: add ``items``, none of them in ``target``, if none comes twice."""
-    before = len(target)
-    target.update(items)
-    if len(target) - before == len(items):
-        return True
-    target.difference_update(items)
-    return False
-
-
 class WriterLedger:
-    """Pending counters, dedup map and own completions of one writer."""
+    """Pending counters, dedup map and own completions of one writer.
 
-    def __init__(self, completed_before_open: Callable[[str], bool], settle_s: float) -> None:
+    ``core``: the implementation of the two tables that grow with the writer's work, its pending
+    counts and its dedup map (compiled or Python, domain/idmap.py); by default the server's.
+    """
+
+    def __init__(
+        self, completed_before_open: Callable[[str], bool], settle_s: float, core: LedgerCore | None = None
+    ) -> None:
         # The checkpoint's completed set as it stood when the writer opened (§2, "completed
         # for this writer"); completions by other writers since then are not anomalies here.
         self._completed_before_open = completed_before_open
         self.settle_s = settle_s
-        self.pending: dict[str, int] = {}
-        self.applied: dict[str, int] = {}
+        self.core = core = core or idmap.current()
+        self.pending: IdMap = core.new_map()
+        self.applied: IdMap = core.new_map()
         self.own_completed: set[str] = set()
         # Sources this writer un-completed through an anomaly: no longer completed for it, even if
         # they were completed before it opened (the anchor drops them from its set at once).
@@ -232,36 +217,28 @@ class WriterLedger:
         view = self._completed_before_open
         many = getattr(view, "many", None)
         before_open = set(compress(asked, many(asked) if many is not None else map(view, asked)))
-        # Insertion-ordered set of sources whose count must be re-examined at the end of the batch.
-        recheck: dict[str, None]
-        if (
-            not before_open
-            and untouched
-            and (not settling or settling.keys().isdisjoint(touched))
-            and applied.keys().isdisjoint(tasks)
-            and _all_added(applied, tasks, values)
-        ):
-            # Every task is new (no skip, no rewrite) and no source is completed for this writer
-            # (no anomaly) or settling: the rules reduce to adding each delta to its source's count.
-            recheck = {}
-            count_of = pending.get
-            for sid, d in zip(sources, values, strict=True):
-                count = count_of(sid, 0) + d
-                pending[sid] = count
-                if not count:
-                    recheck[sid] = None
+        # Every task new (no skip, no rewrite) and no source completed for this writer (no anomaly)
+        # or settling: the rules reduce to adding each delta to its source's count (the core's
+        # apply_new, which returns None, having changed nothing, when a task is not new).
+        zeros = (
+            self.core.apply_new(applied, pending, tasks, sources, values)
+            if not before_open and untouched and (not settling or settling.keys().isdisjoint(touched))
+            else None
+        )
+        if zeros is not None:
             result.counts.applied = len(tasks)
         else:
             recheck = self._apply_each(result, zip(tasks, sources, values, strict=True), before_open)
+            zeros = [sid for sid in recheck if pending.get(sid) == 0]
         # The anchor completes a source that touched zero anywhere in the batch, even if a later
         # delta of the same batch moved it again (and then loses that count). Tally completes only
         # what is still at zero at the end of the batch; every other case is identical.
-        for sid in recheck:
-            if pending.get(sid) == 0:
-                if self.settle_s <= 0:
-                    result.complete_now.append(sid)
-                else:
-                    settling[sid] = now + self.settle_s
+        if self.settle_s <= 0:
+            result.complete_now = zeros
+        else:
+            deadline = now + self.settle_s
+            for sid in zeros:
+                settling[sid] = deadline
         self.totals.add(result.counts)
         return result
 
@@ -333,13 +310,10 @@ class WriterLedger:
         """
         pending, own_completed = self.pending, self.own_completed
         sources = list(sources)
-        if (
-            set(map(pending.get, sources)) <= {0}
-            and own_completed.isdisjoint(sources)
-            and _all_added_to_set(own_completed, sources)
-        ):
-            # All of them qualify (the common case: what a batch just brought to zero): C passes.
-            deque(map(pending.__delitem__, sources), maxlen=0)
+        if own_completed.isdisjoint(sources) and pending.take_zeros(sources):
+            # All of them qualify (the common case: what a batch just brought to zero): each was
+            # there once at zero, and none is in own_completed, so the set grows by all of them.
+            own_completed.update(sources)
             out = sources
         else:
             out = []
@@ -362,8 +336,8 @@ class WriterLedger:
         """A copy of the ledger's state, for a journal snapshot."""
         t = self.totals
         return LedgerState(
-            pending=dict(self.pending),
-            applied=dict(self.applied),
+            pending=dict(self.pending.items()),
+            applied=dict(self.applied.items()),
             own_completed=set(self.own_completed),
             uncompleted=set(self.uncompleted),
             settling=list(self.settling),
@@ -372,8 +346,8 @@ class WriterLedger:
 
     def restore(self, state: LedgerState, now: float) -> None:
         """Take over ``state``; its settling sources start a full window from ``now``."""
-        self.pending = dict(state.pending)
-        self.applied = dict(state.applied)
+        self.pending = self.core.copy_map(state.pending.items())
+        self.applied = self.core.copy_map(state.applied.items())
         self.own_completed = set(state.own_completed)
         self.uncompleted = set(state.uncompleted)
         self.settling = dict.fromkeys(state.settling, now + self.settle_s)

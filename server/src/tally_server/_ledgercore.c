@@ -1,0 +1,1046 @@
+/* The counting rules' two tables in compiled code (tally_server.domain.idmap wraps this module).
+ *
+ * IdMap: an insertion-ordered map of str ids to ints, as a dict[str, int] behaves, holding each id
+ * as its UTF-8 bytes in one arena instead of a str object per id: a writer's pending counts and
+ * its dedup map of task ids (DESIGN §2). A dense array of entries keeps the insertion order (a
+ * key deleted and set again goes to the end, as in a dict); an index over it is probed with the
+ * str's own hash (keyed SipHash, so ids a client chooses cannot be made to collide). Values are int64 in place; an int outside int64 is kept as a Python
+ * int object (the rules never make one, but nothing a client sends may overflow a count).
+ *
+ * apply_new(applied, pending, tasks, sources, values): the rules' common case in one call (every
+ * task new, none twice): each task added to the dedup map, each delta added to its source's count,
+ * returns the sources whose count is zero at the end of the batch, in the order they first reached
+ * zero; or None, having changed nothing, when the case does not apply (the caller then applies the
+ * batch delta by delta).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* An index slot: 0 empty, 1 a deleted entry's, else tag << 32 | (position + 2), where the tag is
+ * bits 32-60 of the key's hash (the slot's place comes from the low bits): a probe passes over
+ * another key's slot without reading its entry, in the same cache line (linear probing). */
+#define SLOT_EMPTY ((uint64_t)0)
+#define SLOT_DUMMY ((uint64_t)1)
+#define SLOT(tag, ix) ((uint64_t)(tag) << 32 | (uint64_t)((ix) + 2))
+#define SLOT_IX(slot) ((Py_ssize_t)((slot) & 0xffffffffu) - 2)
+#define TAG(hash) ((uint32_t)((hash) >> 32))
+#define MIN_SIZE 8
+/* How many lookups ahead apply_new fetches the index slot of the next one. */
+#define PREFETCH 16
+
+/* An entry in 24 bytes: the key's hash and three flags, where its bytes are, its value. */
+typedef struct {
+    uint64_t hf;  /* the str's hash (its low 61 bits) | flags << 61 */
+    uint64_t loc; /* the key's bytes: arena[off : off + len], off << 24 | len */
+    union {
+        int64_t i;
+        PyObject *o; /* with F_BIG: an int outside int64 */
+    } v;
+} Entry;
+
+#define HASH_MASK (~(uint64_t)0 >> 3)
+#define FLAG_SHIFT 61
+#define F_DELETED 1u
+#define F_BIG 2u  /* the value is a Python int (v.o), outside int64 */
+#define F_MARK 4u /* transient, within one call: seen */
+#define MAX_KEY_LEN 0xFFFFFF
+#define E_HASH(e) ((e)->hf & HASH_MASK)
+#define E_HAS(e, f) (((e)->hf >> FLAG_SHIFT) & (f))
+#define E_SET(e, f) ((e)->hf |= (uint64_t)(f) << FLAG_SHIFT)
+#define E_CLEAR(e, f) ((e)->hf &= ~((uint64_t)(f) << FLAG_SHIFT))
+#define E_OFF(e) ((Py_ssize_t)((e)->loc >> 24))
+#define E_LEN(e) ((Py_ssize_t)((e)->loc & MAX_KEY_LEN))
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *index; /* mask + 1 slots (SLOT) */
+    size_t mask;
+    Py_ssize_t fill; /* slots not empty (live and dummy) */
+    Entry *entries;
+    Py_ssize_t nentries; /* entries used, deleted ones included */
+    Py_ssize_t capacity;
+    Py_ssize_t count; /* live entries */
+    char *arena;
+    Py_ssize_t arena_used;
+    Py_ssize_t arena_capacity;
+    uint64_t version; /* changes whenever a key is added or removed */
+} IdMap;
+
+static PyTypeObject IdMapType;
+
+/* ---- keys ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *data;
+    Py_ssize_t len;
+    uint64_t hash; /* the str's hash, its low 61 bits */
+    PyObject *owned; /* a bytes object holding data, when the str had to be encoded */
+} Key;
+
+static int
+key_of(PyObject *s, Key *k)
+{
+    k->owned = NULL;
+    if (!PyUnicode_Check(s)) {
+        PyErr_Format(PyExc_TypeError, "ids are str, not %.100s", Py_TYPE(s)->tp_name);
+        return -1;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) {
+        return -1;
+    }
+#endif
+    if (PyUnicode_IS_COMPACT_ASCII(s)) {
+        k->data = (const char *)PyUnicode_DATA(s);
+        k->len = PyUnicode_GET_LENGTH(s);
+    }
+    else {
+        k->data = PyUnicode_AsUTF8AndSize(s, &k->len);
+        if (k->data == NULL) { /* a lone surrogate: keep it, as a dict would */
+            PyErr_Clear();
+            k->owned = PyUnicode_AsEncodedString(s, "utf-8", "surrogatepass");
+            if (k->owned == NULL) {
+                return -1;
+            }
+            k->data = PyBytes_AS_STRING(k->owned);
+            k->len = PyBytes_GET_SIZE(k->owned);
+        }
+    }
+    if (k->len > MAX_KEY_LEN) {
+        Py_CLEAR(k->owned);
+        PyErr_SetString(PyExc_ValueError, "an id of more than 16 MiB");
+        return -1;
+    }
+    Py_hash_t hash = PyObject_Hash(s);
+    if (hash == -1) {
+        Py_CLEAR(k->owned);
+        return -1;
+    }
+    k->hash = (uint64_t)hash & HASH_MASK;
+    return 0;
+}
+
+static inline void
+key_release(Key *k)
+{
+    Py_CLEAR(k->owned);
+}
+
+static PyObject *
+key_str(IdMap *m, Entry *e)
+{
+    return PyUnicode_DecodeUTF8(m->arena + E_OFF(e), E_LEN(e), "surrogatepass");
+}
+
+/* ---- values -------------------------------------------------------------------------------- */
+
+static PyObject *
+value_obj(Entry *e)
+{
+    if (E_HAS(e, F_BIG)) {
+        return Py_NewRef(e->v.o);
+    }
+    return PyLong_FromLongLong((long long)e->v.i);
+}
+
+/* Set e's value from an int object; -1 with TypeError for anything else. */
+static int
+value_set(Entry *e, PyObject *value)
+{
+    int overflow = 0;
+    long long x;
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "values are int, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    x = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (x == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (E_HAS(e, F_BIG)) {
+        Py_DECREF(e->v.o);
+        E_CLEAR(e, F_BIG);
+    }
+    if (overflow) {
+        e->v.o = Py_NewRef(value);
+        E_SET(e, F_BIG);
+    }
+    else {
+        e->v.i = (int64_t)x;
+    }
+    return 0;
+}
+
+/* ---- the table ----------------------------------------------------------------------------- */
+
+/* Position of the entry for k, or -1; *slot: where it is, or the slot a new entry would take. */
+static Py_ssize_t
+lookup(IdMap *m, const Key *k, size_t *slot)
+{
+    size_t mask = m->mask;
+    size_t i = (size_t)k->hash & mask;
+    size_t freeslot = (size_t)-1;
+    uint32_t tag = TAG(k->hash);
+    for (;;) {
+        uint64_t s = m->index[i];
+        if (s == SLOT_EMPTY) {
+            *slot = freeslot != (size_t)-1 ? freeslot : i;
+            return -1;
+        }
+        if (s == SLOT_DUMMY) {
+            if (freeslot == (size_t)-1) {
+                freeslot = i;
+            }
+        }
+        else if ((uint32_t)(s >> 32) == tag) {
+            Py_ssize_t ix = SLOT_IX(s);
+            Entry *e = &m->entries[ix];
+            if (E_HASH(e) == k->hash && E_LEN(e) == k->len &&
+                memcmp(m->arena + E_OFF(e), k->data, (size_t)k->len) == 0) {
+                *slot = i;
+                return ix;
+            }
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/* The slot holding entry ix. */
+static size_t
+slot_of(IdMap *m, Py_ssize_t ix)
+{
+    size_t mask = m->mask;
+    uint64_t hash = E_HASH(&m->entries[ix]);
+    uint64_t want = SLOT(TAG(hash), ix);
+    size_t i = (size_t)hash & mask;
+    while (m->index[i] != want) {
+        i = (i + 1) & mask;
+    }
+    return i;
+}
+
+static int
+build_index(IdMap *m, size_t size)
+{
+    uint64_t *index = PyMem_Calloc(size, sizeof(uint64_t)); /* SLOT_EMPTY */
+    if (index == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(m->index);
+    m->index = index;
+    m->mask = size - 1;
+    for (Py_ssize_t ix = 0; ix < m->nentries; ix++) {
+        Entry *e = &m->entries[ix];
+        if (E_HAS(e, F_DELETED)) {
+            continue;
+        }
+        uint64_t hash = E_HASH(e);
+        size_t i = (size_t)hash & m->mask;
+        while (index[i] != SLOT_EMPTY) {
+            i = (i + 1) & m->mask;
+        }
+        index[i] = SLOT(TAG(hash), ix);
+    }
+    m->fill = m->count;
+    return 0;
+}
+
+/* Drop deleted entries and their keys' bytes; insertion order is kept. */
+static int
+compact(IdMap *m)
+{
+    Py_ssize_t live_bytes = 0;
+    for (Py_ssize_t ix = 0; ix < m->nentries; ix++) {
+        if (!E_HAS(&m->entries[ix], F_DELETED)) {
+            live_bytes += E_LEN(&m->entries[ix]);
+        }
+    }
+    Py_ssize_t cap = live_bytes > 64 ? live_bytes + live_bytes / 2 : 64;
+    char *arena = PyMem_Malloc((size_t)cap);
+    if (arena == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n = 0, used = 0;
+    for (Py_ssize_t ix = 0; ix < m->nentries; ix++) {
+        Entry e = m->entries[ix];
+        if (E_HAS(&e, F_DELETED)) {
+            continue;
+        }
+        memcpy(arena + used, m->arena + E_OFF(&e), (size_t)E_LEN(&e));
+        e.loc = (uint64_t)used << 24 | (uint64_t)E_LEN(&e);
+        used += E_LEN(&e);
+        m->entries[n++] = e;
+    }
+    PyMem_Free(m->arena);
+    m->arena = arena;
+    m->arena_used = used;
+    m->arena_capacity = cap;
+    m->nentries = n;
+    m->version++;
+    return 0;
+}
+
+/* Room for `extra` new keys of `extra_bytes` bytes in all: no resize (nor moved entry) until then. */
+static int
+reserve(IdMap *m, Py_ssize_t extra, Py_ssize_t extra_bytes)
+{
+    int rebuild = 0;
+    if (m->nentries + extra > m->capacity) {
+        Py_ssize_t deleted = m->nentries - m->count;
+        if (deleted > 0 && deleted >= m->nentries / 4) {
+            if (compact(m) < 0) {
+                return -1;
+            }
+            rebuild = 1;
+        }
+        if (m->nentries + extra > m->capacity) {
+            Py_ssize_t cap = (m->count + extra) + (m->count + extra) / 2 + 8;
+            if (cap > INT32_MAX) {
+                PyErr_SetString(PyExc_MemoryError, "too many ids in one map");
+                return -1;
+            }
+            Entry *entries = PyMem_Realloc(m->entries, (size_t)cap * sizeof(Entry));
+            if (entries == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            m->entries = entries;
+            m->capacity = cap;
+        }
+    }
+    if (m->arena_used + extra_bytes > m->arena_capacity) {
+        Py_ssize_t cap = m->arena_used + extra_bytes;
+        cap += cap / 2 + 64;
+        char *arena = PyMem_Realloc(m->arena, (size_t)cap);
+        if (arena == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        m->arena = arena;
+        m->arena_capacity = cap;
+    }
+    size_t size = m->mask + 1;
+    if (rebuild || (size_t)(m->fill + extra) * 3 > size * 2) {
+        size_t want = MIN_SIZE;
+        while (want < (size_t)(m->count + extra) * 2) {
+            want <<= 1;
+        }
+        if (build_index(m, want) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Append a new entry for k at `slot` (from lookup, after reserve); returns its position. */
+static Py_ssize_t
+insert_new(IdMap *m, const Key *k, size_t slot, int64_t value)
+{
+    Py_ssize_t ix = m->nentries++;
+    Entry *e = &m->entries[ix];
+    e->hf = k->hash;
+    e->loc = (uint64_t)m->arena_used << 24 | (uint64_t)k->len;
+    e->v.i = value;
+    memcpy(m->arena + m->arena_used, k->data, (size_t)k->len);
+    m->arena_used += k->len;
+    if (m->index[slot] == SLOT_EMPTY) {
+        m->fill++;
+    }
+    m->index[slot] = SLOT(TAG(k->hash), ix);
+    m->count++;
+    m->version++;
+    return ix;
+}
+
+static void
+delete_at(IdMap *m, Py_ssize_t ix, size_t slot)
+{
+    Entry *e = &m->entries[ix];
+    m->index[slot] = SLOT_DUMMY;
+    if (E_HAS(e, F_BIG)) {
+        Py_CLEAR(e->v.o);
+    }
+    e->hf = (uint64_t)F_DELETED << FLAG_SHIFT;
+    m->count--;
+    m->version++;
+}
+
+/* Remove every entry from position n on (added by a call being undone), and their keys' bytes. */
+static void
+truncate_to(IdMap *m, Py_ssize_t n, Py_ssize_t arena_used)
+{
+    for (Py_ssize_t ix = m->nentries - 1; ix >= n; ix--) {
+        if (!E_HAS(&m->entries[ix], F_DELETED)) {
+            delete_at(m, ix, slot_of(m, ix));
+        }
+    }
+    m->nentries = n;
+    m->arena_used = arena_used;
+}
+
+static int
+init_storage(IdMap *m)
+{
+    m->index = NULL;
+    m->entries = NULL;
+    m->arena = NULL;
+    m->nentries = m->capacity = m->count = m->fill = 0;
+    m->arena_used = m->arena_capacity = 0;
+    m->version = 0;
+    return build_index(m, MIN_SIZE);
+}
+
+static void
+free_storage(IdMap *m)
+{
+    if (m->entries != NULL) {
+        for (Py_ssize_t ix = 0; ix < m->nentries; ix++) {
+            if (E_HAS(&m->entries[ix], F_BIG)) {
+                Py_CLEAR(m->entries[ix].v.o);
+            }
+        }
+    }
+    PyMem_Free(m->index);
+    PyMem_Free(m->entries);
+    PyMem_Free(m->arena);
+    m->index = NULL;
+    m->entries = NULL;
+    m->arena = NULL;
+}
+
+/* Set k to value (an int object). */
+static int
+set_item(IdMap *m, PyObject *key, PyObject *value)
+{
+    Key k;
+    size_t slot;
+    if (key_of(key, &k) < 0) {
+        return -1;
+    }
+    Py_ssize_t ix = lookup(m, &k, &slot);
+    if (ix < 0) {
+        if (!PyLong_Check(value)) {
+            key_release(&k);
+            PyErr_Format(PyExc_TypeError, "values are int, not %.100s", Py_TYPE(value)->tp_name);
+            return -1;
+        }
+        if (reserve(m, 1, k.len) < 0) {
+            key_release(&k);
+            return -1;
+        }
+        ix = lookup(m, &k, &slot);
+        ix = insert_new(m, &k, slot, 0);
+    }
+    key_release(&k);
+    return value_set(&m->entries[ix], value);
+}
+
+/* ---- the mapping protocol ------------------------------------------------------------------ */
+
+static PyObject *
+IdMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    IdMap *m = (IdMap *)type->tp_alloc(type, 0);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (init_storage(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return (PyObject *)m;
+}
+
+static int update_from(IdMap *m, PyObject *other);
+
+static int
+IdMap_init(IdMap *m, PyObject *args, PyObject *kwds)
+{
+    PyObject *other = NULL;
+    static char *kwlist[] = {"items", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:IdMap", kwlist, &other)) {
+        return -1;
+    }
+    if (m->count) {
+        free_storage(m);
+        if (init_storage(m) < 0) {
+            return -1;
+        }
+    }
+    return other == NULL ? 0 : update_from(m, other);
+}
+
+static void
+IdMap_dealloc(IdMap *m)
+{
+    free_storage(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static Py_ssize_t
+IdMap_len(IdMap *m)
+{
+    return m->count;
+}
+
+static PyObject *
+IdMap_getitem(IdMap *m, PyObject *key)
+{
+    Key k;
+    size_t slot;
+    if (key_of(key, &k) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    Py_ssize_t ix = lookup(m, &k, &slot);
+    key_release(&k);
+    if (ix < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return value_obj(&m->entries[ix]);
+}
+
+static int
+IdMap_ass_subscript(IdMap *m, PyObject *key, PyObject *value)
+{
+    if (value != NULL) {
+        return set_item(m, key, value);
+    }
+    Key k;
+    size_t slot;
+    if (key_of(key, &k) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return -1;
+    }
+    Py_ssize_t ix = lookup(m, &k, &slot);
+    key_release(&k);
+    if (ix < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    delete_at(m, ix, slot);
+    return 0;
+}
+
+static int
+IdMap_contains(IdMap *m, PyObject *key)
+{
+    Key k;
+    size_t slot;
+    if (!PyUnicode_Check(key)) {
+        return 0;
+    }
+    if (key_of(key, &k) < 0) {
+        return -1;
+    }
+    Py_ssize_t ix = lookup(m, &k, &slot);
+    key_release(&k);
+    return ix >= 0;
+}
+
+static PyObject *
+IdMap_get(IdMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Key k;
+    size_t slot;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *fallback = nargs == 2 ? args[1] : Py_None;
+    if (!PyUnicode_Check(args[0])) {
+        return Py_NewRef(fallback);
+    }
+    if (key_of(args[0], &k) < 0) {
+        return NULL;
+    }
+    Py_ssize_t ix = lookup(m, &k, &slot);
+    key_release(&k);
+    if (ix < 0) {
+        return Py_NewRef(fallback);
+    }
+    return value_obj(&m->entries[ix]);
+}
+
+static int
+update_from(IdMap *m, PyObject *other)
+{
+    if (PyDict_Check(other)) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(other, &pos, &key, &value)) {
+            Py_INCREF(key);
+            Py_INCREF(value);
+            int rc = set_item(m, key, value);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (rc < 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    PyObject *items;
+    if (PyObject_HasAttrString(other, "keys")) {
+        items = PyMapping_Items(other);
+    }
+    else {
+        items = PySequence_List(other);
+    }
+    if (items == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(items);
+            PyErr_SetString(PyExc_TypeError, "IdMap() takes a mapping or (key, value) pairs");
+            return -1;
+        }
+        if (set_item(m, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0) {
+            Py_DECREF(items);
+            return -1;
+        }
+    }
+    Py_DECREF(items);
+    return 0;
+}
+
+static PyObject *
+IdMap_update(IdMap *m, PyObject *other)
+{
+    if (update_from(m, other) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+IdMap_clear(IdMap *m, PyObject *Py_UNUSED(ignored))
+{
+    free_storage(m);
+    if (init_storage(m) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* kind 0: keys, 1: values, 2: (key, value) tuples */
+static PyObject *
+listing(IdMap *m, int kind)
+{
+    PyObject *out = PyList_New(m->count);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t ix = 0; ix < m->nentries; ix++) {
+        Entry *e = &m->entries[ix];
+        if (E_HAS(e, F_DELETED)) {
+            continue;
+        }
+        PyObject *item;
+        if (kind == 0) {
+            item = key_str(m, e);
+        }
+        else if (kind == 1) {
+            item = value_obj(e);
+        }
+        else {
+            PyObject *key = key_str(m, e);
+            PyObject *value = key ? value_obj(e) : NULL;
+            item = value ? PyTuple_Pack(2, key, value) : NULL;
+            Py_XDECREF(key);
+            Py_XDECREF(value);
+        }
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, n++, item);
+    }
+    return out;
+}
+
+static PyObject *
+IdMap_items(IdMap *m, PyObject *Py_UNUSED(ignored))
+{
+    return listing(m, 2);
+}
+
+static PyObject *
+IdMap_values(IdMap *m, PyObject *Py_UNUSED(ignored))
+{
+    return listing(m, 1);
+}
+
+static PyObject *
+IdMap_sizeof(IdMap *m, PyObject *Py_UNUSED(ignored))
+{
+    size_t size = sizeof(IdMap) + (m->mask + 1) * sizeof(uint64_t) + (size_t)m->capacity * sizeof(Entry) +
+                  (size_t)m->arena_capacity;
+    return PyLong_FromSize_t(size);
+}
+
+/* take_zeros(sources): if every source is here once with a count of zero, delete them all and
+ * return True; else change nothing and return False. */
+static PyObject *
+IdMap_take_zeros(IdMap *m, PyObject *sources)
+{
+    if (!PyList_CheckExact(sources)) {
+        PyErr_SetString(PyExc_TypeError, "take_zeros() takes a list of ids");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(sources);
+    Py_ssize_t *found = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (found == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t i, marked = 0;
+    int ok = 1;
+    for (i = 0; i < n; i++) {
+        Key k;
+        size_t slot;
+        if (key_of(PyList_GET_ITEM(sources, i), &k) < 0) {
+            ok = -1;
+            break;
+        }
+        Py_ssize_t ix = lookup(m, &k, &slot);
+        key_release(&k);
+        if (ix < 0 || E_HAS(&m->entries[ix], F_BIG | F_MARK) || m->entries[ix].v.i != 0) {
+            ok = 0;
+            break;
+        }
+        E_SET(&m->entries[ix], F_MARK);
+        found[marked++] = ix;
+    }
+    for (i = 0; i < marked; i++) {
+        E_CLEAR(&m->entries[found[i]], F_MARK);
+    }
+    if (ok == 1) {
+        for (i = 0; i < marked; i++) {
+            delete_at(m, found[i], slot_of(m, found[i]));
+        }
+    }
+    PyMem_Free(found);
+    if (ok < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(ok);
+}
+
+/* ---- iteration ----------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    IdMap *map;
+    Py_ssize_t pos;
+    uint64_t version;
+} IdMapIter;
+
+static PyTypeObject IdMapIterType;
+
+static PyObject *
+IdMap_iter(IdMap *m)
+{
+    IdMapIter *it = PyObject_New(IdMapIter, &IdMapIterType);
+    if (it == NULL) {
+        return NULL;
+    }
+    it->map = (IdMap *)Py_NewRef(m);
+    it->pos = 0;
+    it->version = m->version;
+    return (PyObject *)it;
+}
+
+static void
+IdMapIter_dealloc(IdMapIter *it)
+{
+    Py_XDECREF(it->map);
+    PyObject_Free(it);
+}
+
+static PyObject *
+IdMapIter_next(IdMapIter *it)
+{
+    IdMap *m = it->map;
+    if (m == NULL) {
+        return NULL;
+    }
+    if (m->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "IdMap changed size during iteration");
+        return NULL;
+    }
+    while (it->pos < m->nentries) {
+        Entry *e = &m->entries[it->pos++];
+        if (!E_HAS(e, F_DELETED)) {
+            return key_str(m, e);
+        }
+    }
+    Py_CLEAR(it->map);
+    return NULL;
+}
+
+static PyTypeObject IdMapIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tally_server._ledgercore.IdMapIterator",
+    .tp_basicsize = sizeof(IdMapIter),
+    .tp_dealloc = (destructor)IdMapIter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)IdMapIter_next,
+};
+
+/* ---- apply_new ----------------------------------------------------------------------------- */
+
+static PyObject *
+apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyObject_TypeCheck(args[0], &IdMapType) ||
+        !PyObject_TypeCheck(args[1], &IdMapType) || !PyList_CheckExact(args[2]) ||
+        !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "apply_new(applied: IdMap, pending: IdMap, tasks: list, sources: list, values: list)");
+        return NULL;
+    }
+    IdMap *applied = (IdMap *)args[0], *pending = (IdMap *)args[1];
+    PyObject *tasks = args[2], *sources = args[3], *values = args[4];
+    Py_ssize_t n = PyList_GET_SIZE(tasks);
+    if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(values) != n) {
+        PyErr_SetString(PyExc_ValueError, "apply_new(): the columns differ in length");
+        return NULL;
+    }
+    if (applied == pending) {
+        PyErr_SetString(PyExc_ValueError, "apply_new(): applied and pending are one map");
+        return NULL;
+    }
+    Py_ssize_t i, task_bytes = 0, source_bytes = 0, nkeys = 0;
+    size_t cells = (size_t)(n ? n : 1);
+    /* Per delta: its value, the task's key, and (for the sources that reached zero, first time
+     * each) their entry and their position in `sources`. */
+    char *scratch = PyMem_Malloc(cells * (sizeof(int64_t) + sizeof(Key) + 2 * sizeof(Py_ssize_t)));
+    if (scratch == NULL) {
+        return PyErr_NoMemory();
+    }
+    int64_t *ints = (int64_t *)scratch;
+    Key *tkeys = (Key *)(ints + cells);
+    Py_ssize_t *zero_ix = (Py_ssize_t *)(tkeys + cells);
+    Py_ssize_t *zero_pos = zero_ix + cells;
+    Py_ssize_t nzeros = 0;
+    PyObject *result = NULL;
+    /* 1. The values in range, the ids str, the tasks' keys. */
+    for (i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(values, i);
+        PyObject *sid = PyList_GET_ITEM(sources, i);
+        int overflow = 0;
+        long long x;
+        if (!PyLong_Check(v)) {
+            PyErr_Format(PyExc_TypeError, "values are int, not %.100s", Py_TYPE(v)->tp_name);
+            goto done;
+        }
+        x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (overflow) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        ints[i] = (int64_t)x;
+        if (!PyUnicode_Check(sid)) {
+            PyErr_Format(PyExc_TypeError, "ids are str, not %.100s", Py_TYPE(sid)->tp_name);
+            goto done;
+        }
+        source_bytes += PyUnicode_IS_COMPACT_ASCII(sid) ? PyUnicode_GET_LENGTH(sid)
+                                                        : 4 * PyUnicode_GET_LENGTH(sid);
+        if (key_of(PyList_GET_ITEM(tasks, i), &tkeys[i]) < 0) {
+            goto done;
+        }
+        nkeys++;
+        task_bytes += tkeys[i].len;
+    }
+    /* 2. Every task new, else nothing changes. The dedup map outgrows the caches: each lookup
+     * waits for memory, so the slots of the lookups a few places ahead are fetched meanwhile. */
+    for (i = 0; i < n; i++) {
+        size_t slot;
+        if (i + PREFETCH < n) {
+            __builtin_prefetch(&applied->index[(size_t)tkeys[i + PREFETCH].hash & applied->mask]);
+        }
+        if (lookup(applied, &tkeys[i], &slot) >= 0) {
+            result = Py_NewRef(Py_None); /* a skip or a rewrite */
+            goto done;
+        }
+    }
+    if (reserve(applied, n, task_bytes) < 0 || reserve(pending, n, source_bytes) < 0) {
+        goto done;
+    }
+    /* From here no entry moves (reserve made room for all): positions stay valid. */
+    Py_ssize_t applied_n = applied->nentries, applied_bytes = applied->arena_used;
+    Py_ssize_t pending_n = pending->nentries, pending_bytes = pending->arena_used;
+    /* 3. Add the tasks; a task twice in the batch undoes them (the rules then skip the second). */
+    for (i = 0; i < n; i++) {
+        size_t slot;
+        if (i + PREFETCH < n) {
+            __builtin_prefetch(&applied->index[(size_t)tkeys[i + PREFETCH].hash & applied->mask]);
+        }
+        if (lookup(applied, &tkeys[i], &slot) >= 0) {
+            truncate_to(applied, applied_n, applied_bytes);
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        insert_new(applied, &tkeys[i], slot, ints[i]);
+    }
+    /* 4. The counts. A count leaving int64 (never in practice) undoes the whole call. */
+    for (i = 0; i < n; i++) {
+        Key k;
+        size_t slot;
+        Entry *e;
+        if (key_of(PyList_GET_ITEM(sources, i), &k) < 0) {
+            goto undo;
+        }
+        Py_ssize_t ix = lookup(pending, &k, &slot);
+        if (ix < 0) {
+            ix = insert_new(pending, &k, slot, ints[i]);
+            e = &pending->entries[ix];
+        }
+        else {
+            e = &pending->entries[ix];
+            int64_t sum;
+            if (E_HAS(e, F_BIG) || __builtin_add_overflow(e->v.i, ints[i], &sum)) {
+                key_release(&k);
+                result = Py_NewRef(Py_None);
+                goto undo;
+            }
+            e->v.i = sum;
+        }
+        key_release(&k);
+        if (e->v.i == 0 && !E_HAS(e, F_MARK)) {
+            E_SET(e, F_MARK);
+            zero_ix[nzeros] = ix;
+            zero_pos[nzeros++] = i;
+        }
+    }
+    /* 5. The sources at zero now, in the order they first reached it. */
+    result = PyList_New(0);
+    for (Py_ssize_t z = 0; z < nzeros; z++) {
+        Entry *e = &pending->entries[zero_ix[z]];
+        E_CLEAR(e, F_MARK);
+        if (result != NULL && e->v.i == 0 && PyList_Append(result, PyList_GET_ITEM(sources, zero_pos[z])) < 0) {
+            Py_CLEAR(result);
+        }
+    }
+    goto done;
+undo:
+    /* Deltas 0 .. i-1 were added (delta i was not). Give them back: the counts of the sources that
+     * were there before, then the entries added since (at the end of each map, so the order is as
+     * it was). Looking a key up again cannot fail: each was read before. */
+    {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        for (Py_ssize_t z = 0; z < nzeros; z++) {
+            E_CLEAR(&pending->entries[zero_ix[z]], F_MARK);
+        }
+        for (i = i - 1; i >= 0; i--) {
+            Key k;
+            size_t slot;
+            if (key_of(PyList_GET_ITEM(sources, i), &k) < 0) {
+                PyErr_Clear();
+                continue;
+            }
+            Py_ssize_t ix = lookup(pending, &k, &slot);
+            key_release(&k);
+            if (ix >= 0 && ix < pending_n) {
+                pending->entries[ix].v.i -= ints[i];
+            }
+        }
+        truncate_to(pending, pending_n, pending_bytes);
+        truncate_to(applied, applied_n, applied_bytes);
+        PyErr_Restore(type, value, traceback);
+    }
+done:
+    for (i = 0; i < nkeys; i++) {
+        key_release(&tkeys[i]);
+    }
+    PyMem_Free(scratch);
+    return result;
+}
+
+/* ---- the types ----------------------------------------------------------------------------- */
+
+static PyMappingMethods IdMap_as_mapping = {
+    .mp_length = (lenfunc)IdMap_len,
+    .mp_subscript = (binaryfunc)IdMap_getitem,
+    .mp_ass_subscript = (objobjargproc)IdMap_ass_subscript,
+};
+
+static PySequenceMethods IdMap_as_sequence = {
+    .sq_contains = (objobjproc)IdMap_contains,
+};
+
+static PyMethodDef IdMap_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))IdMap_get, METH_FASTCALL, "get(key, default=None)"},
+    {"update", (PyCFunction)IdMap_update, METH_O, "Set every (key, value) of a mapping or of pairs."},
+    {"clear", (PyCFunction)IdMap_clear, METH_NOARGS, "Remove every key."},
+    {"items", (PyCFunction)IdMap_items, METH_NOARGS, "A list of the (key, value) pairs, in order."},
+    {"values", (PyCFunction)IdMap_values, METH_NOARGS, "A list of the values, in order."},
+    {"take_zeros", (PyCFunction)IdMap_take_zeros, METH_O,
+     "Delete these keys if each is here once at 0 (returns True); else change nothing (False)."},
+    {"__sizeof__", (PyCFunction)IdMap_sizeof, METH_NOARGS, "Bytes held, the keys' included."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IdMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tally_server._ledgercore.IdMap",
+    .tp_doc = "An insertion-ordered map of str ids to ints, each id kept as its UTF-8 bytes.",
+    .tp_basicsize = sizeof(IdMap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = IdMap_new,
+    .tp_init = (initproc)IdMap_init,
+    .tp_dealloc = (destructor)IdMap_dealloc,
+    .tp_as_mapping = &IdMap_as_mapping,
+    .tp_as_sequence = &IdMap_as_sequence,
+    .tp_iter = (getiterfunc)IdMap_iter,
+    .tp_methods = IdMap_methods,
+};
+
+static PyMethodDef module_methods[] = {
+    {"apply_new", (PyCFunction)(void (*)(void))apply_new, METH_FASTCALL,
+     "apply_new(applied, pending, tasks, sources, values): the batch if every task is new and none "
+     "comes twice (returns the sources at zero, in order); else None, nothing changed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tally_server._ledgercore",
+    .m_doc = "The counting rules' tables in compiled code (see tally_server.domain.idmap).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__ledgercore(void)
+{
+    if (PyType_Ready(&IdMapType) < 0 || PyType_Ready(&IdMapIterType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "IdMap", (PyObject *)&IdMapType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
