@@ -10,11 +10,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tally_server.domain import idmap
+from tally_server.domain import idmap, validation
 from tests.conftest import compiled_core_required
 
 # Few keys, so that sets, deletes and re-inserts meet often; ASCII and not, a lone surrogate (a dict
@@ -213,3 +213,19 @@ def test_a_table_of_task_ids_takes_less_memory_than_a_dict() -> None:
     # Measured: 82 bytes an id (20 of them the id itself) against 107 (getsizeof of the dict and strs).
     assert compiled_bytes / len(ids) < 90, compiled_bytes / len(ids)
     assert compiled_bytes < 0.8 * dict_bytes, (compiled_bytes, dict_bytes)
+
+
+ids = st.text(alphabet=st.characters(max_codepoint=0x80), max_size=6) | st.sampled_from(
+    ["x" * 511, "y" * 512]
+)
+ints = st.integers(-(2**62) - 1, 2**62 + 1) | st.booleans() | st.sampled_from([2**63, -(2**64)])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(ids, ids, ints), max_size=6))
+def test_plain_batch_checks_and_packs_as_validation_does_in_python(rows: list[tuple[str, str, int]]) -> None:
+    """The compiled check of a plain batch: same verdict, same bytes for the journal."""
+    assert idmap.COMPILED is not None and idmap.COMPILED.plain_batch is not None
+    tasks, sources, values = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    want = validation._packed_plain_ids(tasks, sources, values, validation.Limits(), int64=False)
+    assert idmap.COMPILED.plain_batch(tasks, sources, values, validation.Limits().max_id_bytes) == want

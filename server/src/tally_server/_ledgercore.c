@@ -975,6 +975,102 @@ done:
     return result;
 }
 
+/* ---- plain_batch -------------------------------------------------------------------------- */
+
+/* Whether each of `ids` is an ASCII str of 1 to max_bytes characters; adds their lengths to *text. */
+static int
+plain_ids(PyObject *ids, Py_ssize_t max_bytes, Py_ssize_t *text)
+{
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        if (!PyUnicode_Check(id)) {
+            return 0;
+        }
+#if PY_VERSION_HEX < 0x030C0000
+        if (PyUnicode_READY(id) < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+#endif
+        Py_ssize_t len = PyUnicode_GET_LENGTH(id);
+        if (!PyUnicode_IS_COMPACT_ASCII(id) || len == 0 || len > max_bytes) {
+            return 0;
+        }
+        *text += len;
+    }
+    return 1;
+}
+
+/* The column as the journal stores it (store/journal.py, _pack_strs): a little-endian uint32 count,
+ * a uint32 length per id (in the machine's order, as array("I").tobytes() writes it), then the ids'
+ * bytes one after the other. */
+static char *
+pack_ids(char *out, PyObject *ids)
+{
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    uint32_t count = (uint32_t)n;
+    for (int b = 0; b < 4; b++) {
+        *out++ = (char)((count >> (8 * b)) & 0xff);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t len = (uint32_t)PyUnicode_GET_LENGTH(PyList_GET_ITEM(ids, i));
+        memcpy(out, &len, 4);
+        out += 4;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        Py_ssize_t len = PyUnicode_GET_LENGTH(id);
+        memcpy(out, PyUnicode_DATA(id), (size_t)len);
+        out += len;
+    }
+    return out;
+}
+
+static PyObject *
+plain_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        !PyList_CheckExact(args[2]) || !PyLong_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plain_batch(tasks: list, sources: list, values: list, max_id_bytes: int)");
+        return NULL;
+    }
+    PyObject *tasks = args[0], *sources = args[1], *values = args[2];
+    Py_ssize_t max_bytes = PyLong_AsSsize_t(args[3]);
+    if (max_bytes == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(tasks);
+    if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(values) != n || n > (Py_ssize_t)UINT32_MAX) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(values, i);
+        int overflow = 0;
+        if (!PyLong_CheckExact(v)) {
+            Py_RETURN_NONE;
+        }
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (overflow || x <= -(1LL << 62) || x >= (1LL << 62)) {
+            Py_RETURN_NONE;
+        }
+    }
+    Py_ssize_t text = 0;
+    if (!plain_ids(tasks, max_bytes, &text) || !plain_ids(sources, max_bytes, &text)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, 8 + 8 * n + text);
+    if (blob == NULL) {
+        return NULL;
+    }
+    pack_ids(pack_ids(PyBytes_AS_STRING(blob), tasks), sources);
+    return blob;
+}
+
 /* ---- the types ----------------------------------------------------------------------------- */
 
 static PyMappingMethods IdMap_as_mapping = {
@@ -1017,6 +1113,10 @@ static PyMethodDef module_methods[] = {
     {"apply_new", (PyCFunction)(void (*)(void))apply_new, METH_FASTCALL,
      "apply_new(applied, pending, tasks, sources, values): the batch if every task is new and none "
      "comes twice (returns the sources at zero, in order); else None, nothing changed."},
+    {"plain_batch", (PyCFunction)(void (*)(void))plain_batch, METH_FASTCALL,
+     "plain_batch(tasks, sources, values, max_id_bytes): if every id is ASCII of 1 to max_id_bytes "
+     "characters and every value an int within +-2**62 (exclusive), the two id columns as the "
+     "journal stores them; else None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,3 +26,6 @@ class IdMap:
 def apply_new(
     applied: IdMap, pending: IdMap, tasks: list[str], sources: list[str], values: list[int], /
 ) -> list[str] | None: ...
+def plain_batch(
+    tasks: list[str], sources: list[str], values: list[int], max_id_bytes: int, /
+) -> bytes | None: ...

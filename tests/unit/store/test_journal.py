@@ -112,14 +112,15 @@ def test_every_entry_survives_its_encoding() -> None:
         assert decode_entry(encode_entry(entry)) == entry
 
 
+@pytest.mark.usefixtures("each_ledger_core")  # validation packs the ids in C or in Python
 def test_a_checked_batch_is_written_byte_for_byte_as_its_rows() -> None:
     """Validation hands the journal its ASCII columns joined: the entry is the one the rows make."""
     rows = [("0_a", "a", 1), ("0_b_0", "b", -1), ("x" * 511, "a", 2**62 - 1), ("t", "s\x00x", -(2**62) + 1)]
     columns = [list(c) for c in zip(*rows, strict=True)]
     checked = validation.delta_columns(*columns, validation.Limits(), int64=True)
-    assert checked.ascii is not None  # the quick path, with the columns joined
+    assert checked.packed_ids is not None  # the quick path, the ids packed by validation
     other = validation.delta_columns(["é", *columns[0][1:]], *columns[1:], validation.Limits())
-    assert other.ascii is None  # not ASCII: each id encoded on its own
+    assert other.packed_ids is None  # not ASCII: each id encoded on its own
     for batch in (checked, other):
         entry = Applied(7, batch, ["a"])
         expected = encode_entry(Applied(7, list(batch), ["a"]))

@@ -108,6 +108,8 @@ class LedgerCore:
     new_map: Callable[[], IdMap]
     copy_map: Callable[[Iterable[tuple[str, int]]], IdMap]
     apply_new: Callable[[IdMap, IdMap, list[str], list[str], list[int]], list[str] | None]
+    # validation's check of a plain batch, packing its ids for the journal (None: validation's own)
+    plain_batch: Callable[[list[str], list[str], list[int], int], bytes | None] | None = None
 
 
 PYTHON = LedgerCore("python", PyIdMap, PyIdMap, py_apply_new)  # type: ignore[arg-type]
@@ -127,7 +129,13 @@ def _compiled() -> LedgerCore | None:
         def __repr__(self) -> str:
             return f"IdMap({dict(self.items())!r})"
 
-    return LedgerCore("compiled", CompiledIdMap, CompiledIdMap, _ledgercore.apply_new)  # type: ignore[arg-type]
+    return LedgerCore(
+        "compiled",
+        CompiledIdMap,
+        CompiledIdMap,
+        _ledgercore.apply_new,  # type: ignore[arg-type]
+        _ledgercore.plain_batch,
+    )
 
 
 COMPILED = _compiled()

@@ -8,23 +8,15 @@ and any delta for it in the meantime cancels the settle (§2.2).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import NamedTuple, overload
+from typing import overload
 
 from tally_server.domain import idmap
 from tally_server.domain.idmap import IdMap, LedgerCore
 
 Delta = tuple[str, str, int]
-
-
-class AsciiColumn(NamedTuple):
-    """A column of ASCII ids joined, with the length of each (characters and bytes alike)."""
-
-    text: str
-    lengths: array[int]
 
 
 class DeltaBatch(Sequence[Delta]):
@@ -34,29 +26,30 @@ class DeltaBatch(Sequence[Delta]):
     ledger and the journal read the columns instead (no tuple per delta). The columns are lists
     owned by the batch: nobody changes them.
 
-    ``ascii``: the task and source columns joined, when validation found every id ASCII (the
-    journal writes them as they are, without going through the ids again); else None.
+    ``packed_ids``: the task and source columns as the journal stores them (each a count, the ids'
+    lengths, their bytes), made by validation when it found every id ASCII: the journal writes them
+    as they are, without going through the ids again; else None.
     """
 
-    __slots__ = ("ascii", "source_ids", "task_ids", "values")
+    __slots__ = ("packed_ids", "source_ids", "task_ids", "values")
 
     def __init__(
         self,
         task_ids: list[str],
         source_ids: list[str],
         values: list[int],
-        ascii: tuple[AsciiColumn, AsciiColumn] | None = None,
+        packed_ids: bytes | None = None,
     ) -> None:
         self.task_ids = task_ids
         self.source_ids = source_ids
         self.values = values
-        self.ascii = ascii
+        self.packed_ids = packed_ids
 
     @classmethod
     def of_rows(cls, rows: Iterable[Delta]) -> DeltaBatch:
         """The batch of these ``(task_id, source_id, delta)`` rows."""
         if isinstance(rows, DeltaBatch):
-            return cls(rows.task_ids, rows.source_ids, rows.values, rows.ascii)
+            return cls(rows.task_ids, rows.source_ids, rows.values, rows.packed_ids)
         rows = rows if isinstance(rows, list | tuple) else list(rows)
         if not rows:
             return cls([], [], [])

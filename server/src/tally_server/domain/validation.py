@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tally_server.domain.ledger import AsciiColumn, Delta, DeltaBatch
+from tally_server.domain import idmap
+from tally_server.domain.ledger import Delta, DeltaBatch
 from tally_server.errors import InvalidArgument, ResourceExhausted
 
 # One path segment of a checkpoint name or a writer id: it becomes a directory or a
@@ -286,22 +288,37 @@ def delta_columns(
 def _plain_columns(
     task_ids: list[str], source_ids: list[str], values: list[int], limits: Limits, *, int64: bool
 ) -> CheckedDeltas | None:
-    """The batch, if C-speed checks find it surely valid (ASCII ids, small ints); else None."""
+    """The batch, if C-speed checks find it surely valid (ASCII ids, small ints); else None.
+
+    The compiled counting core checks it in one pass and packs its ids for the journal as it goes.
+    """
+    plain = idmap.current().plain_batch
+    if plain is not None:
+        packed = plain(task_ids, source_ids, values, limits.max_id_bytes)
+    else:
+        packed = _packed_plain_ids(task_ids, source_ids, values, limits, int64=int64)
+    return None if packed is None else CheckedDeltas(task_ids, source_ids, values, packed)
+
+
+def _packed_plain_ids(
+    task_ids: list[str], source_ids: list[str], values: list[int], limits: Limits, *, int64: bool
+) -> bytes | None:
+    """``plain_batch`` of the compiled core, in Python."""
     tasks = _ascii_column(task_ids, limits)
     if tasks is None:
         return None
     sources = _ascii_column(source_ids, limits)
     if sources is None or not (_small_range(values) if int64 else _small_ints(values)):
         return None
-    return CheckedDeltas(task_ids, source_ids, values, (tasks, sources))
+    return tasks + sources
 
 
 # Up to this many ids, min() and max() over the lengths cost less than a numpy view's set-up.
 _SMALL_COLUMN = 32
 
 
-def _ascii_column(ids: list[str], limits: Limits) -> AsciiColumn | None:
-    """``ids`` joined with their lengths, if every one is non-empty ASCII within the size limit; else None.
+def _ascii_column(ids: list[str], limits: Limits) -> bytes | None:
+    """``ids`` packed as the journal stores them, if each is non-empty ASCII within the size limit.
 
     None says nothing is wrong yet, only that the careful per-item check must decide.
     """
@@ -318,7 +335,7 @@ def _ascii_column(ids: list[str], limits: Limits) -> AsciiColumn | None:
             return None
     elif ids and (min(lengths) == 0 or max(lengths) > limits.max_id_bytes):
         return None
-    return AsciiColumn(text, lengths)
+    return struct.pack("<I", len(lengths)) + lengths.tobytes() + text.encode("ascii")
 
 
 def _plain_ids(ids: Sequence[str], limits: Limits) -> bool:

@@ -189,9 +189,8 @@ def encode_entry(entry: Entry) -> bytes:
     if isinstance(entry, Applied):
         out += b"A" + _SEQ.pack(entry.seq)
         columns = DeltaBatch.of_rows(entry.deltas)  # a checked batch is columns already
-        if columns.ascii is not None:  # joined and measured by validation already
-            for text, lengths in columns.ascii:
-                out += _COUNT.pack(len(lengths)) + lengths.tobytes() + text.encode("ascii")
+        if columns.packed_ids is not None:  # packed by validation already (as _pack_strs would)
+            out += columns.packed_ids
         else:
             _pack_strs(out, columns.task_ids)
             _pack_strs(out, columns.source_ids)
