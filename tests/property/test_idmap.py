@@ -227,5 +227,5 @@ def test_plain_batch_checks_and_packs_as_validation_does_in_python(rows: list[tu
     """The compiled check of a plain batch: same verdict, same bytes for the journal."""
     assert idmap.COMPILED is not None and idmap.COMPILED.plain_batch is not None
     tasks, sources, values = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-    want = validation._packed_plain_ids(tasks, sources, values, validation.Limits(), int64=False)
+    want = validation._packed_plain_batch(tasks, sources, values, validation.Limits(), int64=False)
     assert idmap.COMPILED.plain_batch(tasks, sources, values, validation.Limits().max_id_bytes) == want

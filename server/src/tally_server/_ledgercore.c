@@ -1063,11 +1063,21 @@ plain_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!plain_ids(tasks, max_bytes, &text) || !plain_ids(sources, max_bytes, &text)) {
         Py_RETURN_NONE;
     }
-    PyObject *blob = PyBytes_FromStringAndSize(NULL, 8 + 8 * n + text);
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, 12 + 16 * n + text);
     if (blob == NULL) {
         return NULL;
     }
-    pack_ids(pack_ids(PyBytes_AS_STRING(blob), tasks), sources);
+    char *out = pack_ids(pack_ids(PyBytes_AS_STRING(blob), tasks), sources);
+    /* The values: a little-endian uint32 count, then int64s in the machine's order (array("q")). */
+    uint32_t count = (uint32_t)n;
+    for (int b = 0; b < 4; b++) {
+        *out++ = (char)((count >> (8 * b)) & 0xff);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t x = (int64_t)PyLong_AsLongLong(PyList_GET_ITEM(values, i)); /* in range: checked */
+        memcpy(out, &x, 8);
+        out += 8;
+    }
     return blob;
 }
 
@@ -1115,7 +1125,7 @@ static PyMethodDef module_methods[] = {
      "comes twice (returns the sources at zero, in order); else None, nothing changed."},
     {"plain_batch", (PyCFunction)(void (*)(void))plain_batch, METH_FASTCALL,
      "plain_batch(tasks, sources, values, max_id_bytes): if every id is ASCII of 1 to max_id_bytes "
-     "characters and every value an int within +-2**62 (exclusive), the two id columns as the "
+     "characters and every value an int within +-2**62 (exclusive), the three columns as the "
      "journal stores them; else None."},
     {NULL, NULL, 0, NULL},
 };

@@ -118,9 +118,9 @@ def test_a_checked_batch_is_written_byte_for_byte_as_its_rows() -> None:
     rows = [("0_a", "a", 1), ("0_b_0", "b", -1), ("x" * 511, "a", 2**62 - 1), ("t", "s\x00x", -(2**62) + 1)]
     columns = [list(c) for c in zip(*rows, strict=True)]
     checked = validation.delta_columns(*columns, validation.Limits(), int64=True)
-    assert checked.packed_ids is not None  # the quick path, the ids packed by validation
+    assert checked.packed is not None  # the quick path, the columns packed by validation
     other = validation.delta_columns(["é", *columns[0][1:]], *columns[1:], validation.Limits())
-    assert other.packed_ids is None  # not ASCII: each id encoded on its own
+    assert other.packed is None  # not ASCII: each id encoded on its own
     for batch in (checked, other):
         entry = Applied(7, batch, ["a"])
         expected = encode_entry(Applied(7, list(batch), ["a"]))

@@ -26,30 +26,30 @@ class DeltaBatch(Sequence[Delta]):
     ledger and the journal read the columns instead (no tuple per delta). The columns are lists
     owned by the batch: nobody changes them.
 
-    ``packed_ids``: the task and source columns as the journal stores them (each a count, the ids'
-    lengths, their bytes), made by validation when it found every id ASCII: the journal writes them
-    as they are, without going through the ids again; else None.
+    ``packed``: the three columns as the journal stores them (the ids' columns each a count, their
+    lengths, their bytes; the values a count and int64s), made by validation when it found every id
+    ASCII: the journal writes them as they are, without going through the batch again; else None.
     """
 
-    __slots__ = ("packed_ids", "source_ids", "task_ids", "values")
+    __slots__ = ("packed", "source_ids", "task_ids", "values")
 
     def __init__(
         self,
         task_ids: list[str],
         source_ids: list[str],
         values: list[int],
-        packed_ids: bytes | None = None,
+        packed: bytes | None = None,
     ) -> None:
         self.task_ids = task_ids
         self.source_ids = source_ids
         self.values = values
-        self.packed_ids = packed_ids
+        self.packed = packed
 
     @classmethod
     def of_rows(cls, rows: Iterable[Delta]) -> DeltaBatch:
         """The batch of these ``(task_id, source_id, delta)`` rows."""
         if isinstance(rows, DeltaBatch):
-            return cls(rows.task_ids, rows.source_ids, rows.values, rows.packed_ids)
+            return cls(rows.task_ids, rows.source_ids, rows.values, rows.packed)
         rows = rows if isinstance(rows, list | tuple) else list(rows)
         if not rows:
             return cls([], [], [])

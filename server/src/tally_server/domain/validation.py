@@ -290,17 +290,17 @@ def _plain_columns(
 ) -> CheckedDeltas | None:
     """The batch, if C-speed checks find it surely valid (ASCII ids, small ints); else None.
 
-    The compiled counting core checks it in one pass and packs its ids for the journal as it goes.
+    The compiled counting core checks it in one pass and packs its columns for the journal as it goes.
     """
     plain = idmap.current().plain_batch
     if plain is not None:
         packed = plain(task_ids, source_ids, values, limits.max_id_bytes)
     else:
-        packed = _packed_plain_ids(task_ids, source_ids, values, limits, int64=int64)
+        packed = _packed_plain_batch(task_ids, source_ids, values, limits, int64=int64)
     return None if packed is None else CheckedDeltas(task_ids, source_ids, values, packed)
 
 
-def _packed_plain_ids(
+def _packed_plain_batch(
     task_ids: list[str], source_ids: list[str], values: list[int], limits: Limits, *, int64: bool
 ) -> bytes | None:
     """``plain_batch`` of the compiled core, in Python."""
@@ -310,7 +310,7 @@ def _packed_plain_ids(
     sources = _ascii_column(source_ids, limits)
     if sources is None or not (_small_range(values) if int64 else _small_ints(values)):
         return None
-    return tasks + sources
+    return tasks + sources + struct.pack("<I", len(values)) + array("q", values).tobytes()
 
 
 # Up to this many ids, min() and max() over the lengths cost less than a numpy view's set-up.

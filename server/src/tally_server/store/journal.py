@@ -189,12 +189,12 @@ def encode_entry(entry: Entry) -> bytes:
     if isinstance(entry, Applied):
         out += b"A" + _SEQ.pack(entry.seq)
         columns = DeltaBatch.of_rows(entry.deltas)  # a checked batch is columns already
-        if columns.packed_ids is not None:  # packed by validation already (as _pack_strs would)
-            out += columns.packed_ids
+        if columns.packed is not None:  # packed by validation already (as below)
+            out += columns.packed
         else:
             _pack_strs(out, columns.task_ids)
             _pack_strs(out, columns.source_ids)
-        _pack_ints(out, columns.values)
+            _pack_ints(out, columns.values)
         _pack_strs(out, entry.hits)
     elif isinstance(entry, Completing):
         out += b"C"
