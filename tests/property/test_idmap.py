@@ -229,3 +229,17 @@ def test_plain_batch_checks_and_packs_as_validation_does_in_python(rows: list[tu
     tasks, sources, values = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
     want = validation._packed_plain_batch(tasks, sources, values, validation.Limits(), int64=False)
     assert idmap.COMPILED.plain_batch(tasks, sources, values, validation.Limits().max_id_bytes) == want
+
+
+def test_an_iterator_over_a_cleared_or_refilled_table_stops_with_an_error() -> None:
+    m = compiled_map({"a": 1})
+    it = iter(m)
+    assert next(it) == "a"
+    m.clear()
+    m["c"] = 3  # as many changes since it was made as the table had then: still not the same table
+    with pytest.raises(RuntimeError, match="changed size during iteration"):
+        next(it)
+    it = iter(m)
+    m.__init__({"x": 1})  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="changed size during iteration"):
+        next(it)

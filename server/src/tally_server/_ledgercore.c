@@ -390,7 +390,7 @@ init_storage(IdMap *m)
     m->arena = NULL;
     m->nentries = m->capacity = m->count = m->fill = 0;
     m->arena_used = m->arena_capacity = 0;
-    m->version = 0;
+    m->version++; /* never back to a value an iterator may hold */
     return build_index(m, MIN_SIZE);
 }
 
@@ -444,7 +444,7 @@ set_item(IdMap *m, PyObject *key, PyObject *value)
 static PyObject *
 IdMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    IdMap *m = (IdMap *)type->tp_alloc(type, 0);
+    IdMap *m = (IdMap *)type->tp_alloc(type, 0); /* zeroed: version 0 */
     if (m == NULL) {
         return NULL;
     }
