@@ -981,6 +981,14 @@ def _git(*args: str) -> str:
         return "?"
 
 
+def ledger_core() -> str:
+    """The counting core the ``tally serve`` processes started here run (they inherit the environment)."""
+    from tally_server.domain import idmap
+
+    asked = os.environ.get("TALLY_LEDGER_CORE", "auto").strip().lower()
+    return "python" if asked == "python" or idmap.COMPILED is None else "compiled"
+
+
 def header(
     mode: str,
     sizes: Sizes,
@@ -1007,6 +1015,8 @@ def header(
         f"Python {platform.python_version()}",
         f"load average before the run: {' '.join(f'{x:.2f}' for x in load_at_start)} "
         "(while it runs, the benchmark's own processes add about 2 to 4)",
+        f"Tally's counting core: {ledger_core()} (--ledger-core; TALLY_LEDGER_CORE=python for the "
+        "pure Python one)",
     ]
     if anchor:
         lines.append(

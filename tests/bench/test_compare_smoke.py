@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tally_server.domain import idmap
+
 REPO = Path(__file__).resolve().parents[2]
 NEMO_VENV = REPO / ".venv-nemo"
 
@@ -79,6 +81,9 @@ def test_tiny_run_measures_every_figure_on_both_sides_and_stops_ray() -> None:
 
     assert "anchor: NeMo Curator 1.4.0 ResumabilityActor, Ray " in out, out
     assert "load average before the run: " in out
+    # The figures say which counting core Tally's servers ran (the environment chooses it).
+    python = os.environ.get("TALLY_LEDGER_CORE") == "python" or idmap.COMPILED is None
+    assert f"Tally's counting core: {'python' if python else 'compiled'} " in out
     for section in SECTIONS:
         assert re.search(rf"^\| \*\*{re.escape(section)}", out, re.M), f"no section {section!r}:\n{out}"
 
