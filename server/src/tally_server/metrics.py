@@ -221,8 +221,8 @@ class ServiceCollector(Collector):
             "remembered_tasks": GaugeMetricFamily(
                 "tally_remembered_tasks",
                 "Task ids the live writers of a checkpoint remember, so that a task fired again is "
-                "skipped: each takes about 150 bytes of the coordinator's memory with the compiled "
-                "counting core, 200 with --ledger-core python (its writer's tables, the journal's live "
+                "skipped: each takes about 140 bytes of the coordinator's memory with the compiled "
+                "counting core, 185 with --ledger-core python (its writer's tables, the journal's live "
                 "state, its share of the completions) until its writer closes.",
                 labels=["checkpoint"],
             ),
