@@ -136,7 +136,7 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def raw_writer_call(server: RunningServer, transport: str, token: str, action: str, handle: str) -> str:
-    """Call KeepAlive / ApplyDeltas / Flush / CloseWriter on ``handle``; return the status code name."""
+    """KeepAlive, ApplyDeltas (rows or columns), Flush or CloseWriter on ``handle``: the status's name."""
     deltas = [("0_x", "x", 5)]  # a changed delta for a completed source: an anomaly that un-completes
     if transport == "grpc":
         requests = {
@@ -145,6 +145,18 @@ def raw_writer_call(server: RunningServer, transport: str, token: str, action: s
                 "ApplyDeltas",
                 pb.ApplyDeltasRequest(
                     handle=handle, deltas=[pb.Delta(task_id=t, source_id=s, delta=d) for t, s, d in deltas]
+                ),
+            ),
+            # The batch as columns: read from the request's bytes by the compiled core, checked all the same.
+            "columns": (
+                "ApplyDeltas",
+                pb.ApplyDeltasRequest(
+                    handle=handle,
+                    columns=pb.DeltaColumns(
+                        task_ids=[t for t, _, _ in deltas],
+                        source_ids=[s for _, s, _ in deltas],
+                        deltas=[d for _, _, d in deltas],
+                    ),
                 ),
             ),
             "flush": ("Flush", pb.FlushRequest(handle=handle)),
@@ -157,10 +169,12 @@ def raw_writer_call(server: RunningServer, transport: str, token: str, action: s
             except grpc.RpcError as err:
                 return str(err.code().name)  # type: ignore[attr-defined]
             return "OK"
-    body = {"deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas]}
+    rows = {"deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas]}
+    columns = {"columns": {"task_ids": ["0_x"], "source_ids": ["x"], "deltas": [5]}}
+    body = {"deltas": rows, "columns": columns}.get(action, {})
     response = httpx.post(
-        f"{server.http_url}/v1/writers/{handle}/{action}",
-        json=body if action == "deltas" else {},
+        f"{server.http_url}/v1/writers/{handle}/{'deltas' if action == 'columns' else action}",
+        json=body,
         headers={"authorization": f"Bearer {token}"},
     )
     return "OK" if response.is_success else str(response.json()["error"]["code"])
@@ -194,7 +208,7 @@ def test_team_a_cannot_complete_or_uncomplete_team_b_sources(scoped: RunningServ
         names = {c.name for c in team_a.checkpoints()}
         assert mine in names and not any(n.startswith("team-b/") for n in names)
     # By handle: team B's open writer is out of reach (no completing, un-completing or closing it).
-    for action in ("keepalive", "deltas", "flush", "close"):
+    for action in ("keepalive", "deltas", "columns", "flush", "close"):
         assert raw_writer_call(scoped, transport, "ta-secret", action, handle) == "PERMISSION_DENIED", action
     with tally.Client(address(scoped, transport), token="tb-reader") as b_reader:
         assert b_reader.are_completed(theirs, ["x"]) == [True]

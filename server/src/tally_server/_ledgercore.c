@@ -1081,6 +1081,312 @@ plain_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return blob;
 }
 
+/* ---- parse_apply_deltas ------------------------------------------------------------------- */
+
+#define MAX_FIELD ((1u << 29) - 1) /* protobuf's largest field number */
+
+/* A varint at *p (before end); 0 when malformed or truncated. */
+static int
+read_varint(const unsigned char **p, const unsigned char *end, uint64_t *out)
+{
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (*p >= end) {
+            return 0;
+        }
+        unsigned char byte = *(*p)++;
+        if (shift == 63 && byte > 1) {
+            return 0;
+        }
+        value |= (uint64_t)(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) {
+            *out = value;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Past a field of this wire type whose tag was read; 0 when malformed (or a group). */
+static int
+skip_field(const unsigned char **p, const unsigned char *end, unsigned wire)
+{
+    uint64_t n;
+    switch (wire) {
+    case 0:
+        return read_varint(p, end, &n);
+    case 1:
+        if (end - *p < 8) {
+            return 0;
+        }
+        *p += 8;
+        return 1;
+    case 2:
+        if (!read_varint(p, end, &n) || n > (uint64_t)(end - *p)) {
+            return 0;
+        }
+        *p += n;
+        return 1;
+    case 5:
+        if (end - *p < 4) {
+            return 0;
+        }
+        *p += 4;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+typedef struct {
+    const unsigned char *data;
+    Py_ssize_t len;
+} Span;
+
+typedef struct {
+    Span *ids[2]; /* task ids, source ids */
+    Py_ssize_t n[2], cap[2];
+    int64_t *values;
+    Py_ssize_t nvalues, cap_values;
+    Py_ssize_t text; /* bytes of every id */
+} Columns;
+
+static int
+grow(void **array, Py_ssize_t *cap, size_t item)
+{
+    Py_ssize_t want = *cap ? *cap * 2 : 1024;
+    void *bigger = PyMem_Realloc(*array, (size_t)want * item);
+    if (bigger == NULL) {
+        return 0;
+    }
+    *array = bigger;
+    *cap = want;
+    return 1;
+}
+
+static int
+add_value(Columns *c, uint64_t zigzag)
+{
+    int64_t v = (int64_t)(zigzag >> 1) ^ -(int64_t)(zigzag & 1);
+    if (v <= -(1LL << 62) || v >= (1LL << 62)) {
+        return 0; /* validation names it */
+    }
+    if (c->nvalues == c->cap_values && !grow((void **)&c->values, &c->cap_values, sizeof(int64_t))) {
+        return 0;
+    }
+    c->values[c->nvalues++] = v;
+    return 1;
+}
+
+/* DeltaColumns' fields into `c`, if every one is plain (else 0: the caller falls back). */
+static int
+read_columns(const unsigned char *p, const unsigned char *end, Columns *c, Py_ssize_t max_bytes,
+             Py_ssize_t max_deltas)
+{
+    while (p < end) {
+        uint64_t tag, n;
+        if (!read_varint(&p, end, &tag) || (tag >> 3) == 0) {
+            return 0;
+        }
+        uint64_t field = tag >> 3;
+        unsigned wire = (unsigned)(tag & 7);
+        if (field > MAX_FIELD) {
+            return 0;
+        }
+        if (field == 1 || field == 2) {
+            int which = (int)field - 1;
+            if (wire != 2 || !read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                return 0;
+            }
+            if (n == 0 || n > (uint64_t)max_bytes || c->n[which] >= max_deltas) {
+                return 0;
+            }
+            for (uint64_t i = 0; i < n; i++) {
+                if (p[i] & 0x80) {
+                    return 0; /* not ASCII: protobuf checks the UTF-8, validation the rest */
+                }
+            }
+            if (c->n[which] == c->cap[which] &&
+                !grow((void **)&c->ids[which], &c->cap[which], sizeof(Span))) {
+                return 0;
+            }
+            c->ids[which][c->n[which]++] = (Span){p, (Py_ssize_t)n};
+            c->text += (Py_ssize_t)n;
+            p += n;
+        }
+        else if (field == 3 && wire == 2) { /* packed */
+            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                return 0;
+            }
+            const unsigned char *stop = p + n;
+            while (p < stop) {
+                uint64_t zigzag;
+                if (!read_varint(&p, stop, &zigzag) || c->nvalues >= max_deltas || !add_value(c, zigzag)) {
+                    return 0;
+                }
+            }
+        }
+        else if (field == 3 && wire == 0) {
+            uint64_t zigzag;
+            if (!read_varint(&p, end, &zigzag) || c->nvalues >= max_deltas || !add_value(c, zigzag)) {
+                return 0;
+            }
+        }
+        else if (field <= 3 || !skip_field(&p, end, wire)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+ids_list(Span *spans, Py_ssize_t n)
+{
+    PyObject *list = PyList_New(n);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyUnicode_New(spans[i].len, 127);
+        if (id == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        memcpy(PyUnicode_DATA(id), spans[i].data, (size_t)spans[i].len);
+        PyList_SET_ITEM(list, i, id);
+    }
+    return list;
+}
+
+static char *
+pack_spans(char *out, Span *spans, Py_ssize_t n)
+{
+    uint32_t count = (uint32_t)n;
+    for (int b = 0; b < 4; b++) {
+        *out++ = (char)((count >> (8 * b)) & 0xff);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t len = (uint32_t)spans[i].len;
+        memcpy(out, &len, 4);
+        out += 4;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(out, spans[i].data, (size_t)spans[i].len);
+        out += spans[i].len;
+    }
+    return out;
+}
+
+static PyObject *
+parse_apply_deltas(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1]) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "parse_apply_deltas(data: bytes, max_id_bytes: int, max_deltas: int)");
+        return NULL;
+    }
+    Py_ssize_t max_bytes = PyLong_AsSsize_t(args[1]), max_deltas = PyLong_AsSsize_t(args[2]);
+    if ((max_bytes == -1 || max_deltas == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    const unsigned char *end = p + PyBytes_GET_SIZE(args[0]);
+    const unsigned char *handle = NULL;
+    Py_ssize_t handle_len = 0;
+    uint64_t batch_seq = 0, ordered = 0;
+    const unsigned char *columns = NULL, *columns_end = NULL;
+    while (p < end) {
+        uint64_t tag, n;
+        if (!read_varint(&p, end, &tag) || (tag >> 3) == 0) {
+            Py_RETURN_NONE;
+        }
+        uint64_t field = tag >> 3;
+        unsigned wire = (unsigned)(tag & 7);
+        if (field > MAX_FIELD) {
+            Py_RETURN_NONE; /* not a field number: protobuf refuses it */
+        }
+        if ((field == 1 || field == 4) && wire == 2) {
+            if (!read_varint(&p, end, &n) || n > (uint64_t)(end - p)) {
+                Py_RETURN_NONE;
+            }
+            if (field == 1) { /* the last one counts, as protobuf reads it */
+                handle = p;
+                handle_len = (Py_ssize_t)n;
+            }
+            else if (columns != NULL) {
+                Py_RETURN_NONE; /* twice: protobuf merges them */
+            }
+            else {
+                columns = p;
+                columns_end = p + n;
+            }
+            p += n;
+        }
+        else if ((field == 3 || field == 5) && wire == 0) {
+            if (!read_varint(&p, end, field == 3 ? &batch_seq : &ordered)) {
+                Py_RETURN_NONE;
+            }
+        }
+        else if (field <= 5 || !skip_field(&p, end, wire)) {
+            Py_RETURN_NONE; /* the rows (deltas), a known field of another wire type, malformed */
+        }
+    }
+    if (columns == NULL) {
+        Py_RETURN_NONE;
+    }
+    Columns c = {{NULL, NULL}, {0, 0}, {0, 0}, NULL, 0, 0, 0};
+    PyObject *result = NULL, *name = NULL, *tasks = NULL, *sources = NULL, *values = NULL, *packed = NULL;
+    if (!read_columns(columns, columns_end, &c, max_bytes, max_deltas) || c.n[0] != c.n[1] ||
+        c.n[0] != c.nvalues) {
+        if (PyErr_Occurred()) {
+            goto done;
+        }
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t count = c.n[0];
+    name = PyUnicode_DecodeUTF8((const char *)(handle ? handle : (const unsigned char *)""), handle_len, NULL);
+    if (name == NULL) {
+        PyErr_Clear();
+        result = Py_NewRef(Py_None); /* protobuf says what is wrong with it */
+        goto done;
+    }
+    tasks = ids_list(c.ids[0], count);
+    sources = tasks ? ids_list(c.ids[1], count) : NULL;
+    values = sources ? PyList_New(count) : NULL;
+    if (values == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *v = PyLong_FromLongLong((long long)c.values[i]);
+        if (v == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(values, i, v);
+    }
+    packed = PyBytes_FromStringAndSize(NULL, 12 + 16 * count + c.text);
+    if (packed == NULL) {
+        goto done;
+    }
+    char *out = pack_spans(pack_spans(PyBytes_AS_STRING(packed), c.ids[0], count), c.ids[1], count);
+    uint32_t n32 = (uint32_t)count;
+    for (int b = 0; b < 4; b++) {
+        *out++ = (char)((n32 >> (8 * b)) & 0xff);
+    }
+    memcpy(out, c.values, (size_t)count * sizeof(int64_t));
+    result = Py_BuildValue("(OKOOOOO)", name, (unsigned long long)batch_seq, ordered ? Py_True : Py_False,
+                           tasks, sources, values, packed);
+done:
+    Py_XDECREF(name);
+    Py_XDECREF(tasks);
+    Py_XDECREF(sources);
+    Py_XDECREF(values);
+    Py_XDECREF(packed);
+    PyMem_Free(c.ids[0]);
+    PyMem_Free(c.ids[1]);
+    PyMem_Free(c.values);
+    return result;
+}
+
 /* ---- the types ----------------------------------------------------------------------------- */
 
 static PyMappingMethods IdMap_as_mapping = {
@@ -1127,6 +1433,11 @@ static PyMethodDef module_methods[] = {
      "plain_batch(tasks, sources, values, max_id_bytes): if every id is ASCII of 1 to max_id_bytes "
      "characters and every value an int within +-2**62 (exclusive), the three columns as the "
      "journal stores them; else None."},
+    {"parse_apply_deltas", (PyCFunction)(void (*)(void))parse_apply_deltas, METH_FASTCALL,
+     "parse_apply_deltas(data, max_id_bytes, max_deltas): an ApplyDeltasRequest's bytes holding a plain "
+     "batch as columns (every id ASCII of 1 to max_id_bytes bytes, every delta within +-2**62, at most "
+     "max_deltas): (handle, batch_seq, ordered, task_ids, source_ids, deltas, packed); anything else "
+     "(the rows, unknown groups, a malformed or refused field): None, for protobuf and validation."},
     {NULL, NULL, 0, NULL},
 };
 

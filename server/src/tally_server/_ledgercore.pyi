@@ -29,3 +29,6 @@ def apply_new(
 def plain_batch(
     tasks: list[str], sources: list[str], values: list[int], max_id_bytes: int, /
 ) -> bytes | None: ...
+def parse_apply_deltas(
+    data: bytes, max_id_bytes: int, max_deltas: int, /
+) -> tuple[str, int, bool, list[str], list[str], list[int], bytes] | None: ...

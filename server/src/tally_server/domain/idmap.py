@@ -110,6 +110,11 @@ class LedgerCore:
     apply_new: Callable[[IdMap, IdMap, list[str], list[str], list[int]], list[str] | None]
     # validation's check of a plain batch, packing its ids for the journal (None: validation's own)
     plain_batch: Callable[[list[str], list[str], list[int], int], bytes | None] | None = None
+    # an ApplyDeltasRequest's bytes read when they hold a plain batch of columns (grpc_api/columns.py)
+    parse_apply_deltas: (
+        Callable[[bytes, int, int], tuple[str, int, bool, list[str], list[str], list[int], bytes] | None]
+        | None
+    ) = None
 
 
 PYTHON = LedgerCore("python", PyIdMap, PyIdMap, py_apply_new)  # type: ignore[arg-type]
@@ -135,6 +140,7 @@ def _compiled() -> LedgerCore | None:
         CompiledIdMap,
         _ledgercore.apply_new,  # type: ignore[arg-type]
         _ledgercore.plain_batch,
+        _ledgercore.parse_apply_deltas,
     )
 
 

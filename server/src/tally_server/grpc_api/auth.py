@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 from tally_server import auth
 from tally_server.auth import Authorizer, Principal
 from tally_server.errors import TallyServerError
+from tally_server.grpc_api.columns import ColumnsRequest
 
 _PREFIX = "/tally.v1.Coordinator/"
 # Request fields that name a checkpoint or a writer handle (see auth.CHECKPOINT_FIELD).
@@ -39,8 +40,14 @@ def _refusal(handler: Any, exc: TallyServerError) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
-def _fields(request: Message) -> dict[str, str]:
-    return {f: getattr(request, f) for f in _FIELDS if f in request.DESCRIPTOR.fields_by_name}
+def _fields(request: object) -> dict[str, str]:
+    """The fields a scoped token's check reads; none for a request of another kind (fail closed)."""
+    if isinstance(request, Message):
+        return {f: getattr(request, f) for f in _FIELDS if f in request.DESCRIPTOR.fields_by_name}
+    if isinstance(request, ColumnsRequest):  # ApplyDeltas read by the compiled core
+        return {"handle": request.handle}
+    # Names no checkpoint: only unscoped grants pass (require_request).
+    return {}
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
@@ -95,8 +102,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         scoped = principal is not auth.UNRESTRICTED  # else every request passes: nothing to check
 
         def check(request: Any) -> None:
-            # An undecodable request is not a message: the error interceptor outside refuses it.
-            if scoped and isinstance(request, Message):
+            # (An undecodable request never gets here: the error interceptor outside refuses it.)
+            if scoped:
                 principal.require_request(operation, _fields(request), self._checkpoint_of)
 
         if handler.unary_unary is not None:

@@ -13,6 +13,7 @@ from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 from tally_server.auth import Authorizer
 from tally_server.grpc_api.auth import AuthInterceptor
+from tally_server.grpc_api.columns import ColumnsReader
 from tally_server.grpc_api.errors import ErrorInterceptor
 from tally_server.grpc_api.request_context import RequestInterceptor
 from tally_server.grpc_api.servicer import CoordinatorServicer
@@ -54,8 +55,15 @@ def build_server(
     server = grpc.aio.server(
         # Request ids and timing outermost, so they see the status code the error interceptor sets
         # (refused calls are timed and carry a request id too). Auth inside the error interceptor,
-        # which answers its refusals like any other.
-        interceptors=[request_interceptor, ErrorInterceptor(), *([router] if router else []), auth],
+        # which answers its refusals like any other. ApplyDeltas' reader of plain columns innermost:
+        # the others hand its deserializer on.
+        interceptors=[
+            request_interceptor,
+            ErrorInterceptor(),
+            *([router] if router else []),
+            auth,
+            ColumnsReader(service.limits),
+        ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -14,6 +14,7 @@ from tally_server.domain import validation
 from tally_server.domain.words import count
 from tally_server.errors import InvalidArgument
 from tally_server.grpc_api import convert
+from tally_server.grpc_api.columns import ColumnsRequest
 from tally_server.service import CoordinatorService
 
 Context = Any  # grpc.aio.ServicerContext; untyped in grpc-stubs
@@ -77,10 +78,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Renew a writer's lease."""
         return pb.KeepAliveResponse(lease_ttl_s=await self._service.keep_alive(request.handle))
 
-    async def ApplyDeltas(self, request: pb.ApplyDeltasRequest, context: Context) -> pb.ApplyDeltasResponse:
+    async def ApplyDeltas(
+        self, request: pb.ApplyDeltasRequest | ColumnsRequest, context: Context
+    ) -> pb.ApplyDeltasResponse:
         """Apply a batch of deltas in order under the counting rules."""
         limits = self._service.limits
-        if request.HasField("columns"):
+        batch: validation.CheckedDeltas
+        if isinstance(request, ColumnsRequest):  # plain columns, read and checked from the bytes
+            batch = request.batch
+        elif request.HasField("columns"):
             if request.deltas:
                 raise InvalidArgument(
                     f"the batch came both as {count(len(request.deltas), 'delta')} and as columns; "
