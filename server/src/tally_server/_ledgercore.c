@@ -487,25 +487,32 @@ IdMap_len(IdMap *m)
     return m->count;
 }
 
-static PyObject *
-IdMap_getitem(IdMap *m, PyObject *key)
+/* The entry of `key` (and its slot), or -1 with KeyError (a key that is no str is not here). */
+static Py_ssize_t
+find_existing(IdMap *m, PyObject *key, size_t *slot)
 {
     Key k;
-    size_t slot;
     if (key_of(key, &k) < 0) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             PyErr_SetObject(PyExc_KeyError, key);
         }
-        return NULL;
+        return -1;
     }
-    Py_ssize_t ix = lookup(m, &k, &slot);
+    Py_ssize_t ix = lookup(m, &k, slot);
     key_release(&k);
     if (ix < 0) {
         PyErr_SetObject(PyExc_KeyError, key);
-        return NULL;
     }
-    return value_obj(&m->entries[ix]);
+    return ix;
+}
+
+static PyObject *
+IdMap_getitem(IdMap *m, PyObject *key)
+{
+    size_t slot;
+    Py_ssize_t ix = find_existing(m, key, &slot);
+    return ix < 0 ? NULL : value_obj(&m->entries[ix]);
 }
 
 static int
@@ -514,19 +521,9 @@ IdMap_ass_subscript(IdMap *m, PyObject *key, PyObject *value)
     if (value != NULL) {
         return set_item(m, key, value);
     }
-    Key k;
     size_t slot;
-    if (key_of(key, &k) < 0) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_SetObject(PyExc_KeyError, key);
-        }
-        return -1;
-    }
-    Py_ssize_t ix = lookup(m, &k, &slot);
-    key_release(&k);
+    Py_ssize_t ix = find_existing(m, key, &slot);
     if (ix < 0) {
-        PyErr_SetObject(PyExc_KeyError, key);
         return -1;
     }
     delete_at(m, ix, slot);
