@@ -8,6 +8,8 @@ and any delta for it in the meantime cancels the settle (§2.2).
 
 from __future__ import annotations
 
+import struct
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -18,6 +20,23 @@ from tally_server.domain.idmap import IdMap, LedgerCore
 
 Delta = tuple[str, str, int]
 
+_COUNT = struct.Struct("<I")
+
+
+def packed_strs(lengths: array[int], blob: bytes) -> bytes:
+    """A column of ids as the journal stores it.
+
+    A little-endian uint32 count, the ids' lengths as uint32s (``array("I")``, the machine's order),
+    then their bytes one after the other (``blob``).
+    """
+    return _COUNT.pack(len(lengths)) + lengths.tobytes() + blob
+
+
+def packed_ints(values: Sequence[int]) -> bytes:
+    """A column of ints as the journal stores it: a little-endian uint32 count, then int64s."""
+    numbers = array("q", values)
+    return _COUNT.pack(len(numbers)) + numbers.tobytes()
+
 
 class DeltaBatch(Sequence[Delta]):
     """A batch as three parallel columns: delta ``i`` is ``(task_ids[i], source_ids[i], values[i])``.
@@ -26,9 +45,9 @@ class DeltaBatch(Sequence[Delta]):
     ledger and the journal read the columns instead (no tuple per delta). The columns are lists
     owned by the batch: nobody changes them.
 
-    ``packed``: the three columns as the journal stores them (the ids' columns each a count, their
-    lengths, their bytes; the values a count and int64s), made by validation when it found every id
-    ASCII: the journal writes them as they are, without going through the batch again; else None.
+    ``packed``: the three columns as the journal stores them (:func:`packed_strs` twice, then
+    :func:`packed_ints`), made by validation when it found every id ASCII: the journal writes them
+    as they are, without going through the batch again; else None.
     """
 
     __slots__ = ("packed", "source_ids", "task_ids", "values")

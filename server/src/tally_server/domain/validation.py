@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from tally_server.domain import idmap
-from tally_server.domain.ledger import Delta, DeltaBatch
+from tally_server.domain.ledger import Delta, DeltaBatch, packed_ints, packed_strs
 from tally_server.errors import InvalidArgument, ResourceExhausted
 
 # One path segment of a checkpoint name or a writer id: it becomes a directory or a
@@ -310,7 +309,7 @@ def _packed_plain_batch(
     sources = _ascii_column(source_ids, limits)
     if sources is None or not (_small_range(values) if int64 else _small_ints(values)):
         return None
-    return tasks + sources + struct.pack("<I", len(values)) + array("q", values).tobytes()
+    return tasks + sources + packed_ints(values)
 
 
 # Up to this many ids, min() and max() over the lengths cost less than a numpy view's set-up.
@@ -335,7 +334,7 @@ def _ascii_column(ids: list[str], limits: Limits) -> bytes | None:
             return None
     elif ids and (min(lengths) == 0 or max(lengths) > limits.max_id_bytes):
         return None
-    return struct.pack("<I", len(lengths)) + lengths.tobytes() + text.encode("ascii")
+    return packed_strs(lengths, text.encode("ascii"))
 
 
 def _plain_ids(ids: Sequence[str], limits: Limits) -> bool:

@@ -32,7 +32,7 @@ from tally_server.domain.journal import (
     Reverted,
     Snapshot,
 )
-from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState
+from tally_server.domain.ledger import ApplyCounts, DeltaBatch, LedgerState, packed_ints, packed_strs
 from tally_server.domain.ports import ForgetWriter, JournalEntry, JournalOp, OpenJournal
 from tally_server.store.disk import write_error
 
@@ -260,12 +260,11 @@ def _pack_strs(out: bytearray, values: Iterable[str]) -> None:
         encoded = [v.encode() for v in values]
         lengths = array("I", map(len, encoded))
         blob = b"".join(encoded)
-    out += struct.pack("<I", len(lengths)) + lengths.tobytes() + blob
+    out += packed_strs(lengths, blob)
 
 
 def _pack_ints(out: bytearray, values: Sequence[int]) -> None:
-    numbers = array("q", values)
-    out += struct.pack("<I", len(numbers)) + numbers.tobytes()
+    out += packed_ints(values)
 
 
 class _Reader:
