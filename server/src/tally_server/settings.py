@@ -217,11 +217,7 @@ class Settings(BaseSettings):
         from tally_server.domain import idmap
 
         if value == "compiled" and idmap.COMPILED is None:
-            raise ValueError(
-                "this installation lacks the compiled counting core (tally_server._ledgercore); "
-                "reinstall tally-server where a C compiler and Python's headers are available, or "
-                "use auto (the same rules in Python)"
-            )
+            raise ValueError(idmap.MISSING)
         return value
 
     @field_validator("registry_url")

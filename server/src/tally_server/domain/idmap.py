@@ -147,6 +147,13 @@ def _compiled() -> LedgerCore | None:
 COMPILED = _compiled()
 """The compiled core, or None when the extension was not built."""
 
+MISSING = (
+    "this installation lacks the compiled counting core (tally_server._ledgercore); reinstall "
+    "tally-server where a C compiler and Python's headers are available, or use auto (the same rules "
+    "in Python)"
+)
+"""Why ``compiled`` cannot be used here (settings refuse it with this, before :func:`use` would)."""
+
 
 _current = COMPILED or PYTHON
 
@@ -167,11 +174,7 @@ def use(name: str) -> LedgerCore:
         _current = PYTHON
     elif name == "compiled":
         if COMPILED is None:
-            raise ValueError(
-                "the compiled counting core was asked for (ledger_core=compiled) but this installation "
-                "lacks it (tally_server._ledgercore); reinstall tally-server where a C compiler and "
-                "Python's headers are available, or use ledger_core=auto"
-            )
+            raise ValueError(MISSING)
         _current = COMPILED
     elif name == "auto":
         _current = COMPILED or PYTHON
