@@ -999,17 +999,25 @@ plain_ids(PyObject *ids, Py_ssize_t max_bytes, Py_ssize_t *text)
     return 1;
 }
 
-/* The column as the journal stores it (store/journal.py, _pack_strs): a little-endian uint32 count,
+/* A column's count as the journal stores it (ledger.packed_strs / packed_ints): little-endian uint32. */
+static char *
+put_count(char *out, Py_ssize_t n)
+{
+    uint32_t count = (uint32_t)n;
+    for (int b = 0; b < 4; b++) {
+        *out++ = (char)((count >> (8 * b)) & 0xff);
+    }
+    return out;
+}
+
+/* The column as the journal stores it (ledger.packed_strs): a little-endian uint32 count,
  * a uint32 length per id (in the machine's order, as array("I").tobytes() writes it), then the ids'
  * bytes one after the other. */
 static char *
 pack_ids(char *out, PyObject *ids)
 {
     Py_ssize_t n = PyList_GET_SIZE(ids);
-    uint32_t count = (uint32_t)n;
-    for (int b = 0; b < 4; b++) {
-        *out++ = (char)((count >> (8 * b)) & 0xff);
-    }
+    out = put_count(out, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t len = (uint32_t)PyUnicode_GET_LENGTH(PyList_GET_ITEM(ids, i));
         memcpy(out, &len, 4);
@@ -1066,10 +1074,7 @@ plain_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     char *out = pack_ids(pack_ids(PyBytes_AS_STRING(blob), tasks), sources);
     /* The values: a little-endian uint32 count, then int64s in the machine's order (array("q")). */
-    uint32_t count = (uint32_t)n;
-    for (int b = 0; b < 4; b++) {
-        *out++ = (char)((count >> (8 * b)) & 0xff);
-    }
+    out = put_count(out, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t x = (int64_t)PyLong_AsLongLong(PyList_GET_ITEM(values, i)); /* in range: checked */
         memcpy(out, &x, 8);
@@ -1258,10 +1263,7 @@ ids_list(Span *spans, Py_ssize_t n)
 static char *
 pack_spans(char *out, Span *spans, Py_ssize_t n)
 {
-    uint32_t count = (uint32_t)n;
-    for (int b = 0; b < 4; b++) {
-        *out++ = (char)((count >> (8 * b)) & 0xff);
-    }
+    out = put_count(out, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t len = (uint32_t)spans[i].len;
         memcpy(out, &len, 4);
@@ -1365,10 +1367,7 @@ parse_apply_deltas(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     char *out = pack_spans(pack_spans(PyBytes_AS_STRING(packed), c.ids[0], count), c.ids[1], count);
-    uint32_t n32 = (uint32_t)count;
-    for (int b = 0; b < 4; b++) {
-        *out++ = (char)((n32 >> (8 * b)) & 0xff);
-    }
+    out = put_count(out, count);
     memcpy(out, c.values, (size_t)count * sizeof(int64_t));
     result = Py_BuildValue("(OKOOOOO)", name, (unsigned long long)batch_seq, ordered ? Py_True : Py_False,
                            tasks, sources, values, packed);
