@@ -77,7 +77,12 @@ def test_a_batch_over_the_limit_is_refused_without_reading_it_whole() -> None:
 def test_deltas_are_strict_and_refusals_name_the_field() -> None:
     good = {"task_id": "t", "source_id": "s", "delta": -2}
     raw = json.dumps({"deltas": [good, good], "batch_seq": 3}).encode()
-    assert bodies.deltas(raw, Limits()) == ((("t", "s", -2), ("t", "s", -2)), 3)
+    batch, head = bodies.deltas(raw, Limits())
+    assert (batch, head.batch_seq, head.ordered) == ((("t", "s", -2), ("t", "s", -2)), 3, False)
+    columns = {"task_ids": ["t"], "source_ids": ["s"], "deltas": [-2]}
+    raw = json.dumps({"columns": columns, "batch_seq": 4, "ordered": True}).encode()
+    batch, head = bodies.deltas(raw, Limits())
+    assert (batch, head.batch_seq, head.ordered) == ((("t", "s", -2),), 4, True)
     for bad, where in [
         ({"task_id": "t", "source_id": "s", "delta": True}, ("body", "deltas", 1, "delta")),
         ({"task_id": "t", "source_id": "s", "delta": "1"}, ("body", "deltas", 1, "delta")),
@@ -90,3 +95,7 @@ def test_deltas_are_strict_and_refusals_name_the_field() -> None:
     with pytest.raises(RequestValidationError) as refused:
         bodies.deltas(json.dumps({"deltas": [good], "batch_seq": -1}).encode(), Limits())
     assert refused.value.errors()[0]["loc"] == ("body", "batch_seq")
+    for form in ({"deltas": [good]}, {"columns": columns}):
+        with pytest.raises(RequestValidationError) as refused:
+            bodies.deltas(json.dumps({**form, "batch_seq": 1, "ordered": 1}).encode(), Limits())
+        assert refused.value.errors()[0]["loc"] == ("body", "ordered")

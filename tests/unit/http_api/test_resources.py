@@ -65,6 +65,7 @@ async def test_a_writer_from_open_to_close(served: InProcess) -> None:
         "completed_count",
         "settle_ms",
         "accepts_delta_columns",
+        "max_batches_in_flight",
     }
     assert (opened["writer_id"], opened["completed_count"], opened["settle_ms"]) == ("w", 0, 0)
     assert opened["accepts_delta_columns"] is True

@@ -96,7 +96,9 @@ def _request_args(call: Call[Any]) -> tuple[str, str, dict[str, Any]]:
     body = route.body(call)
     kwargs: dict[str, Any] = {}
     if body is not None or route.method == "POST":
-        kwargs["content"] = json.dumps({} if body is None else body).encode()
+        kwargs["content"] = (
+            body if isinstance(body, bytes) else json.dumps({} if body is None else body).encode()
+        )
         kwargs["headers"] = {"Content-Type": "application/json"}
     return route.method, route.path(call), kwargs
 

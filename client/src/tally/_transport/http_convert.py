@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import operator
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ class Route(Generic[C, T]):
 
     method: str
     path: Callable[[C], str]
-    body: Callable[[C], dict[str, Any] | None]
+    body: Callable[[C], dict[str, Any] | bytes | None]  # bytes: the JSON already encoded
     read: Callable[[Any], T]
 
 
@@ -95,16 +97,62 @@ def open_writer_body(spec: WriterSpec) -> dict[str, Any]:
     return body
 
 
-def apply_deltas_body(deltas: Sequence[Delta], batch_seq: int, columns: bool = False) -> dict[str, Any]:
+def apply_deltas_body(
+    deltas: Sequence[Delta], batch_seq: int, columns: bool = False, ordered: bool = False
+) -> dict[str, Any] | bytes:
+    """The body of an ApplyDeltas: a JSON object, or its encoding when it is written directly."""
+    head: dict[str, Any] = {"batch_seq": batch_seq, "ordered": True} if ordered else {"batch_seq": batch_seq}
     if columns and deltas:
         # Three parallel columns: half the bytes of one object per delta, and cheaper on both sides.
+        written = columns_json(deltas, head)
+        if written is not None:
+            return written
         task_ids, source_ids, values = zip(*deltas, strict=True)
-        batch = {"task_ids": task_ids, "source_ids": source_ids, "deltas": values}
-        return {"columns": batch, "batch_seq": batch_seq}
-    return {
-        "deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas],
-        "batch_seq": batch_seq,
-    }
+        return {"columns": {"task_ids": task_ids, "source_ids": source_ids, "deltas": values}, **head}
+    return {"deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas], **head}
+
+
+_TASK_ID, _SOURCE_ID, _DELTA = (operator.itemgetter(i) for i in range(3))
+# What a JSON string cannot hold as it is (RFC 8259), but for '"' (counted apart): control
+# characters and the backslash.
+_ESCAPED = bytes(range(0x20)) + b"\\"
+# The text of the deltas a batch holds nearly always (the counting rules' +1 and -1, fan-outs).
+_SMALL_INTS = {i: str(i).encode() for i in range(-256, 257)}
+
+
+def columns_json(deltas: Sequence[Delta], head: Mapping[str, Any]) -> bytes | None:
+    """``{"columns": {...}, **head}`` of a non-empty batch as JSON, written directly; None when an
+    id needs escaping.
+
+    A fifth of what zipping the batch into columns and ``json.dumps`` take for a batch of 1,000
+    plain ids, which the client spends per batch on the sender's thread. The deltas are ints (the
+    SDK validated them).
+    """
+    tasks, sources = _plain_json_strs(deltas, _TASK_ID), _plain_json_strs(deltas, _SOURCE_ID)
+    if tasks is None or sources is None:
+        return None
+    try:
+        numbers = b",".join(map(_SMALL_INTS.__getitem__, map(_DELTA, deltas)))
+    except KeyError:
+        numbers = ",".join(map(str, map(_DELTA, deltas))).encode()
+    extra = "".join(f',"{key}":{json.dumps(value)}' for key, value in head.items()).encode()
+    return b"".join(
+        (b'{"columns":{"task_ids":["', tasks, b'"],"source_ids":["', sources, b'"],"deltas":[')
+        + (numbers, b"]}", extra, b"}")
+    )
+
+
+def _plain_json_strs(deltas: Sequence[Delta], column: Callable[[Delta], str]) -> bytes | None:
+    """The ids of ``column`` joined by ``","``: the inside of their JSON array when none of them
+    needs escaping (ASCII without a control character, quote or backslash), else None."""
+    text = '","'.join(map(column, deltas))
+    if not text.isascii():
+        return None
+    raw = text.encode("ascii")
+    # Every '"' must be a separator's: an id holding one would end its string early.
+    if raw.count(b'"') != 2 * (len(deltas) - 1) or len(raw.translate(None, _ESCAPED)) != len(raw):
+        return None
+    return raw
 
 
 def are_completed_body(checkpoint: str, source_ids: Sequence[str]) -> dict[str, Any]:
@@ -213,6 +261,7 @@ def opened_from_json(body: Any) -> OpenedWriter:
         completed_count=int(obj.get("completed_count", 0)),
         settle_ms=int(obj.get("settle_ms", 0)),
         delta_columns=obj.get("accepts_delta_columns") is True,
+        max_batches_in_flight=max(1, int(obj.get("max_batches_in_flight", 1))),
     )
 
 
@@ -471,7 +520,7 @@ def _add(
     method: str,
     path: Callable[[C], str],
     read: Callable[[Any], T],
-    body: Callable[[C], dict[str, Any] | None] | None = None,
+    body: Callable[[C], dict[str, Any] | bytes | None] | None = None,
 ) -> None:
     ROUTES[call] = Route(method, path, body or (lambda c: None), read)
 
@@ -483,7 +532,7 @@ _add(
     "POST",
     lambda c: writer_path(c.handle, "deltas"),
     batch_answer_from_json,
-    lambda c: apply_deltas_body(c.deltas, c.batch_seq, c.columns),
+    lambda c: apply_deltas_body(c.deltas, c.batch_seq, c.columns, c.ordered),
 )
 _add(
     calls.AreCompleted,

@@ -25,7 +25,6 @@ from tally_server.service import (
     ResetResult,
     WriterView,
 )
-from tally_server.service.writers import MAX_BATCHES_IN_FLIGHT
 
 _ON_MISMATCH = {
     pb.ON_MISMATCH_REFUSE: "refuse",
@@ -59,7 +58,7 @@ def opened_writer(o: OpenedWriter) -> pb.OpenWriterResponse:
         completed_count=o.completed_count,
         settle_ms=o.settle_ms,
         accepts_delta_columns=o.accepts_delta_columns,
-        max_batches_in_flight=MAX_BATCHES_IN_FLIGHT,
+        max_batches_in_flight=o.max_batches_in_flight,
     )
 
 

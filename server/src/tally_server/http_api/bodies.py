@@ -161,8 +161,11 @@ def _model(model: type[M], data: Any, *where: str | int) -> M:
         raise RequestValidationError(problems) from None
 
 
-def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
-    """An ApplyDeltas body as a validated batch of ``(task_id, source_id, delta)`` and its batch_seq."""
+def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, s.ApplyDeltasBody]:
+    """An ApplyDeltas body as a validated batch of ``(task_id, source_id, delta)`` and the rest.
+
+    The rest is the body's other fields (``batch_seq``, ``ordered``), as a model with no batch.
+    """
     try:
         body = _json(
             raw,
@@ -176,11 +179,11 @@ def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
         if _all(task_ids, str) and _all(source_ids, str) and _all(values, int):
             assert task_ids is not None and source_ids is not None and values is not None
             head = _model(s.ApplyDeltasBody, {**body, "columns": _NO_COLUMNS})  # all but the batch
-            return validation.delta_columns(task_ids, source_ids, values, limits), head.batch_seq
+            return validation.delta_columns(task_ids, source_ids, values, limits), head
     items = body.get("deltas") if isinstance(body, dict) else None
     if not isinstance(items, list):
         whole = _model(s.ApplyDeltasBody, body)
-        return validation.deltas(whole.batch(), limits), whole.batch_seq
+        return validation.deltas(whole.batch(), limits), whole
     head = _model(s.ApplyDeltasBody, {**body, "deltas": []})  # everything but the deltas
     batch: list[tuple[str, str, int]] = []
     for i, item in enumerate(items):
@@ -192,7 +195,7 @@ def deltas(raw: bytes, limits: Limits) -> tuple[CheckedDeltas, int]:
         # Not plainly valid: the model decides, and words the refusal.
         checked = _model(s.DeltaBody, item, "deltas", i)
         batch.append((checked.task_id, checked.source_id, checked.delta))
-    return validation.deltas(batch, limits), head.batch_seq
+    return validation.deltas(batch, limits), head
 
 
 _NO_COLUMNS: dict[str, list[Any]] = {"task_ids": [], "source_ids": [], "deltas": []}

@@ -120,6 +120,12 @@ class ApplyDeltasBody(RequestBody):
         description="The writer's number for this batch (1, 2, 3, ...): a batch resent with the number "
         "of one already applied is not applied twice. 0: not numbered.",
     )
+    ordered: bool = Field(
+        default=False,
+        description="The batch follows batch batch_seq - 1, which may still be on its way (a writer "
+        "with up to max_batches_in_flight batches on the wire, as its open answered): the coordinator "
+        "applies them in their numbers' order, and answers a resent earlier one again.",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> ApplyDeltasBody:

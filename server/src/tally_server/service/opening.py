@@ -24,7 +24,7 @@ from tally_server.service.checkpoints import CheckpointTable
 from tally_server.service.core import Core
 from tally_server.service.sessions import Session
 from tally_server.service.views import OpenedWriter
-from tally_server.service.writers import Writers
+from tally_server.service.writers import MAX_BATCHES_IN_FLIGHT, Writers
 
 # What a writer brought back from the journal gets on top of its lease to come back.
 RESTORE_GRACE_S = 10.0
@@ -157,7 +157,12 @@ class Opening:
         cp = self._checkpoints[session.checkpoint]
         core = self._core
         return OpenedWriter(
-            session.handle, session.writer_id, core.lease_ttl_s, cp.completed_count, core.settle_ms
+            session.handle,
+            session.writer_id,
+            core.lease_ttl_s,
+            cp.completed_count,
+            core.settle_ms,
+            max_batches_in_flight=MAX_BATCHES_IN_FLIGHT,
         )
 
     @staticmethod

@@ -40,6 +40,13 @@ class OpenedWriter:
     )
     # The batch of an ApplyDeltas may come as columns (gRPC DeltaColumns, HTTP "columns").
     accepts_delta_columns: bool = True
+    max_batches_in_flight: int = field(
+        default=1,
+        metadata=_doc(
+            "Most batches of this writer the coordinator takes on the wire at once, each sent with "
+            "'ordered' and the next batch_seq: it applies them in their numbers' order."
+        ),
+    )
 
 
 @dataclass(frozen=True)

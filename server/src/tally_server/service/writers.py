@@ -36,8 +36,8 @@ from tally_server.service.views import ClosedWriter, SavedCursors
 
 # Sent back with incomplete sources on close; the full count is reported separately.
 MAX_INCOMPLETE_LISTED = 1000
-# Batches of one writer that may be on the wire at once, each sent as ``ordered`` (told to gRPC
-# clients at open): the next batch travels and is read while the one before it is applied.
+# Batches of one writer that may be on the wire at once, each sent as ``ordered`` (told to
+# clients at open, gRPC and HTTP): the next batch travels and is read while the one before it is applied.
 MAX_BATCHES_IN_FLIGHT = 2
 # How long an ordered batch waits for the one before it to be applied; then it is refused as
 # UNAVAILABLE and sent again (the one before it was lost on the way, or is being resent).

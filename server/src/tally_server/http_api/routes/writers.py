@@ -72,8 +72,8 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
     )
     async def apply_deltas(handle: s.HandleParam, request: Request) -> r.ApplyDeltasReply:
         """Apply (task_id, source_id, delta) in order under the counting rules."""
-        batch, batch_seq = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
-        applied = await service.apply_deltas(handle, batch, batch_seq)
+        batch, head = await bodies.parse(request, lambda raw: bodies.deltas(raw, limits))
+        applied = await service.apply_deltas(handle, batch, head.batch_seq, ordered=head.ordered)
         return r.ApplyDeltasReply(counts=applied.counts, settled=applied.settled, refused=applied.refused)
 
     @app.post(
