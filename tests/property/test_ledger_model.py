@@ -197,6 +197,8 @@ def test_settle_never_completes_a_source_within_the_window_of_its_last_delta(
             event("a source completed after its window")
             assert now - last_delta[sid] >= SETTLE_S, (sid, now, last_delta[sid])
             assert sid in settling_before
+        # ... and takes every source whose window has passed.
+        assert all(deadline > now for deadline in writer.ledger.settling.values())
         if kind == "other":
             writer.completed.add(payload)
         elif kind in ("batch", "resend"):

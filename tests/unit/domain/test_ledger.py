@@ -239,6 +239,25 @@ def test_settle_window_absorbs_a_zero_that_overtakes_its_source_delta() -> None:
     assert ledger.pending == {"s": 1}
 
 
+def test_settling_stays_in_deadline_order_when_lease_time_steps_back() -> None:
+    ledger, _ = open_writer(settle_s=1.0)
+    for t, sid in enumerate("abc"):
+        ledger.apply([(f"0_{sid}", sid, 0)], float(t))  # a at 1.0, b at 2.0, c at 3.0
+    # A failed commit settles "a" again, due at once; lease time stepping back (a saturated loop)
+    # would make "d" due before "c": both wait for the latest deadline instead (a window is a
+    # minimum), so settling stays in order and due() stops at the first open window.
+    assert ledger.mark_completing(ledger.due(1.0)) == ["a"]
+    ledger.revert_completing(["a"], 1.5)
+    ledger.apply([("0_d", "d", 0)], 0.2)
+    assert ledger.settling == {"b": 2.0, "c": 3.0, "a": 3.0, "d": 3.0}
+    assert ledger.due(2.9) == ["b"]
+    # A delta for a settling source cancels its window; at zero again it settles anew, last.
+    ledger.apply([("0_c_0", "c", 1), ("0_c_1", "c", -1)], 2.95)
+    assert list(ledger.settling.items()) == [("a", 3.0), ("d", 3.0), ("c", 3.95)]
+    assert ledger.due(3.0) == ["a", "d"]
+    assert ledger.due(10.0) == ["c"] and ledger.settling == {}
+
+
 @pytest.mark.parametrize(
     ("continuing", "failed", "fanout_delta", "left_after_sinks"),
     [

@@ -157,7 +157,5 @@ def replay(entries: Sequence[Entry], cutoff: Callable[[str], bool], settle_s: fl
     # Sources at zero whose completion is not recorded settle again, a full window from now (a
     # window never runs out across a restart); their commit may or may not have happened, and
     # committing them again is harmless.
-    for sid, count in ledger.pending.items():
-        if count == 0:
-            ledger.settling[sid] = now + settle_s
+    ledger.settle([sid for sid, count in ledger.pending.items() if count == 0], now + settle_s)
     return Replayed(ledger, last_seq, last_counts, unconfirmed & ledger.own_completed)

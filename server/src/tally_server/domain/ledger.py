@@ -181,8 +181,11 @@ class WriterLedger:
         # Sources this writer un-completed through an anomaly: no longer completed for it, even if
         # they were completed before it opened (the anchor drops them from its set at once).
         self.uncompleted: set[str] = set()
-        # source -> monotonic deadline after which it completes.
+        # source -> deadline (lease time) after which it completes. Written through ``settle``
+        # only, which keeps it in deadline order, so ``due`` need not look past the first source
+        # whose window is still open.
         self.settling: dict[str, float] = {}
+        self._last_deadline = float("-inf")
         self.totals = ApplyCounts()
 
     @property
@@ -248,9 +251,7 @@ class WriterLedger:
         if self.settle_s <= 0:
             result.complete_now = zeros
         else:
-            deadline = now + self.settle_s
-            for sid in zeros:
-                settling[sid] = deadline
+            self.settle(zeros, now + self.settle_s)
         self.totals.add(result.counts)
         return result
 
@@ -301,11 +302,35 @@ class WriterLedger:
             result.hits.append(sid)  # completed before this writer opened
         self.uncompleted.add(sid)
 
+    def settle(self, sources: Sequence[str], deadline: float) -> None:
+        """Let ``sources`` settle until ``deadline`` (or a later one: the latest already set).
+
+        A window is a minimum, and lease time (the ``now`` of ``apply``, a StallClock) steps back
+        when the loop is saturated, by up to the time it did not count since its last tick: taking
+        the later deadline keeps ``settling`` in deadline order, which ``due`` relies on, at the
+        cost of that much more waiting.
+        """
+        settling = self.settling
+        if not settling.keys().isdisjoint(sources):  # settling already: to the end, in order
+            for sid in sources:
+                settling.pop(sid, None)
+        self._last_deadline = deadline = max(self._last_deadline, deadline)
+        settling.update(dict.fromkeys(sources, deadline))
+
     def due(self, now: float) -> list[str]:
-        """Take the settling sources whose window has passed (they are then completing)."""
-        ready = [sid for sid, deadline in self.settling.items() if deadline <= now]
+        """Take the settling sources whose window has passed (they are then completing).
+
+        ``settling`` is in deadline order (``settle``): the scan stops at the first window still
+        open instead of visiting every settling source on every tick of the settle loop.
+        """
+        settling = self.settling
+        ready = []
+        for sid, deadline in settling.items():
+            if deadline > now:
+                break
+            ready.append(sid)
         for sid in ready:
-            del self.settling[sid]
+            del settling[sid]
         return ready
 
     def take_all_settling(self) -> list[str]:
@@ -362,7 +387,8 @@ class WriterLedger:
         self.applied = self.core.copy_map(state.applied.items())
         self.own_completed = set(state.own_completed)
         self.uncompleted = set(state.uncompleted)
-        self.settling = dict.fromkeys(state.settling, now + self.settle_s)
+        self.settling, self._last_deadline = {}, float("-inf")
+        self.settle(state.settling, now + self.settle_s)
         t = state.totals
         self.totals = ApplyCounts(t.applied, t.skipped, t.rewritten, t.anomalies, t.completed)
 
@@ -375,5 +401,5 @@ class WriterLedger:
             if sid in self.own_completed:
                 self.own_completed.discard(sid)
                 self.pending[sid] = 0
-                self.settling[sid] = now
+                self.settle((sid,), now)
                 self.totals.completed -= 1
