@@ -1383,6 +1383,76 @@ done:
     return result;
 }
 
+/* ---- hash_rows: Python's hash of file keys, packed as rows of words --------------------------- */
+
+/* hash_rows(words, lengths, out): out[i] = hash(bytes of key i), where key i is the first
+ * lengths[i] bytes of row i of words (n rows of the same number of little-endian 64-bit words, as
+ * lmdb_pages.pack_words packs the keys of a completion file's pages; a row's bytes in memory are
+ * the key's bytes on a little-endian machine). Each buffer must be C-contiguous; lengths and out
+ * hold n 8-byte integers. Python's own bytes hash (keyed SipHash, the process's secret) of millions
+ * of keys, without the GIL and without a bytes object per key. Returns True, or False (nothing
+ * written) on a big-endian machine, where a row is not the key's bytes. */
+static PyObject *
+hash_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "hash_rows(words, lengths, out) takes 3 arguments");
+        return NULL;
+    }
+#if !PY_LITTLE_ENDIAN
+    Py_RETURN_FALSE;
+#else
+    Py_buffer words, lengths, out;
+    if (PyObject_GetBuffer(args[0], &words, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &lengths, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&words);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&words);
+        PyBuffer_Release(&lengths);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = lengths.len / 8;
+    Py_ssize_t row = n > 0 ? words.len / n : 0; /* bytes per row */
+    if (lengths.len % 8 != 0 || out.len != lengths.len || (n > 0 && (words.len % n != 0 || row % 8 != 0))) {
+        PyErr_Format(PyExc_ValueError,
+                     "hash_rows: %zd bytes of words, %zd of lengths and %zd of out do not make n rows of "
+                     "words, n lengths and n hashes",
+                     words.len, lengths.len, out.len);
+        goto done;
+    }
+    const int64_t *len = (const int64_t *)lengths.buf;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every key inside its row: nothing read past it */
+        if (len[i] < 0 || len[i] > row) {
+            PyErr_Format(PyExc_ValueError, "hash_rows: key %zd of %lld bytes in a row of %zd", i,
+                         (long long)len[i], row);
+            goto done;
+        }
+    }
+    const char *base = (const char *)words.buf;
+    uint64_t *hashes = (uint64_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+#if PY_VERSION_HEX >= 0x030E0000
+        hashes[i] = (uint64_t)Py_HashBuffer(base + i * row, (Py_ssize_t)len[i]);
+#else
+        hashes[i] = (uint64_t)_Py_HashBytes(base + i * row, (Py_ssize_t)len[i]);
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_True);
+done:
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&out);
+    return result;
+#endif
+}
+
 /* ---- the types ----------------------------------------------------------------------------- */
 
 static PyMappingMethods IdMap_as_mapping = {
@@ -1434,6 +1504,9 @@ static PyMethodDef module_methods[] = {
      "batch as columns (every id ASCII of 1 to max_id_bytes bytes, every delta within +-2**62, at most "
      "max_deltas): (handle, batch_seq, ordered, task_ids, source_ids, deltas, packed); anything else "
      "(the rows, unknown groups, a malformed or refused field): None, for protobuf and validation."},
+    {"hash_rows", (PyCFunction)(void (*)(void))hash_rows, METH_FASTCALL,
+     "hash_rows(words, lengths, out): out[i] = hash() of the first lengths[i] bytes of row i of words "
+     "(keys packed as rows of little-endian words); True, or False on a big-endian machine."},
     {NULL, NULL, 0, NULL},
 };
 

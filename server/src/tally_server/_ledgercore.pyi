@@ -1,7 +1,7 @@
 """Types of the compiled counting core (_ledgercore.c); tally_server.domain.idmap documents its use."""
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import overload
+from typing import Any, overload
 
 class IdMap:
     """An insertion-ordered map of str ids to ints, each id kept as its UTF-8 bytes."""
@@ -32,3 +32,4 @@ def plain_batch(
 def parse_apply_deltas(
     data: bytes, max_id_bytes: int, max_deltas: int, /
 ) -> tuple[str, int, bool, list[str], list[str], list[int], bytes] | None: ...
+def hash_rows(words: Any, lengths: Any, out: Any, /) -> bool: ...

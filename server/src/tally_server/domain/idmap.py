@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Protocol, overload
+from typing import Any, Protocol, overload
 
 
 class IdMap(Protocol):
@@ -115,6 +115,8 @@ class LedgerCore:
         Callable[[bytes, int, int], tuple[str, int, bool, list[str], list[str], list[int], bytes] | None]
         | None
     ) = None
+    # Python's hash of file keys packed as rows of words, without the GIL (domain/compact.py)
+    hash_rows: Callable[[Any, Any, Any], bool] | None = None
 
 
 PYTHON = LedgerCore("python", PyIdMap, PyIdMap, py_apply_new)  # type: ignore[arg-type]
@@ -141,6 +143,7 @@ def _compiled() -> LedgerCore | None:
         _ledgercore.apply_new,  # type: ignore[arg-type]
         _ledgercore.plain_batch,
         _ledgercore.parse_apply_deltas,
+        _ledgercore.hash_rows,
     )
 
 
