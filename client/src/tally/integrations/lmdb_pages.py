@@ -194,6 +194,10 @@ def pack_words(
     return out
 
 
+Packer = Callable[[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64]], U64]
+"""The contract of :func:`pack_words` (another implementation of it may be given to :func:`keys`)."""
+
+
 class _Pages:
     def __init__(self, data: npt.NDArray[np.uint8], psize: int, last_pgno: int, spare: int) -> None:
         self.data = data
@@ -358,10 +362,12 @@ def keys(
     stat: TreeStat,
     each: Callable[[Keys], None],
     spare: int = SPARE,
+    pack: Packer | None = None,
 ) -> Verdict:
     """Give ``each`` the keys of database ``name`` in ``data`` (from :func:`file_pages`), a batch at a time.
 
     ``spare``: how many zero bytes follow the file's bytes in ``data`` (:func:`file_pages` says).
+    ``pack``: what packs the keys as rows of words (:func:`pack_words` unless another is given).
 
     The verdict: ``whole`` (every key given), ``unsupported`` (the batches given so far must be
     dropped and the file walked with a cursor) or ``damaged`` (the tree of LMDB's own read
@@ -430,7 +436,7 @@ def keys(
             f"LMDB counts {leaf} and {stat.branch_pages}",
         )
     for at in range(0, len(level), LEAF_BATCH):
-        batch = _leaves(pages, data, level[at : at + LEAF_BATCH], check)
+        batch = _leaves(pages, data, level[at : at + LEAF_BATCH], check, pack or pack_words)
         if batch is None:
             if check.damage:
                 return check.verdict()
@@ -445,7 +451,9 @@ def keys(
     return check.verdict()
 
 
-def _leaves(pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Check) -> Keys | None:
+def _leaves(
+    pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Check, pack: Packer
+) -> Keys | None:
     """The keys on these leaf pages; None if one of them is damaged (``check`` says how).
 
     Keys a cursor walk must read (not ASCII, empty, nodes with flags) are given all the same, with
@@ -469,14 +477,14 @@ def _leaves(pages: _Pages, data: npt.NDArray[np.uint8], pgnos: I64, check: _Chec
         check.damaged("a leaf node's key or value runs past its page")
         return None
     if pages.spare >= SPARE:
-        words = pack_words(data, node + NODE_HEADER, klen)
+        words = pack(data, node + NODE_HEADER, klen)
     else:  # a mapped file: its last key may end at its last byte; copy the pages, with spare bytes
         psize = pages.psize
         order = np.argsort(pgnos, kind="stable")
         at = order[np.searchsorted(pgnos[order], node // psize)]
         copy = np.zeros(len(pgnos) * psize + SPARE, dtype=np.uint8)
         copy[: len(pgnos) * psize] = pages.by_page[pgnos].view(np.uint8).reshape(-1)
-        words = pack_words(copy, at * psize + in_page + NODE_HEADER, klen)
+        words = pack(copy, at * psize + in_page + NODE_HEADER, klen)
     if np.bitwise_or.reduce(words, axis=None) & np.uint64(0x8080808080808080):
         check.cannot_read("keys that are not ASCII")  # a cursor walk checks that they are UTF-8
     return Keys(words, klen)

@@ -224,9 +224,16 @@ def _ignore(keys: lmdb_pages.Keys) -> None:
 
 
 def check_pages(
-    path: Path, txn: Any, db: Any, env: Any, each: Callable[[lmdb_pages.Keys], None] = _ignore
+    path: Path,
+    txn: Any,
+    db: Any,
+    env: Any,
+    each: Callable[[lmdb_pages.Keys], None] = _ignore,
+    pack: lmdb_pages.Packer | None = None,
 ) -> bool:
     """Check the tree of ``db`` in ``txn`` from the file's pages, giving ``each`` its keys.
+
+    ``pack``: what packs the keys as rows of words (``lmdb_pages.pack_words`` unless another is given).
 
     Returns True when every key was read from the pages (given to ``each``), False when this reader
     cannot vouch for them (another layout, keys that are not ASCII): a cursor walk must read them,
@@ -240,7 +247,7 @@ def check_pages(
         return False
     tree = lmdb_pages.TreeStat.of(txn, db, env)
     data, spare = lmdb_pages.file_pages(path)
-    verdict = lmdb_pages.keys(data, COMPLETED_DB, tree, each, spare)
+    verdict = lmdb_pages.keys(data, COMPLETED_DB, tree, each, spare, pack)
     if verdict.kind == "damaged":
         raise DamagedFileError(f"{path}: damaged LMDB tree in {COMPLETED_DB.decode()}: {verdict.why}")
     return verdict.kind == "whole"

@@ -117,6 +117,8 @@ class LedgerCore:
     ) = None
     # Python's hash of file keys packed as rows of words, without the GIL (domain/compact.py)
     hash_rows: Callable[[Any, Any, Any], bool] | None = None
+    # lmdb_pages.pack_words of file keys, one copy per key, without the GIL (store/lmdb_reads.py)
+    pack_rows: Callable[[Any, Any, Any, Any], bool] | None = None
 
 
 PYTHON = LedgerCore("python", PyIdMap, PyIdMap, py_apply_new)  # type: ignore[arg-type]
@@ -144,6 +146,7 @@ def _compiled() -> LedgerCore | None:
         _ledgercore.plain_batch,
         _ledgercore.parse_apply_deltas,
         _ledgercore.hash_rows,
+        _ledgercore.pack_rows,
     )
 
 

@@ -21,9 +21,11 @@ from typing import Any
 
 import lmdb
 import numpy as np
+import numpy.typing as npt
 
 from tally.integrations import lmdb_pages, nemo_format
 from tally.integrations.nemo_format import READ_ERRORS, describe_error
+from tally_server.domain import idmap
 from tally_server.domain.compact import U64, Hasher
 from tally_server.store.file_handles import HandleCache, OpenFile
 
@@ -33,6 +35,20 @@ logger = logging.getLogger(__name__)
 _LOAD_CHUNK = 1 << 15
 # Keys hashed per array pass when read from the pages: the hash's state stays in the CPU's cache.
 _HASH_CHUNK = 1 << 15
+
+
+def _pack(data: npt.NDArray[np.uint8], offsets: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> U64:
+    """``lmdb_pages.pack_words``, by the compiled core when it runs, else in numpy.
+
+    The compiled core copies each key into its row: a third of numpy's time, beside the event loop
+    (it lets go of the GIL).
+    """
+    rows = idmap.current().pack_rows
+    if rows is not None:
+        out = np.empty((len(offsets), int(lengths.max(initial=0)) // 8 + 1), dtype=np.uint64)
+        if rows(data, np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(lengths, np.int64), out):
+            return out
+    return lmdb_pages.pack_words(data, offsets, lengths)
 
 
 def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 | None:
@@ -57,7 +73,7 @@ def _hash_pages(path: Path, txn: Any, db: Any, env: Any, hasher: Hasher) -> U64 
                 return
             parts.append(part)
 
-    if not nemo_format.check_pages(path, txn, db, env, hash_batch) or not usable:
+    if not nemo_format.check_pages(path, txn, db, env, hash_batch, _pack) or not usable:
         return None
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
