@@ -82,6 +82,16 @@ def each_ledger_core(request: pytest.FixtureRequest) -> Iterator[str]:
         idmap.use(before)
 
 
+@pytest.fixture(params=["arrays", "one by one"])
+def each_lookup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with ``CompletedSet.contains_many`` asking its index over arrays whatever the
+    number of ids, then one id at a time up to its usual threshold (a few ids)."""
+    from tally_server.domain import completed
+
+    monkeypatch.setattr(completed, "_ONE_BY_ONE", 0 if request.param == "arrays" else 1_000)
+    return str(request.param)
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RunningServer]:
     """A coordinator with settle_ms=0: NeMo Curator's exact behaviour, no timing involved."""

@@ -147,6 +147,7 @@ def _commit(completed: CompletedSet, files: dict[str, set[bytes]], sids: list[st
     completed.add(sids, origin)
 
 
+@pytest.mark.usefixtures("each_lookup")
 def test_a_merge_of_the_whole_overlay_keeps_what_was_added_while_it_was_built() -> None:
     completed, files = _files_set()
     _commit(completed, files, ["x", "y"], "w0")
@@ -160,6 +161,7 @@ def test_a_merge_of_the_whole_overlay_keeps_what_was_added_while_it_was_built() 
     assert completed.mergeable_recounted() == 1 == completed._mergeable
 
 
+@pytest.mark.usefixtures("each_lookup")
 def test_a_merge_that_leaves_ids_in_the_overlay_moves_only_the_ones_it_planned() -> None:
     # "a" and "b" share their whole hash: neither may move (the index could not tell them apart).
     completed, files = _files_set(lambda key: 7 if key in (b"a", b"b") else zlib.crc32(key) << 20)
@@ -174,6 +176,7 @@ def test_a_merge_that_leaves_ids_in_the_overlay_moves_only_the_ones_it_planned()
     assert completed.mergeable_recounted() == 3 == completed._mergeable
 
 
+@pytest.mark.usefixtures("each_lookup")
 def test_a_merge_leaves_ids_without_a_file_where_they_are() -> None:
     completed, files = _files_set(initial=("i",))
     _commit(completed, files, ["x", "y"], "w0")

@@ -7,12 +7,17 @@ import functools
 import zlib
 from pathlib import Path
 
+import pytest
+
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.compact import CompactIndex, Hasher, distinct_count
 from tally_server.domain.ports import DeleteCompleted, PutCompleted
 from tally_server.store.lmdb_files import LmdbCompletionStore
 
 EVERYTHING_COLLIDES = Hasher(lambda key: 0x5EED)
+
+# contains_many's two ways through the index (arrays, one id at a time) each hold to every rule here.
+pytestmark = pytest.mark.usefixtures("each_lookup")
 
 
 def loaded(store: LmdbCompletionStore, name: str, hasher: Hasher) -> CompletedSet:
