@@ -58,8 +58,9 @@ class ClientConfig:
             fewer, larger calls cost the coordinator less CPU per delta.
         max_buffered: Deltas a writer buffers before ``apply_deltas`` blocks for room.
         max_batches_in_flight: Most batches a writer has on the wire at once, when the
-            coordinator allows as many (over gRPC; one at a time otherwise): the next batch
-            travels while the coordinator applies the one before it, which still applies first.
+            coordinator allows as many (gRPC and HTTP; one at a time with an older one): the
+            next batch travels while the coordinator applies the one before it, which still
+            applies first. Over HTTP each batch on the wire has a connection of its own.
         flush_interval_s: Longest time a buffered delta waits before it is sent. Must stay well
             below the server's settle window (250 ms by default).
         retry_initial_s: First backoff delay after a retryable failure.
