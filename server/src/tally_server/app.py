@@ -354,10 +354,17 @@ async def _watch_store_contact(keeper: _Confirming, service: CoordinatorService)
         await asyncio.sleep(0.25)
 
 
+# uvicorn's HTTP/1.1 parser, named: left to itself ("auto") uvicorn takes httptools wherever that
+# happens to be installed, and httptools answers some malformed requests itself, in plain text
+# (a path of 100 KB: "Invalid HTTP request received."), where h11 lets Tally answer in its JSON.
+HTTP_PARSER = "h11"
+
+
 def http_config(app: Any, settings: Settings, ssl_options: dict[str, Any]) -> uvicorn.Config:
     """Uvicorn's configuration for a coordinator's HTTP app (no access log of its own, TLS as set)."""
     return uvicorn.Config(
         app,
+        http=HTTP_PARSER,
         log_config=None,
         access_log=False,
         lifespan="off",
@@ -636,6 +643,7 @@ async def _serve_as_replica(
             lock.holder,
             settings.max_message_bytes,
         ),
+        http=HTTP_PARSER,
         log_config=None,
         access_log=False,
         lifespan="off",
