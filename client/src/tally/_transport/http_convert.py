@@ -124,9 +124,9 @@ def columns_json(deltas: Sequence[Delta], head: Mapping[str, Any]) -> bytes | No
     """``{"columns": {...}, **head}`` of a non-empty batch as JSON, written directly; None when an
     id needs escaping.
 
-    A fifth of what zipping the batch into columns and ``json.dumps`` take for a batch of 1,000
-    plain ids, which the client spends per batch on the sender's thread. The deltas are ints (the
-    SDK validated them).
+    Less than half of what zipping the batch into columns and ``json.dumps`` take for a batch of
+    1,000 plain ids (0.24 against 0.53 ms), which the client spends per batch on the sender's
+    thread. The deltas are ints, not bools (the SDK validated them).
     """
     tasks, sources = _plain_json_strs(deltas, _TASK_ID), _plain_json_strs(deltas, _SOURCE_ID)
     if tasks is None or sources is None:
