@@ -1383,7 +1383,32 @@ done:
     return result;
 }
 
-/* ---- hash_rows: Python's hash of file keys, packed as rows of words --------------------------- */
+/* ---- hash_rows, pack_rows: a completion file's keys as rows of words ----------------------------- */
+
+/* The C-contiguous buffers of args[0 .. n - 1], the last one writable; on failure (an exception
+ * set) the ones taken are released and -1 is returned. */
+static int
+take_buffers(PyObject *const *args, Py_buffer *views, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | (i == n - 1 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(args[i], &views[i], flags) < 0) {
+            while (i-- > 0) {
+                PyBuffer_Release(&views[i]);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void
+release_buffers(Py_buffer *views, int n)
+{
+    for (int i = 0; i < n; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+}
 
 /* hash_rows(words, lengths, out): out[i] = hash(bytes of key i), where key i is the first
  * lengths[i] bytes of row i of words (n rows of the same number of little-endian 64-bit words, as
@@ -1402,30 +1427,23 @@ hash_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 #if !PY_LITTLE_ENDIAN
     Py_RETURN_FALSE;
 #else
-    Py_buffer words, lengths, out;
-    if (PyObject_GetBuffer(args[0], &words, PyBUF_C_CONTIGUOUS) < 0) {
+    Py_buffer view[3];
+    if (take_buffers(args, view, 3) < 0) {
         return NULL;
     }
-    if (PyObject_GetBuffer(args[1], &lengths, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&words);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&words);
-        PyBuffer_Release(&lengths);
-        return NULL;
-    }
+    const Py_buffer *words = &view[0], *lengths = &view[1], *out = &view[2];
     PyObject *result = NULL;
-    Py_ssize_t n = lengths.len / 8;
-    Py_ssize_t row = n > 0 ? words.len / n : 0; /* bytes per row */
-    if (lengths.len % 8 != 0 || out.len != lengths.len || (n > 0 && (words.len % n != 0 || row % 8 != 0))) {
+    Py_ssize_t n = lengths->len / 8;
+    Py_ssize_t row = n > 0 ? words->len / n : 0; /* bytes per row */
+    if (lengths->len % 8 != 0 || out->len != lengths->len ||
+        (n > 0 && (words->len % n != 0 || row % 8 != 0))) {
         PyErr_Format(PyExc_ValueError,
                      "hash_rows: %zd bytes of words, %zd of lengths and %zd of out do not make n rows of "
                      "words, n lengths and n hashes",
-                     words.len, lengths.len, out.len);
+                     words->len, lengths->len, out->len);
         goto done;
     }
-    const int64_t *len = (const int64_t *)lengths.buf;
+    const int64_t *len = (const int64_t *)lengths->buf;
     for (Py_ssize_t i = 0; i < n; i++) { /* every key inside its row: nothing read past it */
         if (len[i] < 0 || len[i] > row) {
             PyErr_Format(PyExc_ValueError, "hash_rows: key %zd of %lld bytes in a row of %zd", i,
@@ -1433,8 +1451,8 @@ hash_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    const char *base = (const char *)words.buf;
-    uint64_t *hashes = (uint64_t *)out.buf;
+    const char *base = (const char *)words->buf;
+    uint64_t *hashes = (uint64_t *)out->buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
 #if PY_VERSION_HEX >= 0x030E0000
@@ -1446,9 +1464,7 @@ hash_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_True);
 done:
-    PyBuffer_Release(&words);
-    PyBuffer_Release(&lengths);
-    PyBuffer_Release(&out);
+    release_buffers(view, 3);
     return result;
 #endif
 }
@@ -1469,14 +1485,10 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_FALSE;
 #else
     Py_buffer view[4];
-    int got = 0;
-    PyObject *result = NULL;
-    for (; got < 4; got++) {
-        int flags = PyBUF_C_CONTIGUOUS | (got == 3 ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(args[got], &view[got], flags) < 0) {
-            goto done;
-        }
+    if (take_buffers(args, view, 4) < 0) {
+        return NULL;
     }
+    PyObject *result = NULL;
     const Py_buffer *data = &view[0], *offsets = &view[1], *lengths = &view[2], *out = &view[3];
     Py_ssize_t n = lengths->len / 8;
     Py_ssize_t row = n > 0 ? out->len / n : 0;
@@ -1507,9 +1519,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_True);
 done:
-    while (got-- > 0) {
-        PyBuffer_Release(&view[got]);
-    }
+    release_buffers(view, 4);
     return result;
 #endif
 }
