@@ -18,7 +18,9 @@ actor calls recorded the same way are traces too (``tests/fixtures/``). Each row
   ``error`` when the writer refused the call;
 - ``batch``: what the coordinator answered for one batch the writer sent: ``batch_seq``, ``deltas``
   (how many: the next ones of the ``apply_deltas`` rows, in order), ``counts`` (``applied``,
-  ``skipped``, ``rewritten``, ``anomalies``, ``completed``), ``refused``, ``settled``;
+  ``skipped``, ``rewritten``, ``anomalies``, ``completed``), ``refused``, ``settled``; batch rows
+  come in the order the coordinator applied the batches (a writer with two on the wire records
+  an answer that came back early once the one before it is in);
 - ``close``: NeMo Curator's ``pending`` and ``completed`` at the end, or the writer's totals as the
   coordinator reported them (``counts``, ``incomplete_count``, ``incomplete_sources``), or ``error``.
 

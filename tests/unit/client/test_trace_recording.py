@@ -4,22 +4,26 @@ drop-in passing the driver's choice to its actor (a fake transport and a fake Ra
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tally._calls import BatchAnswer
 from tally._trace import TraceRecorder
+from tally._types import ApplyCounts, Delta, OpenedWriter, WriterSpec
 from tally.errors import InvalidArgument
 from tally.integrations.nemo_curator import TallyResumabilityProxy, tally_for_nemo_curator
 from tally.replay import read_trace, replay
 from tests.unit.client import test_nemo_integration as nemo
-from tests.unit.client.tally_fakes import FakeTransport, make_client
+from tests.unit.client.tally_fakes import FakeTransport, make_client, wait_state
 from tests.unit.client.test_nemo_integration import ADDRESS, FakeRay
 
 # The drop-in's fixtures: a fake transport, proxies' clients over it, and a fake Ray.
@@ -100,6 +104,39 @@ def test_a_refused_call_is_recorded_with_its_error(fake: FakeTransport, tmp_path
     assert [row["method"] for row in found][:3] == ["open", "apply_deltas", "apply_deltas"]
     assert found[2]["per_task"] == [] and "delta" in found[2]["error"]
     assert found[-1]["method"] == "close" and "error" in found[-1]
+
+
+def test_batch_rows_follow_the_order_batches_were_applied_not_the_order_answers_came_back(
+    fake: FakeTransport, tmp_path: Path
+) -> None:
+    """Two batches on the wire: the second's answer comes back first. Found in CI, where a
+    real writer's trace replayed with two mismatches; the trace must hold batch rows in the order
+    the coordinator applied them, which is the only order replay can follow."""
+    path = tmp_path / "t.jsonl"
+    client = make_client(fake, max_batch=2)
+    w = client.writer("cp", writer_id="w1", trace=path)
+    opened = fake.open_writer
+
+    def open_two_in_flight(spec: WriterSpec, timeout: float) -> OpenedWriter:
+        return dataclasses.replace(opened(spec, timeout), max_batches_in_flight=2)
+
+    def apply(handle: str, deltas: Sequence[Delta], batch_seq: int, timeout: float) -> BatchAnswer:
+        if batch_seq == 1:  # answered only once the second batch's answer is taken
+            wait_state(w, lambda: w._core.batches_sent >= 1)
+        completed = sum(d < 0 for _, _, d in deltas)  # each batch here completes what it closes
+        return BatchAnswer(ApplyCounts(applied=len(deltas), completed=completed))
+
+    fake.open_writer = open_two_in_flight  # type: ignore[method-assign]
+    fake.apply_deltas = apply  # type: ignore[method-assign]
+    w.open()
+    w.apply_deltas([("t1", "a", 1), ("t2", "a", -1), ("t3", "b", 1), ("t4", "c", 1)])
+    w.flush()
+    w.close()
+    client.close()
+    batches = [row for row in rows(path) if row["method"] == "batch"]
+    assert [(row["batch_seq"], row["counts"]["completed"]) for row in batches] == [(1, 1), (2, 0)]
+    [run] = replay(read_trace(path))  # (the fake's close reports no totals: only batches compared)
+    assert [s.line for s in run.mismatches if s.method == "batch"] == [] and run.completed == ["a"]
 
 
 def test_the_drop_in_passes_the_drivers_trace_to_its_actor(

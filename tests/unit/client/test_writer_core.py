@@ -159,17 +159,20 @@ def test_batches_in_flight_are_done_in_their_order_whatever_order_their_answers_
     core.accept(deltas(25), 0, may_wait=True)
     target = core.begin_flush()
     first, second = take(core), take(core)
-    core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10), settled=True))
+    assert core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10), settled=True)) == []
     assert core.done == 0 and core.health().buffered == 15  # not done until the first one is
     assert core.health().batches_sent == 1
     third = take(core)  # one slot is free again
     assert third.seq == 3 and len(third.deltas) == 5
-    core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10), settled=False))
-    # Both done now; the later answer (the second's) says whether the writer was settled.
+    # Both done now, in the order they were applied (the trace records them so; replay needs it);
+    # the later answer (the second's) says whether the writer was settled.
+    done = core.batch_ok(first, BatchAnswer(ApplyCounts(applied=10), settled=False))
+    assert done is not None and [b.seq for b in done] == [1, 2]
     assert core.done == 20 and core.settled_through(20)
-    core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5), settled=True))
+    done = core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5), settled=True))
+    assert done is not None and [b.seq for b in done] == [3]
     assert core.barrier_reached(target) and core.settled_through(target)
-    assert core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5))) is False  # answered already
+    assert core.batch_ok(third, BatchAnswer(ApplyCounts(applied=5))) is None  # answered already
 
 
 def test_a_failed_batch_goes_again_alone_once_the_batches_after_it_are_answered() -> None:
@@ -216,7 +219,7 @@ def test_a_refused_batch_with_another_in_flight_stops_the_writer_and_drops_the_r
     first, second = take(core), take(core)
     core.batch_failed(first, tally.InvalidArgument("bad batch"))
     assert core.done == 25 and core.dropped == 25 and core.health().buffered == 0
-    assert core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10))) is False  # discarded
+    assert core.batch_ok(second, BatchAnswer(ApplyCounts(applied=10))) is None  # discarded
     with pytest.raises(tally.InvalidArgument):
         core.raise_if_stopped()
 

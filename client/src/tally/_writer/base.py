@@ -233,19 +233,22 @@ class WriterBase:
         )
 
     def _batch_ok_locked(self, batch: Batch, answer: calls.BatchAnswer) -> None:
-        current = self._core.batch_ok(batch, answer)
-        if current and self._trace is not None:
-            # What the coordinator reported for the batch: it applies batches, not calls, and
+        done = self._core.batch_ok(batch, answer)
+        if done and self._trace is not None:
+            # What the coordinator reported for each batch: it applies batches, not calls, and
             # names no sources, so this (not a per-call newly_completed) is its side of the trace.
-            c = answer.counts
-            self._trace.record(
-                "batch",
-                batch_seq=batch.seq,
-                deltas=len(batch.deltas),
-                counts=dataclasses.asdict(c),
-                refused=answer.refused,
-                settled=answer.settled,
-            )
+            # Rows go in the order the batches were applied, which is not always the order their
+            # answers came back in (two are on the wire at once); replay relies on it.
+            for b in done:
+                assert b.answer is not None
+                self._trace.record(
+                    "batch",
+                    batch_seq=b.seq,
+                    deltas=len(b.deltas),
+                    counts=dataclasses.asdict(b.answer.counts),
+                    refused=b.answer.refused,
+                    settled=b.answer.settled,
+                )
 
     def _trace_are_completed(self, ids: list[str], result: list[bool]) -> None:
         self._trace_row("are_completed", source_ids=ids, result=result)

@@ -293,18 +293,24 @@ class WriterCore:
         """Whether ``batch`` is still waiting for its answer (not discarded meanwhile)."""
         return batch.answer is None and any(b is batch for b in self.window)
 
-    def batch_ok(self, batch: Batch, answer: calls.BatchAnswer) -> bool:
-        """Its answer came; returns False if the batch was discarded meanwhile (lease lost)."""
+    def batch_ok(self, batch: Batch, answer: calls.BatchAnswer) -> list[Batch] | None:
+        """Its answer came: the batches now done, in the order the coordinator applied them.
+
+        That is ``[]`` when one sent before it is still unanswered (the two answers may come back
+        in either order), and None if the batch was discarded meanwhile (lease lost).
+        """
         if not self._current(batch):
-            return False
+            return None
         batch.sending = False
         batch.answer = answer
         self.batches_sent += 1
         window = self.window
+        done_now: list[Batch] = []
         # Batches apply in order: an answered batch is done once every one before it is, and the
         # latest of those says whether the writer was settled when it applied.
         while window and window[0].answer is not None:
             done = window.popleft()
+            done_now.append(done)
             self.done += len(done.deltas)
             self._settled_done = self.done if done.answer is not None and done.answer.settled else -1
         if answer.refused:
@@ -325,7 +331,7 @@ class WriterCore:
                 _words.count(self._send_failures, "retry", "retries"),
             )
             self._send_failures = 0
-        return True
+        return done_now
 
     def batch_interrupted(self, batch: Batch) -> None:
         """The thread sending ``batch`` was interrupted before its answer: send it again now."""
