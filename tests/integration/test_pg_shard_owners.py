@@ -454,6 +454,36 @@ def test_a_paused_coordinators_shards_are_taken_over_and_it_writes_nothing_once_
             assert client.checkpoint(name).anomalies == 0
 
 
+def test_a_coordinator_paused_inside_a_commit_still_has_its_shard_taken_over(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """A commit reads its shard's epoch FOR KEY SHARE and holds that lock until it commits; a
+    coordinator paused between the two keeps it, and the takeover's epoch bump waited behind it for
+    ever (a full CI run once timed out so). The session holding the lock here stands in for the paused
+    one's commit session: the takeover ends it, and its uncommitted transaction with it."""
+    with sharded(tmp_path, postgres_url, 2, settle_ms=0, lease_ttl_s=60) as (paused, other):
+        shard = min(held(paused))
+        engine = sa.create_engine(store_url(postgres_url), poolclass=sa.pool.NullPool)
+        try:
+            conn = engine.connect()
+            conn.execute(sa.text(f"SELECT epoch FROM store_epoch WHERE id = {shard + 1} FOR KEY SHARE"))
+            paused.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: held(other) == set(range(SHARDS)), timeout=60, what="every shard taken over"
+                )
+                assert "ending the session(s) still holding" in other.log()
+                with pytest.raises(sa.exc.OperationalError):  # ended: its transaction rolled back
+                    conn.execute(sa.text("SELECT 1"))
+            finally:
+                paused.process.send_signal(signal.SIGCONT)
+                conn.invalidate()
+                conn.close()
+        finally:
+            engine.dispose()
+        wait_until(lambda: split([paused, other]), timeout=60, what="the shards split again")
+
+
 def test_three_coordinators_one_killed_one_stopped_writers_on_each_lose_nothing(
     tmp_path: Path, postgres_url: str
 ) -> None:

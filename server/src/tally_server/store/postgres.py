@@ -61,6 +61,18 @@ _BUMP_EPOCH = sa.text(
     "ON CONFLICT (id) DO UPDATE SET epoch = store_epoch.epoch + 1, holder = excluded.holder, "
     "since = excluded.since, renewed_at = excluded.renewed_at RETURNING epoch"
 )
+# The bump changes a key of the row (epoch is in a unique constraint), so it waits for every commit
+# holding the row FOR KEY SHARE (READ_EPOCH) to end. A live commit holds it for milliseconds; one of a
+# coordinator paused (SIGSTOP, a hung host) between its read and its COMMIT holds it for ever. The
+# lock is ours by then (the advisory lock is taken first), so whatever still holds the row after
+# ``BUMP_BLOCKED_S`` is a former holder's transaction: its session is ended, its transaction rolled
+# back (never acknowledged: it had not committed), and the bump goes on.
+BUMP_BLOCKED_S = 2.0
+_END_BLOCKERS = sa.text(
+    "SELECT b.pid, coalesce(a.application_name, '') AS application_name, a.state, "
+    "pg_terminate_backend(b.pid) AS ended "
+    "FROM unnest(pg_blocking_pids(:pid)) AS b(pid) LEFT JOIN pg_stat_activity a ON a.pid = b.pid"
+)
 # Renewing, keeping the epoch and letting go change ``renewed_at`` alone: FOR NO KEY UPDATE on the
 # row, which commits' FOR KEY SHARE reads do not hold up (see READ_EPOCH).
 _RENEW = sa.text(f"UPDATE store_epoch SET renewed_at = {_DB_NOW} WHERE id = :id AND epoch = :epoch")
@@ -708,9 +720,7 @@ class StoreLock:
                         now = conn.execute(_EPOCH_NOW, self._id).scalar()
                         raise StoreTakenMeanwhile(self.url, self.epoch, now, self._named)
                 else:
-                    self.epoch = conn.execute(
-                        _BUMP_EPOCH, {**self._id, "holder": self.holder, "since": time.time()}
-                    ).scalar_one()
+                    self.epoch = self._bump(conn)
             except BaseException:
                 conn.close()
                 raise
@@ -721,6 +731,56 @@ class StoreLock:
             engine.dispose()
             raise
         self._engine, self._conn = engine, conn
+
+    def _bump(self, conn: Connection) -> int:
+        """Bump the epoch on the lock's session ``conn``, ending sessions that hold its row up."""
+        pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        done = threading.Event()
+        watch = threading.Thread(
+            target=self._end_blockers, args=(pid, done), name="tally-epoch-bump", daemon=True
+        )
+        watch.start()
+        try:
+            epoch: int = conn.execute(
+                _BUMP_EPOCH, {**self._id, "holder": self.holder, "since": time.time()}
+            ).scalar_one()
+            return epoch
+        finally:
+            done.set()
+            watch.join()
+
+    def _end_blockers(self, pid: int, done: threading.Event) -> None:
+        """While session ``pid``'s bump waits, end the sessions it waits for (see ``BUMP_BLOCKED_S``)."""
+        engine = create_engine(self.url, pooled=False, autocommit=True)
+        told = False
+        try:
+            while not done.wait(BUMP_BLOCKED_S):
+                try:
+                    with engine.connect() as other:
+                        blockers = other.execute(_END_BLOCKERS, {"pid": pid}).all()
+                except TRANSIENT as exc:
+                    if not told:
+                        logger.warning(
+                            "taking %s: could not end the sessions holding its epoch row (%s); "
+                            "trying again while the bump waits",
+                            _of_store(self.url, self._named),
+                            cause(exc),
+                        )
+                        told = True
+                    continue
+                for row in blockers:
+                    logger.warning(
+                        "taking %s: ending the session(s) still holding its epoch row after %.0f s "
+                        "(pid %s, %s, %s: a commit of a paused or hung coordinator?); its transaction "
+                        "is rolled back",
+                        _of_store(self.url, self._named),
+                        BUMP_BLOCKED_S,
+                        row.pid,
+                        row.application_name or "a session that did not name itself",
+                        row.state or "state unknown",
+                    )
+        finally:
+            engine.dispose()
 
     def _defer_to_incumbent(self, conn: Connection, back_for: float) -> None:
         """Raise ``_Deferring`` if the lock is free but its holder may still be taking it back."""
