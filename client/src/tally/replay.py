@@ -20,7 +20,8 @@ actor calls recorded the same way are traces too (``tests/fixtures/``). Each row
   (how many: the next ones of the ``apply_deltas`` rows, in order), ``counts`` (``applied``,
   ``skipped``, ``rewritten``, ``anomalies``, ``completed``), ``refused``, ``settled``; batch rows
   come in the order the coordinator applied the batches (a writer with two on the wire records
-  an answer that came back early once the one before it is in);
+  an answer that came back early once the one before it is in; replay puts rows of older SDKs,
+  recorded as the answers came, back in ``batch_seq`` order);
 - ``close``: NeMo Curator's ``pending`` and ``completed`` at the end, or the writer's totals as the
   coordinator reported them (``counts``, ``incomplete_count``, ``incomplete_sources``), or ``error``.
 
@@ -339,8 +340,31 @@ def replay(rows: Sequence[Row]) -> list[Run]:
     return [_replay_run(run) for run in split_runs(rows)]
 
 
+def _in_applied_order(rows: Sequence[Row]) -> tuple[list[Row], set[int]]:
+    """``rows`` with the batch rows in ``batch_seq`` order, each in the place of one of them, and
+    the lines of those moved.
+
+    The coordinator applies a writer's batches in that order. A writer with two batches on the
+    wire records an answer that came back early once the one before it is in; SDKs before that
+    fix recorded answers as they came, which replay would otherwise take as mismatches.
+    """
+    places = [i for i, row in enumerate(rows) if row.method == "batch"]
+    batches = [rows[i] for i in places]
+    if not all(isinstance(row.data.get("batch_seq"), int) for row in batches):
+        return list(rows), set()
+    ordered = sorted(batches, key=lambda row: row.data["batch_seq"])
+    out = list(rows)
+    moved: set[int] = set()
+    for i, row in zip(places, ordered, strict=True):
+        if rows[i] is not row:
+            moved.add(row.line)
+        out[i] = row
+    return out, moved
+
+
 def _replay_run(rows: Sequence[Row]) -> Run:
     batched = any(row.method in ("open", "batch") for row in rows)
+    rows, moved = _in_applied_order(rows)
     run = Run(writer=rows[0].data.get("writer"), mode="batch" if batched else "call")
     rules = Rules()
     queue: deque[Delta] = deque()  # recorded deltas not yet in a batch row (batch mode)
@@ -386,6 +410,9 @@ def _replay_run(rows: Sequence[Row]) -> Run:
         elif method == "batch":
             _replay_batch(step, data, queue, rules, run)
             started = started or step.deltas > 0
+            if row.line in moved:
+                reorder = "replayed in batch_seq order (its answer was recorded out of that order)"
+                step.note = f"{step.note}; {reorder}" if step.note else reorder
         elif method == "close":
             _replay_close(step, data, rules, run, queue)
         run.steps.append(step)

@@ -177,6 +177,27 @@ def test_a_tally_trace_is_replayed_batch_by_batch_and_checked_against_the_coordi
     assert "DIFFERS (line 4): the coordinator completed 2 sources, the rules complete 1" in result.output
 
 
+def test_batch_rows_recorded_out_of_order_are_replayed_in_batch_seq_order(tmp_path: Path) -> None:
+    """Two batches on the wire, the second's answer recorded first (as SDKs before the fix did):
+    replay applies them in the order the coordinator did, and says so."""
+    rows = tally_rows(
+        "w1",
+        0,
+        {"method": "apply_deltas", "per_task": [["a", "a", 1], ["a1", "a", -1]]},  # batch 1: a done
+        {"method": "apply_deltas", "per_task": [["b", "b", 1], ["c", "c", 1]]},  # batch 2: nothing
+        {**batch(2, 0), "batch_seq": 2},
+        {**batch(2, 1), "batch_seq": 1},
+        {"method": "apply_deltas", "per_task": [["b1", "b", -1]]},
+        {**batch(1, 1), "batch_seq": 3},
+        {"method": "close", "counts": {"completed": 2}, "incomplete_count": 1},
+    )
+    [run] = replay(read_trace(write(tmp_path / "t.jsonl", rows)))
+    assert run.mismatches == [] and run.completed == ["a", "b"]
+    steps = [s for s in run.steps if s.method == "batch"]
+    assert [(s.line, s.completed) for s in steps] == [(5, ["a"]), (4, []), (7, ["b"])]
+    assert ["batch_seq order" in (s.note or "") for s in steps] == [True, True, False]
+
+
 def test_with_a_settle_window_batches_are_not_compared_but_totals_at_close_are(tmp_path: Path) -> None:
     rows = tally_rows(
         "w1",
