@@ -472,7 +472,7 @@ def test_a_coordinator_paused_inside_a_commit_still_has_its_shard_taken_over(
                 wait_until(
                     lambda: held(other) == set(range(SHARDS)), timeout=60, what="every shard taken over"
                 )
-                assert "ending the session(s) still holding" in other.log()
+                assert "ending a session still holding its epoch row" in other.log()
                 with pytest.raises(sa.exc.OperationalError):  # ended: its transaction rolled back
                     conn.execute(sa.text("SELECT 1"))
             finally:

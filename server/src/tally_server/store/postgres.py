@@ -770,7 +770,7 @@ class StoreLock:
                     continue
                 for row in blockers:
                     logger.warning(
-                        "taking %s: ending the session(s) still holding its epoch row after %.0f s "
+                        "taking %s: ending a session still holding its epoch row after %.0f s "
                         "(pid %s, %s, %s: a commit of a paused or hung coordinator?); its transaction "
                         "is rolled back",
                         _of_store(self.url, self._named),
