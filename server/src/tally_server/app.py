@@ -360,15 +360,20 @@ async def _watch_store_contact(keeper: _Confirming, service: CoordinatorService)
 HTTP_PARSER = "h11"
 
 
-def http_config(app: Any, settings: Settings, ssl_options: dict[str, Any]) -> uvicorn.Config:
-    """Uvicorn's configuration for a coordinator's HTTP app (no access log of its own, TLS as set)."""
+def http_config(
+    app: Any, settings: Settings, ssl_options: dict[str, Any], *, grace_s: int | None = None
+) -> uvicorn.Config:
+    """Uvicorn's configuration for a coordinator's HTTP app (no access log of its own, TLS as set).
+
+    ``grace_s``: seconds open requests get at shutdown (default: the settings' shutdown grace).
+    """
     return uvicorn.Config(
         app,
         http=HTTP_PARSER,
         log_config=None,
         access_log=False,
         lifespan="off",
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        timeout_graceful_shutdown=grace_s if grace_s is not None else int(settings.shutdown_grace_s) or None,
         **ssl_options,
     )
 
@@ -632,24 +637,17 @@ async def _serve_as_replica(
         timeout=httpx.Timeout(None, connect=5.0),
         verify=_peer_tls(settings) or True,
     )
-    config = uvicorn.Config(
-        replica.http_app(
-            route,
-            metrics,
-            client,
-            "https" if settings.tls else "http",
-            authorizer,
-            reads,
-            lock.holder,
-            settings.max_message_bytes,
-        ),
-        http=HTTP_PARSER,
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=1,
-        **ssl_options,
+    app = replica.http_app(
+        route,
+        metrics,
+        client,
+        "https" if settings.tls else "http",
+        authorizer,
+        reads,
+        lock.holder,
+        settings.max_message_bytes,
     )
+    config = http_config(app, settings, ssl_options, grace_s=1)
     http = _Uvicorn(config)
     halt = threading.Event()
     await asyncio.to_thread(replica.poll_owner, board, route)
