@@ -224,3 +224,71 @@ def test_a_journal_stays_bounded_however_long_its_writer_runs(tmp_path: Path) ->
             with tally.Client(second.grpc_address) as fresh:
                 assert fresh.are_completed("restart/bounded", [f"s{i}" for i in range(20)]) == [True] * 20
     assert len(nemo_read(data / "checkpoints" / "restart" / "bounded")) == 20
+
+
+def test_a_close_sent_again_is_answered_as_the_first_even_across_a_restart(tmp_path: Path) -> None:
+    """A close whose answer was lost (a connection cut, a coordinator killed right after it) is sent
+    again by the SDK: it must get the close's answer, not NOT_FOUND, which the SDK reports as a lost
+    lease although the writer closed cleanly (found by bench/faults.py kill9, seed 301)."""
+    data = tmp_path / "data"
+    checkpoint = "restart/close"
+    deltas = [("a", "x", 1), ("b", "x", -1), ("c", "y", 1)]  # x completes, y is left incomplete
+    body = {"deltas": [{"task_id": t, "source_id": s, "delta": d} for t, s, d in deltas]}
+    with running_server(data, settle_ms=250) as first:
+        with httpx.Client(base_url=first.http_url, timeout=10) as http:
+            opened = http.post("/v1/writers", json={"checkpoint": checkpoint, "writer_id": "w"})
+            handle = opened.json()["handle"]
+            assert http.post(f"/v1/writers/{handle}/deltas", json=body).status_code == 200
+            closed = http.post(f"/v1/writers/{handle}/close")
+            assert closed.status_code == 200, closed.text
+            answer = closed.json()
+            # x was settling: the close completed it.
+            assert answer["counts"]["completed"] == 1 and answer["incomplete_count"] == 1
+            assert answer["incomplete_sources"] == ["y"]
+            again = http.post(f"/v1/writers/{handle}/close")
+            assert (again.status_code, again.json()) == (200, answer)
+        with grpc.insecure_channel(first.grpc_address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            reply = stub.CloseWriter(pb.CloseWriterRequest(handle=handle))
+            assert (reply.counts.applied, reply.counts.completed, reply.incomplete_count) == (3, 1, 1)
+            assert list(reply.incomplete_sources) == ["y"]
+        first.kill()  # right after the close: its journal is gone, the writer is not restored
+    with restarted(data, first, settle_ms=250) as second:
+        with httpx.Client(base_url=second.http_url, timeout=10) as http:
+            assert http.get(f"/v1/checkpoints/{checkpoint}").json()["live_writers"] == 0
+            after = http.post(f"/v1/writers/{handle}/close")
+            assert after.status_code == 200, after.text
+            # From the writer's registry row: the counts and how many were left incomplete.
+            assert after.json() == {**answer, "incomplete_sources": []}
+            unknown = http.post("/v1/writers/0123456789abcdef0123456789abcdef/close")
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "NOT_FOUND"
+            # Deltas for the closed writer are still refused: only its close is answered again.
+            refused = http.post(f"/v1/writers/{handle}/deltas", json=body)
+            assert refused.status_code == 404
+        with grpc.insecure_channel(second.grpc_address) as channel:
+            reply = pb_grpc.CoordinatorStub(channel).CloseWriter(pb.CloseWriterRequest(handle=handle))
+            assert (reply.counts.applied, reply.counts.completed, reply.incomplete_count) == (3, 1, 1)
+        with tally.Client(second.grpc_address) as client:
+            assert client.are_completed(checkpoint, ["x", "y"]) == [True, False]
+
+
+def test_a_writer_whose_lease_ran_out_is_still_unknown_to_a_late_close(tmp_path: Path) -> None:
+    """Only closes by the writer's client are answered again: a close for a writer whose lease ran
+    out (its pending state dropped) still says NOT_FOUND, before and after a restart."""
+    data = tmp_path / "data"
+    with running_server(data, settle_ms=0, lease_ttl_s=TTL) as first:
+        with httpx.Client(base_url=first.http_url, timeout=10) as http:
+            opened = http.post("/v1/writers", json={"checkpoint": "restart/late", "writer_id": "late"})
+            handle = opened.json()["handle"]
+            wait_until(
+                lambda: http.get("/v1/checkpoints/restart/late").json()["live_writers"] == 0,
+                timeout=20 * TTL,
+                what="the silent writer expired",
+            )
+            late = http.post(f"/v1/writers/{handle}/close")
+            assert late.status_code == 404 and late.json()["error"]["code"] == "NOT_FOUND"
+        first.terminate()  # graceful: the expired writer's registry row is written before it exits
+    with restarted(data, first, settle_ms=0, lease_ttl_s=TTL) as second:
+        with httpx.Client(base_url=second.http_url, timeout=10) as http:
+            late = http.post(f"/v1/writers/{handle}/close")
+            assert late.status_code == 404 and late.json()["error"]["code"] == "NOT_FOUND"

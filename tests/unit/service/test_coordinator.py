@@ -24,6 +24,7 @@ from tally_server.domain.ports import (
 from tally_server.domain.validation import Limits
 from tally_server.errors import NotFound, Unavailable
 from tally_server.service import CoordinatorService
+from tally_server.service import writers as writers_module
 from tally_server.store.journal_log import LogJournal
 from tally_server.store.lmdb_files import LmdbCompletionStore
 from tally_server.store.registry import SqlRegistry, default_sqlite_url
@@ -198,6 +199,44 @@ def test_close_waits_for_a_completion_commit_already_in_flight(tmp_path: Path) -
 
     run(tmp_path, scenario)
     assert nemo_read(tmp_path / "checkpoints" / "unit" / "close") == {"a"}
+
+
+def test_a_close_sent_again_gets_the_first_answer_from_memory_then_from_the_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers of the latest closes are kept (the sources they list included) within bounds; an
+    answer dropped from memory comes from the writer's registry row (counts and how many sources
+    were left incomplete). Two closes of one writer at once get the same answer."""
+    monkeypatch.setattr(writers_module, "CLOSED_ANSWERS_KEPT", 2)
+    monkeypatch.setattr(writers_module, "CLOSED_ANSWERS_SOURCES_KEPT", 3)
+
+    async def scenario(h: Harness) -> None:
+        svc = h.service
+        handles = []
+        for i in range(3):
+            opened = await svc.open_writer("unit/again", writer_id=f"w{i}")
+            await svc.apply_deltas(opened.handle, tree(f"a{i}") + [(f"t{i}", f"left{i}", 1)])
+            handles.append(opened.handle)
+        both = await asyncio.gather(svc.close_writer(handles[0]), svc.close_writer(handles[0]))
+        assert both[0] == both[1]
+        assert both[0].incomplete_sources == ["left0"] and both[0].counts.completed == 1
+        for handle in handles[1:]:
+            await svc.close_writer(handle)
+        # w1 and w2 are the two answers kept; w0's was dropped: its registry row answers.
+        assert (await svc.close_writer(handles[2])).incomplete_sources == ["left2"]
+        again = await svc.close_writer(handles[0])
+        assert again.incomplete_sources == [] and again.incomplete_count == 1
+        assert again.counts == both[0].counts
+        # Still NOT_FOUND: a handle never opened, and every other call of a closed writer.
+        with pytest.raises(NotFound):
+            await svc.close_writer("0123456789abcdef0123456789abcdef")
+        with pytest.raises(NotFound):
+            await svc.apply_deltas(handles[0], tree("late"))
+        # The answer handed out is a copy: changing it changes no later answer.
+        again.incomplete_sources.append("mine")
+        assert (await svc.close_writer(handles[2])).incomplete_sources == ["left2"]
+
+    run(tmp_path, scenario)
 
 
 def test_closing_completes_every_settling_source_at_once(tmp_path: Path) -> None:

@@ -83,6 +83,10 @@ def test_writers_upsert_list_round_trip(registry: SqlRegistry) -> None:
     registry.write_batch(writers=[a_later])
 
     assert registry.list_writers("run") == [a_later, b]
+    # By handle (a close sent again after a restart is answered from there).
+    assert registry.find_writer("h-a") == a_later
+    assert registry.find_writer("h-c") == other
+    assert registry.find_writer("h-missing") is None
 
 
 def test_mark_open_writers(registry: SqlRegistry) -> None:

@@ -209,7 +209,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseWriter(self, request, context):
-        """Flush, finalize settling sources, drop pending state; reports what was left incomplete.
+        """Flush, finalize settling sources, drop pending state; reports what was left incomplete. A close
+        sent again (its answer was lost) gets the same answer, also after a coordinator restart.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class CoordinatorStub:
     Flush: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.FlushRequest, _coordinator_pb2.FlushResponse]
     """Barrier: every delta sent before it is applied, every resulting completion is durable."""
     CloseWriter: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CloseWriterRequest, _coordinator_pb2.CloseWriterResponse]
-    """Flush, finalize settling sources, drop pending state; reports what was left incomplete."""
+    """Flush, finalize settling sources, drop pending state; reports what was left incomplete. A close
+    sent again (its answer was lost) gets the same answer, also after a coordinator restart.
+    """
     GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.CheckpointStatus]
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListCheckpointsRequest, _coordinator_pb2.ListCheckpointsResponse]
     """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own)."""
@@ -113,7 +115,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Flush: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.FlushRequest, _coordinator_pb2.FlushResponse]  # type: ignore[assignment]
     """Barrier: every delta sent before it is applied, every resulting completion is durable."""
     CloseWriter: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CloseWriterRequest, _coordinator_pb2.CloseWriterResponse]  # type: ignore[assignment]
-    """Flush, finalize settling sources, drop pending state; reports what was left incomplete."""
+    """Flush, finalize settling sources, drop pending state; reports what was left incomplete. A close
+    sent again (its answer was lost) gets the same answer, also after a coordinator restart.
+    """
     GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.CheckpointStatus]  # type: ignore[assignment]
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListCheckpointsRequest, _coordinator_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     """Checkpoints by name in byte order, paged with after/next_after (a scoped token sees its own)."""
@@ -210,7 +214,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CloseWriterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CloseWriterResponse, _abc.Awaitable[_coordinator_pb2.CloseWriterResponse]]:
-        """Flush, finalize settling sources, drop pending state; reports what was left incomplete."""
+        """Flush, finalize settling sources, drop pending state; reports what was left incomplete. A close
+        sent again (its answer was lost) gets the same answer, also after a coordinator restart.
+        """
 
     @_abc_1.abstractmethod
     def GetCheckpoint(

@@ -314,6 +314,9 @@ class Registry(Protocol):
     def list_writers(self, checkpoint: str) -> list[WriterRecord]:
         """The checkpoint's writers, oldest first."""
 
+    def find_writer(self, handle: str) -> WriterRecord | None:
+        """The writer whose handle this is, or None."""
+
     def mark_open_writers(
         self,
         state: str,

@@ -8,6 +8,7 @@ closes writers that went quiet (opening one is in ``opening``, the commit path i
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from tally_server.domain.events import EventKind
 from tally_server.domain.journal import Applied, Persisted
 from tally_server.domain.leases import expired
 from tally_server.domain.ledger import ApplyCounts, Delta
-from tally_server.domain.ports import CompletionOp, CursorRecord, DeleteCompleted, PutCompleted
+from tally_server.domain.ports import CompletionOp, CursorRecord, DeleteCompleted, PutCompleted, WriterRecord
 from tally_server.domain.words import count
 from tally_server.errors import FailedPrecondition, NotFound, Unavailable
 from tally_server.service.checkpoints import CheckpointTable
@@ -46,6 +47,18 @@ PREVIOUS_BATCH_WAIT_S = 1.0
 RELEASED_KEPT_S = 600.0
 # Anomalies of one batch that are events of their own; the rest of the batch's are one event.
 ANOMALY_EVENTS_PER_BATCH = 20
+# Answers of the latest closes kept in memory, so that a close sent again (its answer was lost) is
+# answered as the first was; after a restart, or once dropped from here, the writer's registry row
+# answers instead. At most this many answers, listing at most this many sources in all.
+CLOSED_ANSWERS_KEPT = 10_000
+CLOSED_ANSWERS_SOURCES_KEPT = 100_000
+# How long a client's close waits for the registry to record the writer closed before answering
+# (the row a close sent again after a restart is answered from); then the row is written behind.
+CLOSED_ROW_WAIT_S = 2.0
+# Handles longer than this are never looked up in the registry (one is 32 hex digits and a shard tag).
+HANDLE_LOOKUP_MAX_CHARS = 256
+
+log = logging.getLogger(__name__)
 
 
 class Writers:
@@ -67,6 +80,9 @@ class Writers:
         self._claims = claims
         # Handles whose registry row should be refreshed (last heartbeat) at the next flush.
         self._dirty: set[str] = set()
+        # The answers of the latest closes by their clients, by handle, oldest first.
+        self._closed: dict[str, ClosedWriter] = {}
+        self._closed_listed = 0  # incomplete sources their answers list, in all
         # The checkpoints of writers let go with them (``CoordinatorService.release``), by handle,
         # with when (``real_clock``), oldest first.
         self._released: dict[str, tuple[str, float]] = {}
@@ -365,9 +381,41 @@ class Writers:
         return session.ledger.totals.completed
 
     async def close_writer(self, handle: str) -> ClosedWriter:
-        """Close a writer at its client's request."""
+        """Close a writer at its client's request.
+
+        A close sent again once the writer is closed (its answer was lost: a connection cut, a
+        coordinator restart) is answered as the first one was, not refused as unknown: the client
+        would otherwise report a lost lease for a writer that closed cleanly. From memory while this
+        coordinator runs; after a restart from the writer's registry row (its counts and how many
+        sources it left incomplete; the list of them is not kept).
+        """
         self._core.check_accepting()
-        return await self.close(self.session(handle), WriterState.CLOSED, "closed by its client")
+        answered = self._closed.get(handle)
+        if answered is not None:
+            return _copy(answered)
+        try:
+            session = self.session(handle)
+        except NotFound:
+            closed = await self._closed_before(handle)
+            if closed is None:
+                raise
+            return closed
+        return await self.close(session, WriterState.CLOSED, "closed by its client")
+
+    async def _closed_before(self, handle: str) -> ClosedWriter | None:
+        """The answer to a close of ``handle`` from its registry row, if its client closed it."""
+        if not 0 < len(handle) <= HANDLE_LOOKUP_MAX_CHARS:
+            return None
+        try:
+            record = await self._core.registry_read(self._core.registry.find_writer, handle)
+        except Exception as exc:  # the registry is down: the handle is unknown here, as before
+            log.warning("could not look up closed writer handle %s in the registry: %s", handle, exc)
+            return None
+        if record is None or record.state != WriterState.CLOSED:
+            return None
+        r = record
+        counts = ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed)
+        return ClosedWriter(counts, [], r.pending_sources)
 
     async def close(self, session: Session, state: WriterState, why: str) -> ClosedWriter:
         """End a session: a client's close completes its settling sources; the others drop them."""
@@ -375,6 +423,9 @@ class Writers:
         async with session.lock:
             # Not in the table: closed meanwhile, or let go with its checkpoint (``release``).
             if session.state != WriterState.OPEN or core.sessions.get(session.handle) is not session:
+                answered = self._closed.get(session.handle) if state == WriterState.CLOSED else None
+                if answered is not None:  # the same close twice at once: both get its answer
+                    return _copy(answered)
                 raise NotFound(f"writer {session.writer_id!r} is already closed")
             cp = self._checkpoints[session.checkpoint]
             if state == WriterState.CLOSED:
@@ -393,7 +444,8 @@ class Writers:
             self._dirty.discard(session.handle)
             now = core.wall()
             cp.last_activity_at = now
-            core.bookkeeping.writer(session.record(now))
+            record = session.record(now)
+            core.bookkeeping.writer(record)
             core.event(
                 cp.name,
                 EventKind(f"writer_{state}"),
@@ -402,19 +454,47 @@ class Writers:
                 session.writer_id,
                 incomplete=len(incomplete),
             )
+            closed = ClosedWriter(
+                replace(session.ledger.totals), incomplete[:MAX_INCOMPLETE_LISTED], len(incomplete)
+            )
+            if state == WriterState.CLOSED:
+                self._keep_answer(session.handle, closed)
             await session.notify()
+        if state == WriterState.CLOSED:
+            # Before its journal goes: once a restart no longer brings the writer back, its row
+            # says it was closed, and a close sent again is answered from there.
+            await self._record_closed(record)
         await self.durability.forget(session)
         # Its files closed before a merge behind the close starts competing for the GIL.
         last = not core.sessions.live(cp.name)
         await self.durability.release_files(session, last=last)
         if last and not core.sessions.live(cp.name):
             self._checkpoints.merge_at_rest(cp)
-        totals = session.ledger.totals
-        return ClosedWriter(
-            ApplyCounts(totals.applied, totals.skipped, totals.rewritten, totals.anomalies, totals.completed),
-            incomplete[:MAX_INCOMPLETE_LISTED],
-            len(incomplete),
-        )
+        return _copy(closed)
+
+    def _keep_answer(self, handle: str, closed: ClosedWriter) -> None:
+        """Keep a close's answer for a close sent again; the oldest go beyond the bounds."""
+        self._closed[handle] = closed
+        self._closed_listed += len(closed.incomplete_sources)
+        while len(self._closed) > CLOSED_ANSWERS_KEPT or self._closed_listed > CLOSED_ANSWERS_SOURCES_KEPT:
+            oldest = self._closed.pop(next(iter(self._closed)))
+            self._closed_listed -= len(oldest.incomplete_sources)
+
+    async def _record_closed(self, record: WriterRecord) -> None:
+        """Write a closed writer's registry row now (it stays queued behind too, should this fail)."""
+        core = self._core
+        try:
+            await asyncio.wait_for(
+                core.registry_write(lambda: core.registry.write_batch(writers=[record])), CLOSED_ROW_WAIT_S
+            )
+        except Exception as exc:
+            log.warning(
+                "could not record writer %s closed in the registry before answering its close (%s); "
+                "the row is written behind, and until then a close sent again after a restart is "
+                "told the writer is unknown",
+                record.writer_id,
+                exc or type(exc).__name__,
+            )
 
     # ------------------------------------------------------------------ background steps
 
@@ -471,3 +551,8 @@ class Writers:
             session = self._core.sessions.get(handle)
             if session is not None and session.state == WriterState.OPEN:
                 self._core.bookkeeping.writer(session.record())
+
+
+def _copy(closed: ClosedWriter) -> ClosedWriter:
+    """A close's answer to hand out (the kept one stays as it is, whoever changes theirs)."""
+    return ClosedWriter(replace(closed.counts), list(closed.incomplete_sources), closed.incomplete_count)

@@ -175,6 +175,13 @@ class SqlRegistry:
         return [writer_record(row) for row in rows]
 
     @_transient_as_unavailable
+    def find_writer(self, handle: str) -> WriterRecord | None:
+        """The writer whose handle this is, or None."""
+        with self._engine.connect() as conn:
+            row = conn.execute(sa.select(writers_table).where(writers_table.c.handle == handle)).first()
+        return writer_record(row) if row is not None else None
+
+    @_transient_as_unavailable
     def mark_open_writers(
         self,
         state: str,

@@ -110,7 +110,11 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
         dependencies=[Depends(guard.requires("CloseWriter"))],
     )
     async def close_writer(handle: s.HandleParam) -> ClosedWriter:
-        """Flush, complete settling sources, drop pending state; lists what was left incomplete."""
+        """Flush, complete settling sources, drop pending state; lists what was left incomplete.
+
+        A close sent again (its answer was lost) gets the same answer, also after a coordinator
+        restart (then without the list: `incomplete_count` says how many).
+        """
         return await service.close_writer(handle)
 
 
