@@ -177,7 +177,8 @@ class CloseResult:
     Attributes:
         counts: Totals of what the writer's deltas did.
         incomplete_sources: Sources still pending at close (as many as the server lists); they
-            replay on the next run.
+            replay on the next run. Empty when the close's first answer was lost in a coordinator
+            restart and the restarted coordinator answered it again (``incomplete_count`` holds).
         incomplete_count: How many sources were still pending in total.
     """
 
