@@ -25,6 +25,8 @@ from tally._transport.grpc import DETAILS_METADATA_KEY, AsyncGrpcTransport, Grpc
 from tally._types import WriterSpec
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.polling import wait_until
+from tests.unit.client.dropping_listener import dropping_listener
 
 SPEC = WriterSpec("cp/a", "w1", {"pipeline": "h1"}, {"team": "x"}, "host1", 42)
 
@@ -330,6 +332,30 @@ def test_a_coordinator_that_refused_a_call_itself_was_reached_and_a_refused_conn
     finally:
         transport.close()
         server.stop(None)
+
+
+def test_a_connection_that_broke_mid_call_was_reached_and_a_refused_connection_is_retried() -> None:
+    """A coordinator killed while it answered a client's very first call (a writer opening during a
+    restart) broke an open connection: something listened, so the refusals while it restarts are an
+    outage to retry, not "no coordinator listens here" (found by bench/faults.py kill9)."""
+    with dropping_listener() as (port, down):
+        transport = GrpcTransport(f"127.0.0.1:{port}")
+        try:
+            with pytest.raises(tally.Unavailable) as broke:
+                transport.send(calls.GetCheckpoint("c"), 5)
+            assert not isinstance(broke.value, NeverReached)
+            down()
+            wait_until(lambda: _refused(transport), timeout=30, what="a refused connection")
+        finally:
+            transport.close()
+
+
+def _refused(transport: GrpcTransport) -> bool:
+    """Call once more: True once the port refused the connection (never as NeverReached)."""
+    with pytest.raises(tally.Unavailable) as err:
+        transport.send(calls.GetCheckpoint("c"), 5)
+    assert not isinstance(err.value, NeverReached), err.value.message
+    return "Connection refused" in err.value.message
 
 
 def test_call_on_a_closed_channel_is_unavailable(grpc_server: tuple[str, Servicer]) -> None:

@@ -17,6 +17,7 @@ from tally import _calls as calls
 from tally._transport.contact import NeverReached
 from tally._transport.http import AsyncHttpTransport, HttpTransport
 from tally._types import CheckpointPage, WriterSpec
+from tests.unit.client.dropping_listener import dropping_listener
 
 CHECKPOINT_JSON = {
     "name": "curation/run 42",
@@ -312,6 +313,23 @@ def test_unreachable_http_coordinator_is_unavailable() -> None:
     with pytest.raises(NeverReached, match="no Tally coordinator is listening at http://127.0.0.1:1") as info:
         transport.send(calls.Flush("h"), 2)
     assert "unreachable" in info.value.refused.message
+
+
+def test_a_connection_that_broke_mid_call_was_reached_and_a_refused_connection_is_retried() -> None:
+    """A coordinator killed while it answered a client's very first request broke an open
+    connection: the refusal while it restarts is an outage, not NeverReached (bench/faults.py kill9)."""
+    with dropping_listener() as (port, down):
+        transport = HttpTransport(f"http://127.0.0.1:{port}")
+        try:
+            with pytest.raises(tally.Unavailable, match="Server disconnected") as broke:
+                transport.send(calls.GetCheckpoint("c"), 5)
+            assert not isinstance(broke.value, NeverReached)
+            down()
+            with pytest.raises(tally.Unavailable, match="Connection refused") as refused:
+                transport.send(calls.GetCheckpoint("c"), 5)
+            assert not isinstance(refused.value, NeverReached)
+        finally:
+            transport.close()
 
 
 def test_async_http_transport_speaks_the_same_contract_without_threads(

@@ -5,7 +5,8 @@ there (a new user who did not start one, a wrong port), and retrying it for the 
 timeout only hides that for half a minute. So each transport keeps a :class:`FirstContact`: until
 the coordinator has answered once, a refused connection raises :class:`NeverReached`, which the
 retry layers (``tally._retry``, a watch's reconnect) pass on instead of retrying. Once it has
-answered, a refused connection is an outage (a restart, an upgrade) and is retried as before.
+answered, or broke an open connection mid-call (killed while answering), a refused connection is
+an outage (a restart, an upgrade) and is retried as before.
 
 A client that may start before its coordinator, or while it restarts (a SLURM task, a pod started
 beside the coordinator), gives the first contact a grace period (``ClientConfig.connect_wait``,
@@ -53,6 +54,13 @@ class FirstContact:
     def ok(self) -> None:
         """The coordinator answered."""
         self.answered = True
+
+    def broke(self, err: Unavailable) -> Unavailable:
+        """A connection that was open broke mid-call (the coordinator killed or restarting while it
+        answered): something listened there, so a refusal after this is an outage, retried, not
+        "nothing listens here"; returns ``err``."""
+        self.answered = True
+        return err
 
     def failed(self, err: Unavailable, *, refused: bool) -> Unavailable:
         """The error to raise for a failed connection: ``err``, or :class:`NeverReached` when it

@@ -91,6 +91,10 @@ def error_from_rpc(
     return error_for_code(status, text, _details(metadata))
 
 
+# gRPC's words for a connection that was open and broke (a server killed in the middle of a call).
+_BROKEN = ("Stream removed", "Socket closed", "Connection reset", "Broken pipe")
+
+
 def _failure(
     contact: FirstContact, code: grpc.StatusCode | None, message: str | None, metadata: Any, tls: bool
 ) -> TallyError:
@@ -100,6 +104,8 @@ def _failure(
     out of reach, a shutdown) is an answer: a refusal after it is an outage, retried."""
     error = error_from_rpc(code, message, metadata, contact.where, tls)
     if code is grpc.StatusCode.UNAVAILABLE and isinstance(error, Unavailable) and not _refusal(metadata):
+        if any(sign in (message or "") for sign in _BROKEN):
+            return contact.broke(error)
         return contact.failed(error, refused="Connection refused" in (message or ""))
     if code is not grpc.StatusCode.DEADLINE_EXCEEDED:
         contact.ok()  # any other status is the coordinator's answer

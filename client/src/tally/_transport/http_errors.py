@@ -106,6 +106,10 @@ def unreachable(
     causes = chain(err)
     hint = tls_hint(causes, base.startswith("https:"))
     failed = Unavailable(f"Tally coordinator at {base} is unreachable: {str(err) or repr(err)}{hint}")
+    if isinstance(err, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError):
+        # The request went out on an open connection that broke (a server disconnected without an
+        # answer, a reset): something listened there.
+        return contact.broke(failed)
     refused = any(isinstance(e, ConnectionRefusedError) for e in causes)
     return contact.failed(failed, refused=refused)
 
