@@ -413,9 +413,10 @@ class Writers:
             return None
         if record is None or record.state != WriterState.CLOSED:
             return None
-        r = record
-        counts = ApplyCounts(r.applied, r.skipped, r.rewritten, r.anomalies, r.completed)
-        return ClosedWriter(counts, [], r.pending_sources)
+        counts = ApplyCounts(
+            record.applied, record.skipped, record.rewritten, record.anomalies, record.completed
+        )
+        return ClosedWriter(counts, [], record.pending_sources)
 
     async def close(self, session: Session, state: WriterState, why: str) -> ClosedWriter:
         """End a session: a client's close completes its settling sources; the others drop them."""
