@@ -130,8 +130,26 @@ def _status_field(pid: int, name: str) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+TRACEBACK_HEAD = "Traceback (most recent call last)"
+
+
 def tracebacks(log: str) -> int:
-    return log.count("Traceback (most recent call last)")
+    return log.count(TRACEBACK_HEAD)
+
+
+def traceback_ends(log: str) -> dict[str, int]:
+    """The exception line ending each traceback in ``log`` (what was raised), with how often."""
+    ends: dict[str, int] = {}
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if TRACEBACK_HEAD not in line:
+            continue
+        # The exception line is the first one after the frames that is not indented.
+        for follow in lines[i + 1 :]:
+            if follow and not follow.startswith((" ", "\t")):
+                ends[follow[:200]] = ends.get(follow[:200], 0) + 1
+                break
+    return ends
 
 
 def mb(n: float) -> str:

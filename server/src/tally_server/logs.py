@@ -29,6 +29,7 @@ from tally_server.domain.words import count
 
 NO_REQUEST = "-"
 REMIND_EVERY_S = 60.0
+DISK_FULL = "the disk is full"  # FailureLog's one cause for every disk-full error
 
 FIELDS = (
     "checkpoint",
@@ -196,6 +197,10 @@ class FailureLog:
     goes on, one reminder line per ``remind_every_s`` says how often it happened; the first success
     afterwards is logged once. ``failing`` is the cause while failing, else None.
 
+    A full disk (an error whose ``disk_full`` is true) is one cause whichever file it hit, and is
+    logged without a traceback: its message names the disk and what to do, and a full disk under
+    hundreds of writers would otherwise log a traceback per writer's file.
+
     Args:
         logger: where to log.
         what: what failed, e.g. "the lease loop" (the start of each line).
@@ -222,13 +227,15 @@ class FailureLog:
     def failed(self, exc: BaseException) -> None:
         """Count a failure; log it once per cause, then a reminder now and then while it lasts."""
         cause = f"{type(exc).__name__}: {exc}"[:500]
+        disk_full = getattr(exc, "disk_full", False) is True
         self.failures += 1
         self._since_reminder += 1
         self.failing = cause
         now = self._clock()
-        if cause not in self._causes:
-            self._causes.add(cause)
-            self._logger.error("%s failed: %s", self._what, cause, exc_info=exc)
+        kind = DISK_FULL if disk_full else cause
+        if kind not in self._causes:
+            self._causes.add(kind)
+            self._logger.error("%s failed: %s", self._what, cause, exc_info=None if disk_full else exc)
             self._reminded_at, self._since_reminder = now, 0
         elif now - self._reminded_at >= self._remind_every_s:
             self._logger.error(

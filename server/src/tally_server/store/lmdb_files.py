@@ -245,17 +245,22 @@ class LmdbCompletionStore(CompletionFolders):
 
         Tells whether completions can be written again after a failure (a full disk): the
         coordinator reports itself not ready until this succeeds.
+
+        Raises:
+            CompletionWriteError: the disk or the system refused (saying so plainly when it is full).
         """
         self._handles.check_open()
-        make_dirs(self._root)
         path = self._root / f".probe-{os.getpid()}"
         try:
+            make_dirs(self._root)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
                 os.write(fd, b"\0" * 4096)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        except OSError as exc:
+            raise write_error(path, exc, self._data_dir, what="probe file") from exc
         finally:
             path.unlink(missing_ok=True)
 

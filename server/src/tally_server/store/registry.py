@@ -64,7 +64,15 @@ _TRANSIENT = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.Disconnecti
 
 
 class RegistryUnavailable(Unavailable):
-    """The registry database cannot be reached or written right now."""
+    """The registry database cannot be reached or written right now.
+
+    Attributes:
+        disk_full: the disk holding the database is full (the message then says so and what to do).
+    """
+
+    def __init__(self, message: str, *, cause: str, disk_full: bool) -> None:
+        super().__init__(message, cause=cause)
+        self.disk_full = disk_full
 
 
 def _transient_as_unavailable(method: Callable[P, R]) -> Callable[P, R]:
@@ -146,11 +154,13 @@ class SqlRegistry:
         """The UNAVAILABLE error for a transient database failure, saying what to do."""
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
         hint = "Tally retries by itself"
-        if "full" in cause.lower() or "no space" in cause.lower():
+        disk_full = "full" in cause.lower() or "no space" in cause.lower()
+        if disk_full:
             hint = "the disk holding it is full: free space or grow the volume; Tally retries by itself"
         return RegistryUnavailable(
             f"the registry database {self.display_url} cannot be used right now ({cause}); {hint}",
             cause=cause,
+            disk_full=disk_full,
         )
 
     # ------------------------------------------------------------ checkpoints
