@@ -51,6 +51,7 @@ class StormResult:
     server_errors: int = 0  # 5xx / INTERNAL / UNKNOWN
     other_failures: dict[str, int] = field(default_factory=dict)  # timeouts, refused connections
     abandoned: int = 0  # reads still unanswered when the storm ended
+    failure_details: list[str] = field(default_factory=list)  # the failed HTTP reads: what, when
     seconds: float = 0.0
 
 
@@ -94,6 +95,8 @@ async def _read(storm: Storm, http_url: str, grpc_address: str, seconds: float, 
                     reply = await http.get("/v1/checkpoints")
                 except httpx.HTTPError as exc:
                     failed(type(exc).__name__)
+                    into = seconds - (deadline - time.monotonic())
+                    result.failure_details.append(f"{exc!r} {into:.1f}s into the storm")
                     continue
                 result.reads += 1
                 if reply.status_code >= 500:
@@ -187,5 +190,6 @@ def run(seconds: float) -> Row:
             + (f" ({result.abandoned} unanswered at the end)" if result.abandoned else "")
             + (f", failed reads: {failures}" if failures else "")
         )
+        row.notes += [f"  {detail}" for detail in result.failure_details[:5]]
         row.figures[storm.name] = result
     return row

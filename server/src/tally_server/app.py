@@ -374,6 +374,7 @@ def http_config(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=grace_s if grace_s is not None else int(settings.shutdown_grace_s) or None,
+        timeout_keep_alive=settings.http_keepalive_s,
         **ssl_options,
     )
 

@@ -145,6 +145,13 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )
+    http_keepalive_s: int = Field(
+        default=75,
+        gt=0,
+        description="How long an idle HTTP connection is kept open for the client's next request. Keep it "
+        "above the idle timeout of the clients and proxies in front (httpx 5 s, AWS ALB 60 s): a client "
+        "that sends on a connection just as the server closes it gets a failed request.",
+    )
     max_deltas_per_call: int = Field(default=100_000, gt=0, description="Deltas accepted per ApplyDeltas.")
     max_ids_per_query: int = Field(default=100_000, gt=0, description="Source ids accepted per AreCompleted.")
     max_id_bytes: int = Field(

@@ -29,9 +29,10 @@ from tally.errors import Internal
 
 _USER_AGENT = "tally-python"
 
-# Idle connections are dropped before the coordinator's own keep-alive timeout (uvicorn's 5 s)
-# ends them, so a request seldom goes out on a connection the server is closing (one that does
-# fails as Unavailable, which the caller's retry layer resends).
+# Idle connections are dropped well before the coordinator's own keep-alive timeout ends them
+# (TALLY_HTTP_KEEPALIVE_S, 75 s by default; a proxy in front may have less), so a request seldom
+# goes out on a connection the server is closing (one that does fails as Unavailable, which the
+# caller's retry layer resends).
 _KEEPALIVE_EXPIRY_S = 3.0
 # No cap on connections: each open watch holds one, and a capped pool would make further calls
 # wait for a stream to end. Idle ones beyond this many are closed.
