@@ -28,6 +28,9 @@ def test_by_default_idle_connections_outlast_clients_and_load_balancers() -> Non
     assert httpx_default is not None and keepalive > httpx_default
     assert keepalive > sdk_http._KEEPALIVE_EXPIRY_S
     assert keepalive > 60  # AWS ALB's default idle timeout, the usual proxy in front
+    # The SDK keeps a connection for the next heartbeat of a writer on the default lease, and drops
+    # it before such a proxy would.
+    assert Settings().lease_ttl_s / 3 < sdk_http._KEEPALIVE_EXPIRY_S < 60
 
 
 def _answer(sock: socket.socket) -> bytes:

@@ -85,7 +85,7 @@ def test_one_client_makes_its_calls_over_one_connection_and_closing_it_closes_th
 
     seen = peers(json_server, "/v1/are-completed", CALLS)
     assert len(seen) == CALLS
-    # One connection; a second only if the first was dropped idle (3 s) on a stalled machine.
+    # One connection; a second only if the first was dropped idle (30 s) on a stalled machine.
     assert len(set(seen)) <= 2, sorted(set(seen))
     assert kept == 1 and left == 0, (kept, left)
 
@@ -176,3 +176,18 @@ def test_a_forked_child_opens_connections_of_its_own(json_server: RunningServer)
         seen = peers(json_server, "/v1/are-completed", 41)
     # The parent kept its connection; the child's 20 calls came over another one.
     assert seen.count(parent) == 21 and len(set(seen)) == 2, seen
+
+
+def test_a_writer_heartbeats_over_the_connection_it_opened_on(tmp_path: Path) -> None:
+    # A lease of 15 s: a keep-alive every 5 s, so the pool must keep an idle connection longer than
+    # that (it kept it 3 s, and each beat of a process's one writer opened a connection: with TLS,
+    # a handshake every beat).
+    args = ["--log-format", "json", "--log-level", "DEBUG"]
+    with running_server(tmp_path / "data", lease_ttl_s=15, args=args) as srv:
+        with tally.Client(srv.http_url) as client, client.writer(CHECKPOINT, writer_id="beats") as writer:
+            writer.apply_deltas(tree("a"))
+            writer.flush()
+            handle = writer.handle
+            beats = peers(srv, f"/v1/writers/{handle}/keepalive", 2)
+            flushes = peers(srv, f"/v1/writers/{handle}/flush", 1)
+        assert len(set(beats[:2] + flushes)) == 1, (beats, flushes)
