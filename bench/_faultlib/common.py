@@ -121,6 +121,12 @@ def peak_rss_bytes(pid: int) -> int:
     return _status_field(pid, "VmHWM")
 
 
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _status_field(pid: int, name: str) -> int:
     try:
         text = Path(f"/proc/{pid}/status").read_text()

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event as MpEvent
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,7 +25,7 @@ import tally
 from tally.v1 import coordinator_pb2 as pb
 from tally.v1 import coordinator_pb2_grpc as pb_grpc
 
-from .common import Row, events, scratch, serve, wait_for
+from .common import Row, cpu_seconds, events, scratch, serve, wait_for
 
 LEASE_TTL_S = 10.0
 CHECKPOINTS = 4
@@ -193,12 +191,6 @@ async def _raw_reads(host: str, port: int, deadline: float, answered: Callable[[
         raise ValueError(f"an answer without Content-Length: {head[:200]!r}") from None
     finally:
         writer.close()
-
-
-def cpu_seconds(pid: int) -> float:
-    """The user and system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def storm_once(storm: Storm, seconds: float) -> StormResult:
