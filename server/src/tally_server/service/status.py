@@ -61,7 +61,7 @@ class Status:
     def view(self, cp: Checkpoint) -> CheckpointView:
         """A checkpoint's status from memory, with its live writers."""
         sessions = self._core.sessions
-        writers = [WriterView.of(s.record()) for s in sessions.live(cp.name).values()]
+        writers = [WriterView.of_live(s) for s in sessions.live(cp.name).values()]
         return CheckpointView(
             name=cp.name,
             completed_count=cp.completed_count,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_server.domain.checkpoint import WriterSession
 from tally_server.domain.events import Severity
 from tally_server.domain.ledger import ApplyCounts
 from tally_server.domain.ports import FailedAttemptRecord, WriterRecord
@@ -100,6 +101,26 @@ class WriterView:
             opened_at=r.opened_at,
             last_seen_at=r.last_seen_at,
             closed_at=r.closed_at or 0.0,
+        )
+
+    @classmethod
+    def of_live(cls, s: WriterSession) -> WriterView:
+        """The view of a live writer, straight from its session (what ``of(session.record())`` gives).
+
+        Status builds one per live writer per read, so it skips the registry row: a writer's labels
+        never change once it is open, so they are shared, not copied; its counters are copied.
+        """
+        t = s.ledger.totals
+        return cls(
+            s.writer_id,
+            s.host,
+            s.pid,
+            s.labels,
+            s.state,
+            s.ledger.in_flight,
+            ApplyCounts(t.applied, t.skipped, t.rewritten, t.anomalies, t.completed),
+            s.opened_at,
+            s.last_seen_at,
         )
 
 
