@@ -10,6 +10,7 @@ import random
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
@@ -54,6 +55,15 @@ def test_two_hundred_writers_share_labels_group_by_job_sort_filter_and_page(
                 writers[f"{job}-{task}"] = w
         _complete(writers["100-42"], ["s-0"])
         _complete(writers["200-7"], ["s-1", "s-2", "s-3"])
+
+        # The list asks for counts only: its card says 200 live writers, its reply carries none of them.
+        with page.expect_response(lambda r: urlsplit(r.url).path == "/v1/checkpoints") as listing:
+            page.goto(f"{dash_server.http_url}/")
+        assert parse_qs(urlsplit(listing.value.url).query)["writers"] == ["false"]
+        listed = {cp["name"]: cp for cp in listing.value.json()["checkpoints"]}
+        assert (listed[CHECKPOINT]["live_writers"], listed[CHECKPOINT]["writers"]) == (200, [])
+        card = page.get_by_test_id("checkpoint-card").filter(has_text=CHECKPOINT)
+        expect(card.get_by_test_id("live-writers").locator(".fv")).to_have_text("200")
 
         page.goto(f"{dash_server.http_url}/#/checkpoint/curation/array")
         panel = page.get_by_test_id("writers")

@@ -117,6 +117,59 @@ def open_writer(coordinator: pb_grpc.CoordinatorStub, checkpoint: str, writer_id
     return str(reply.handle)
 
 
+def test_a_list_asked_without_writers_counts_them_and_carries_none(server: RunningServer) -> None:
+    """By default each listed checkpoint carries its live writers; asked without (gRPC
+    ``without_writers``, HTTP ``writers=false``, the SDK's ``writers=False``), it counts them and
+    carries none, on every page; the rest of each status is the same."""
+    live = {"lw/a": ["w-2", "w-1", "w-3"], "lw/b": ["only"], "lw/c": []}
+    with stub(server) as coordinator, httpx.Client(base_url=server.http_url, timeout=10) as http:
+        for name, writer_ids in live.items():
+            declare(coordinator, name)
+            for writer_id in writer_ids:
+                open_writer(coordinator, name, writer_id)
+        expected = {name: sorted(ids) for name, ids in live.items()}
+        counts = {name: len(ids) for name, ids in live.items()}
+
+        def without(status: Any) -> Any:
+            return {k: v for k, v in status.items() if k not in ("writers", "last_activity_at")}
+
+        for limit in (1, 2, 1000):
+            full, _ = grpc_pages(
+                lambda after, n: coordinator.ListCheckpoints(pb.ListCheckpointsRequest(after=after, limit=n)),
+                "checkpoints",
+                limit,
+            )
+            assert {c.name: sorted(w.writer_id for w in c.writers) for c in full} == expected
+            bare, _ = grpc_pages(
+                lambda after, n: coordinator.ListCheckpoints(
+                    pb.ListCheckpointsRequest(after=after, limit=n, without_writers=True)
+                ),
+                "checkpoints",
+                limit,
+            )
+            assert {c.name: (c.live_writers, len(c.writers)) for c in bare} == {
+                n: (k, 0) for n, k in counts.items()
+            }
+            full_json, _ = http_pages(http, "/v1/checkpoints", {}, "checkpoints", limit)
+            assert {c["name"]: sorted(w["writer_id"] for w in c["writers"]) for c in full_json} == expected
+            bare_json, _ = http_pages(http, "/v1/checkpoints", {"writers": "false"}, "checkpoints", limit)
+            assert {c["name"]: (c["live_writers"], c["writers"]) for c in bare_json} == {
+                n: (k, []) for n, k in counts.items()
+            }
+            assert [without(c) for c in bare_json] == [without(c) for c in full_json]
+        refused = http.get("/v1/checkpoints", params={"writers": "some"})
+        assert refused.status_code == 400, refused.text
+        assert "query parameter 'writers' (sent 'some')" in refused.json()["error"]["message"]
+    for address in (server.grpc_address, server.http_url):
+        with tally.Client(address) as client:
+            with_them = client.checkpoints(page_size=2)
+            assert {c.name: sorted(w.writer_id for w in c.writers) for c in with_them} == expected
+            counted = client.checkpoints(page_size=2, writers=False)
+            assert {c.name: (c.live_writers, c.writers) for c in counted} == {
+                n: (k, ()) for n, k in counts.items()
+            }
+
+
 def test_writers_page_live_by_id_then_ended_newest_first(server: RunningServer) -> None:
     """7 live writers and 6 ended sessions (one writer_id ended twice and is live again) page through
     with limits from 1 up: each session once, in the documented order, on both transports."""

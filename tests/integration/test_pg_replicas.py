@@ -557,6 +557,11 @@ def test_a_replica_answers_reads_itself_while_the_owner_is_paused(tmp_path: Path
                 assert status.owner == owner_status.owner != ""
                 listed = stub.ListCheckpoints(pb.ListCheckpointsRequest())
                 assert [c.name for c in listed.checkpoints] == [name]
+                assert [w.writer_id for w in listed.checkpoints[0].writers] == ["w1"]
+                bare = stub.ListCheckpoints(pb.ListCheckpointsRequest(without_writers=True)).checkpoints
+                assert [(c.name, c.live_writers, len(c.writers)) for c in bare] == [(name, 1, 0)]
+                bare_json = http.get("/v1/checkpoints", params={"writers": "false"}).json()["checkpoints"]
+                assert [(c["name"], c["live_writers"], c["writers"]) for c in bare_json] == [(name, 1, [])]
                 page = stub.ListWriters(writers)
                 assert [(w.writer_id, w.state) for w in page.writers] == [
                     (w.writer_id, w.state) for w in owner_writers.writers

@@ -107,6 +107,14 @@ def sharded(tmp_path: Path, url: str, n: int, **options: object) -> Iterator[lis
         yield servers
 
 
+def listed_over_http(server: RunningServer, writers: bool = True) -> dict[str, dict[str, Any]]:
+    """``GET /v1/checkpoints`` by name (``writers`` False: asked without the live writers)."""
+    params = {} if writers else {"writers": "false"}
+    reply = httpx.get(f"{server.http_url}/v1/checkpoints", params=params, timeout=10)
+    reply.raise_for_status()
+    return {c["name"]: c for c in reply.json()["checkpoints"]}
+
+
 def test_two_coordinators_split_the_shards_and_either_answers_every_call(
     tmp_path: Path, postgres_url: str
 ) -> None:
@@ -185,6 +193,33 @@ def test_two_coordinators_split_the_shards_and_either_answers_every_call(
                 timeout=30,
                 what="every checkpoint listed over HTTP",
             )
+        # A live writer on each: every listing counts it, where it is served from memory (the holder)
+        # and where it comes from the published status (the other); asked without writers, none is
+        # listed, by either.
+        with tally.Client(first.grpc_address) as client:
+            live = [client.writer(name, writer_id="live") for name in names]
+            for writer in live:
+                writer.__enter__()
+            try:
+                for server in servers:
+                    wait_until(
+                        lambda server=server: all(  # type: ignore[misc]
+                            c["live_writers"] == 1 for c in listed_over_http(server).values()
+                        ),
+                        timeout=30,
+                        what="every live writer listed",
+                    )
+                    full = listed_over_http(server)
+                    assert {n: [w["writer_id"] for w in c["writers"]] for n, c in full.items()} == {
+                        n: ["live"] for n in names
+                    }
+                    bare = listed_over_http(server, writers=False)
+                    assert {n: (c["live_writers"], c["writers"]) for n, c in bare.items()} == {
+                        n: (1, []) for n in names
+                    }
+            finally:
+                for writer in live:
+                    writer.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])

@@ -361,10 +361,14 @@ class GetCheckpoint(Call[CheckpointStatus]):
 
 @dataclass(frozen=True)
 class ListCheckpoints(Call[CheckpointPage]):
-    """Checkpoints after ``after`` by name (byte order), at most ``limit`` (0: the server's 1,000)."""
+    """Checkpoints after ``after`` by name (byte order), at most ``limit`` (0: the server's 1,000).
+
+    ``writers`` False: each checkpoint's ``writers`` comes empty (``live_writers`` still counts them).
+    """
 
     after: str = ""
     limit: int = 0
+    writers: bool = True
 
     @property
     def what(self) -> str:
@@ -525,12 +529,12 @@ def _import_completed(checkpoint: str, batches: list[list[str]], import_id: str)
     return ImportResult(imported=imported, completed_count=result.completed_count)
 
 
-def list_checkpoints(page_size: int) -> Plan[list[CheckpointStatus]]:
-    """Every checkpoint, by name, in pages of ``page_size``."""
+def list_checkpoints(page_size: int, writers: bool = True) -> Plan[list[CheckpointStatus]]:
+    """Every checkpoint, by name, in pages of ``page_size`` (``writers`` False: live writers counted only)."""
     found: list[CheckpointStatus] = []
     after = ""
     while True:
-        page: CheckpointPage = yield ListCheckpoints(after, page_size)
+        page: CheckpointPage = yield ListCheckpoints(after, page_size, writers)
         found.extend(page.checkpoints)
         if not page.next_after:
             return found

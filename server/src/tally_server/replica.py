@@ -80,6 +80,7 @@ from tally_server.service import CoordinatorService
 from tally_server.service.failures import failures_limit
 from tally_server.service.status import (
     completed_limit,
+    counted,
     event_page,
     events_limit,
     watching,
@@ -543,9 +544,17 @@ class ReplicaReads:
             yield view
 
     async def list_checkpoints(
-        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+        self,
+        *,
+        after: str = "",
+        limit: int = 0,
+        visible: Callable[[str], bool] = lambda name: True,
+        writers: bool = True,
     ) -> CheckpointPage:
-        """A page of the published checkpoints ``visible`` lets through, by name in byte order."""
+        """A page of the published checkpoints ``visible`` lets through, by name in byte order.
+
+        ``writers`` False: without their live writers (counted only).
+        """
         limit = validation.status_page_limit(limit, "checkpoints")
         validation.checkpoint_after(after, self.limits)
         start = after.encode()
@@ -554,7 +563,7 @@ class ReplicaReads:
             key=str.encode,
         )
         found = await asyncio.to_thread(self._board.statuses, names[:limit])
-        page = [_VIEW.validate_python(found[n]) for n in names[:limit] if n in found]
+        page = [counted(_VIEW.validate_python(found[n]), writers) for n in names[:limit] if n in found]
         self._answered("ListCheckpoints")
         return CheckpointPage(page, page[-1].name if len(names) > limit and page else "")
 

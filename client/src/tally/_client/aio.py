@@ -115,9 +115,9 @@ class AsyncClient(BaseClient):
         """Status of one checkpoint. See :meth:`Client.checkpoint`."""
         return await self._run(self._checkpoint_plan(name))
 
-    async def checkpoints(self, *, page_size: int = 1000) -> list[CheckpointStatus]:
+    async def checkpoints(self, *, page_size: int = 1000, writers: bool = True) -> list[CheckpointStatus]:
         """Status of every checkpoint, page by page. See :meth:`Client.checkpoints`."""
-        return await self._run(self._checkpoints_plan(page_size))
+        return await self._run(self._checkpoints_plan(page_size, writers))
 
     async def replicas(self) -> Replicas:
         """The coordinators serving the store. See :meth:`Client.replicas`."""

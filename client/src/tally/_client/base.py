@@ -255,9 +255,9 @@ class BaseClient:
         self._check_open()
         return calls.single(calls.GetCheckpoint(name))
 
-    def _checkpoints_plan(self, page_size: int) -> calls.Plan[list[CheckpointStatus]]:
+    def _checkpoints_plan(self, page_size: int, writers: bool) -> calls.Plan[list[CheckpointStatus]]:
         self._check_open()
-        return calls.list_checkpoints(_positive_int("page_size", page_size))
+        return calls.list_checkpoints(_positive_int("page_size", page_size), writers)
 
     def _replicas_plan(self) -> calls.Plan[Replicas]:
         self._check_open()

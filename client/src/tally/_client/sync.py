@@ -204,16 +204,19 @@ class Client(BaseClient):
         """
         return self._run(self._checkpoint_plan(name))
 
-    def checkpoints(self, *, page_size: int = 1000) -> list[CheckpointStatus]:
+    def checkpoints(self, *, page_size: int = 1000, writers: bool = True) -> list[CheckpointStatus]:
         """Status of every checkpoint (a scoped token: those it may read), by name, fetched page by page.
 
         Args:
             page_size: Checkpoints fetched per call (the server takes 1 to 10,000).
+            writers: False: each checkpoint's ``writers`` is empty (``live_writers`` still counts
+                them). Ask so when counts are all you need: with them, every page carries every
+                live writer of its checkpoints (``writers(checkpoint)`` pages through one's).
 
         Raises:
             Unavailable: A page did not arrive within the timeout.
         """
-        return self._run(self._checkpoints_plan(page_size))
+        return self._run(self._checkpoints_plan(page_size, writers))
 
     def replicas(self) -> Replicas:
         """The coordinators serving a PostgreSQL store: which owns it, which are replicas.

@@ -344,7 +344,7 @@ _add(
 _add(
     calls.ListCheckpoints,
     lambda stub: stub.ListCheckpoints,
-    lambda c: pb.ListCheckpointsRequest(after=c.after, limit=c.limit),
+    lambda c: pb.ListCheckpointsRequest(after=c.after, limit=c.limit, without_writers=not c.writers),
     lambda r: CheckpointPage(tuple(checkpoint_from_pb(c) for c in r.checkpoints), r.next_after),
 )
 _add(

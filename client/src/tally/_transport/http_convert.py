@@ -190,10 +190,12 @@ def list_writers_query(checkpoint: str, include_closed: bool, limit: int, after:
     return query
 
 
-def list_checkpoints_query(after: str, limit: int) -> dict[str, str]:
+def list_checkpoints_query(after: str, limit: int, writers: bool = True) -> dict[str, str]:
     query = {"limit": str(limit)} if limit else {}
     if after:
         query["after"] = after
+    if not writers:
+        query["writers"] = "false"
     return query
 
 
@@ -547,7 +549,7 @@ _add(calls.GetCheckpoint, "GET", lambda c: checkpoint_path(c.name), checkpoint_f
 _add(
     calls.ListCheckpoints,
     "GET",
-    lambda c: _query("/v1/checkpoints", list_checkpoints_query(c.after, c.limit)),
+    lambda c: _query("/v1/checkpoints", list_checkpoints_query(c.after, c.limit, c.writers)),
     checkpoints_from_json,
 )
 _add(calls.ListReplicas, "GET", lambda c: "/v1/replicas", replicas_from_json)

@@ -58,11 +58,12 @@ def status(
 ) -> None:
     """Checkpoints at a glance, or one checkpoint in detail.
 
-    -o json: an array of checkpoints by name, or with CHECKPOINT one object (with its writers).
+    -o json: an array of checkpoints by name (their live writers counted, `writers` empty), or with
+    CHECKPOINT one object (with its writers).
     """
     with connect(address, token, timeout) as client:
         if checkpoint is None:
-            found = sorted(client.checkpoints(), key=lambda c: c.name)
+            found = sorted(client.checkpoints(writers=False), key=lambda c: c.name)
             if output == Output.JSON:
                 emit_json(found)
             else:

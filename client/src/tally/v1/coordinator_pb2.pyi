@@ -264,12 +264,14 @@ class CheckpointStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., completed_count: _Optional[int] = ..., live_writers: _Optional[int] = ..., pending_sources: _Optional[int] = ..., settling_sources: _Optional[int] = ..., anomalies: _Optional[int] = ..., unreadable_files: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., writers: _Optional[_Iterable[_Union[WriterStatus, _Mapping]]] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., owner: _Optional[str] = ..., failed_sources: _Optional[int] = ..., max_attempts: _Optional[int] = ..., total: _Optional[int] = ..., remaining: _Optional[int] = ..., claimed_sources: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("after", "limit")
+    __slots__ = ("after", "limit", "without_writers")
     AFTER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_WRITERS_FIELD_NUMBER: _ClassVar[int]
     after: str
     limit: int
-    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+    without_writers: bool
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ..., without_writers: _Optional[bool] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints", "next_after")

@@ -148,7 +148,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """A page of checkpoints' statuses, by name."""
         # A scoped token sees only the checkpoints it may read (pages are made of those).
         page = await self._service.list_checkpoints(
-            after=request.after, limit=request.limit, visible=auth.current().may_read
+            after=request.after,
+            limit=request.limit,
+            visible=auth.current().may_read,
+            writers=not request.without_writers,
         )
         return pb.ListCheckpointsResponse(
             checkpoints=[convert.checkpoint_status(v) for v in page.checkpoints], next_after=page.next_after

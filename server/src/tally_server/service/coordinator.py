@@ -40,7 +40,7 @@ from tally_server.service.opening import Opening
 from tally_server.service.registry_writer import RegistryWriter
 from tally_server.service.sessions import Session
 from tally_server.service.stats import ServiceStats
-from tally_server.service.status import CheckpointGauges, Status
+from tally_server.service.status import CheckpointGauges, Status, counted
 from tally_server.service.totals import Totals
 from tally_server.service.views import (
     AppliedBatch,
@@ -676,16 +676,24 @@ class CoordinatorService:
         return await self._status.get_checkpoint(name)
 
     async def list_checkpoints(
-        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+        self,
+        *,
+        after: str = "",
+        limit: int = 0,
+        visible: Callable[[str], bool] = lambda name: True,
+        writers: bool = True,
     ) -> CheckpointPage:
         """A page of the checkpoints ``visible`` lets through (a scoped token's), by name, from memory.
 
         On a store of several shards (``list_elsewhere``), the checkpoints of the shards other
-        coordinators own are listed too, from the statuses they publish.
+        coordinators own are listed too, from the statuses they publish. ``writers`` False: without
+        their live writers (counted only).
         """
         elsewhere = self._core.list_elsewhere
         if elsewhere is None:
-            return await self._status.list_checkpoints(after=after, limit=limit, visible=visible)
+            return await self._status.list_checkpoints(
+                after=after, limit=limit, visible=visible, writers=writers
+            )
         limit = validation.status_page_limit(limit, "checkpoints")
         validation.checkpoint_after(after, self.limits)
         names_of, statuses_of = elsewhere
@@ -699,7 +707,7 @@ class CoordinatorService:
         wanted = names[:limit]
         others = await self._core.registry_read(statuses_of, [n for n in wanted if n not in known])
         page = [
-            self._status.view(known[n]) if n in known else others[n]
+            self._status.view(known[n], writers=writers) if n in known else counted(others[n], writers)
             for n in wanted
             if n in known or n in others
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,21 +59,21 @@ class Status:
         self._checkpoints = checkpoints
         self._accepting = accepting
 
-    def view(self, cp: Checkpoint) -> CheckpointView:
-        """A checkpoint's status from memory, with its live writers."""
+    def view(self, cp: Checkpoint, *, writers: bool = True) -> CheckpointView:
+        """A checkpoint's status from memory, with its live writers (``writers`` False: counted only)."""
         sessions = self._core.sessions
-        writers = [WriterView.of_live(s) for s in sessions.live(cp.name).values()]
+        live = sessions.live(cp.name)
         return CheckpointView(
             name=cp.name,
             completed_count=cp.completed_count,
-            live_writers=len(writers),
+            live_writers=len(live),
             pending_sources=sessions.pending_sources(cp.name),
             settling_sources=sessions.settling_sources(cp.name),
             anomalies=cp.anomalies,
             unreadable_files=len(cp.unreadable_files),
             created_at=cp.created_at,
             last_activity_at=cp.last_activity_at,
-            writers=writers,
+            writers=[WriterView.of_live(s) for s in live.values()] if writers else [],
             fingerprint=dict(cp.fingerprint),
             owner=self._core.owner_name,
             failed_sources=cp.failed_count,
@@ -109,11 +110,18 @@ class Status:
         return self.view(await self._checkpoints.existing(name))
 
     async def list_checkpoints(
-        self, *, after: str = "", limit: int = 0, visible: Callable[[str], bool] = lambda name: True
+        self,
+        *,
+        after: str = "",
+        limit: int = 0,
+        visible: Callable[[str], bool] = lambda name: True,
+        writers: bool = True,
     ) -> CheckpointPage:
         """A page of the checkpoints ``visible`` lets through, by name in byte order after ``after``.
 
         From memory: no registry query, no id set loaded. ``limit`` 0 is the default page.
+        ``writers`` False leaves each checkpoint's live writers out (``live_writers`` still counts
+        them): a listing with them costs the server time in proportion to every live writer.
         """
         limit = validation.status_page_limit(limit, "checkpoints")
         validation.checkpoint_after(after, self._core.limits)
@@ -121,7 +129,7 @@ class Status:
             (name for name in self._checkpoints.known if name.encode() > after.encode() and visible(name)),
             key=str.encode,
         )
-        page = [self.view(self._checkpoints.known[name]) for name in names[:limit]]
+        page = [self.view(self._checkpoints.known[name], writers=writers) for name in names[:limit]]
         return CheckpointPage(page, page[-1].name if len(names) > limit else "")
 
     async def are_completed(self, checkpoint: str, source_ids: Sequence[str]) -> list[bool]:
@@ -256,6 +264,11 @@ class Status:
         more = len(page) > limit
         page = page[:limit]
         return CompletedPage(page, page[-1] if more and page else "")
+
+
+def counted(view: CheckpointView, writers: bool) -> CheckpointView:
+    """``view`` as a listing without writers shows it (``writers`` False): live writers counted only."""
+    return view if writers or not view.writers else dataclasses.replace(view, writers=[])
 
 
 def view_json(view: CheckpointView) -> dict[str, Any]:

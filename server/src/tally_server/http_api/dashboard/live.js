@@ -70,7 +70,8 @@ class ListSession {
     let wait = POLL_MS;
     this.readReplicas(); // on its own: a slow database read never holds the list back
     try {
-      const reply = await getPages("v1/checkpoints", "checkpoints", this.ctrl.signal);
+      // Counts only: the list shows no writer, and with them a page carries every live writer.
+      const reply = await getPages("v1/checkpoints?writers=false", "checkpoints", this.ctrl.signal);
       if (stale()) return;
       state.list.set(reply);
       succeeded();

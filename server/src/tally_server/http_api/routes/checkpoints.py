@@ -71,9 +71,19 @@ def add_routes(app: FastAPI, service: CoordinatorService, guard: Guard) -> None:
             ),
         ] = "",
         limit: Annotated[int, Query(description=s.STATUS_PAGE_LIMIT.format(what="Checkpoints"))] = 0,
+        writers: Annotated[
+            bool,
+            Query(
+                description="false: each checkpoint's `writers` is empty (`live_writers` still counts them); "
+                "a list that shows counts only should ask so: with them, a page costs the server time "
+                "and bytes in proportion to every live writer of its checkpoints."
+            ),
+        ] = True,
     ) -> r.ListCheckpointsReply:
         """Checkpoints with their progress by name, paged (a scoped token: those it may read)."""
-        page = await service.list_checkpoints(after=after, limit=limit, visible=caller.may_read)
+        page = await service.list_checkpoints(
+            after=after, limit=limit, visible=caller.may_read, writers=writers
+        )
         return r.ListCheckpointsReply(checkpoints=page.checkpoints, next_after=page.next_after)
 
     @app.get(
