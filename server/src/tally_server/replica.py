@@ -80,7 +80,6 @@ from tally_server.service import CoordinatorService
 from tally_server.service.failures import failures_limit
 from tally_server.service.status import (
     completed_limit,
-    counted,
     event_page,
     events_limit,
     watching,
@@ -563,7 +562,12 @@ class ReplicaReads:
             key=str.encode,
         )
         found = await asyncio.to_thread(self._board.statuses, names[:limit])
-        page = [counted(_VIEW.validate_python(found[n]), writers) for n in names[:limit] if n in found]
+        # Without writers: left out before the published JSON is read into a view, not after.
+        page = [
+            _VIEW.validate_python(found[n] if writers else {**found[n], "writers": []})
+            for n in names[:limit]
+            if n in found
+        ]
         self._answered("ListCheckpoints")
         return CheckpointPage(page, page[-1].name if len(names) > limit and page else "")
 
