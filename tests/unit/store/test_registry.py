@@ -89,6 +89,24 @@ def test_writers_upsert_list_round_trip(registry: SqlRegistry) -> None:
     assert registry.find_writer("h-missing") is None
 
 
+def test_one_batch_of_many_rows_inserts_the_new_and_updates_the_known(registry: SqlRegistry) -> None:
+    """A flush carries a row per writer that beat since the last one (one statement a table)."""
+    known = [writer(f"h-{i}", opened_at=1_700_000_000.0 + i) for i in range(5)]
+    registry.write_batch(writers=known, checkpoints=[CheckpointRecord("run", 1.0, 2.0)])
+    beaten = [writer(f"h-{i}", opened_at=1_700_000_000.0 + i, last_seen_at=2e9 + i) for i in range(0, 5, 2)]
+    new = [writer(f"h-{i}", opened_at=1_700_000_000.0 + i, labels={"n": str(i)}) for i in range(5, 8)]
+    registry.write_batch(
+        writers=[*beaten, *new],
+        checkpoints=[CheckpointRecord("run", 1.0, 3.0, {"p": "1"}), CheckpointRecord("other", 4.0, 5.0)],
+    )
+    expected = {r.handle: r for r in [*known, *beaten, *new]}
+    assert registry.list_writers("run") == sorted(expected.values(), key=lambda r: r.opened_at)
+    assert registry.list_checkpoints() == [
+        CheckpointRecord("other", 4.0, 5.0),
+        CheckpointRecord("run", 1.0, 3.0, {"p": "1"}),
+    ]
+
+
 def test_mark_open_writers(registry: SqlRegistry) -> None:
     registry.write_batch(writers=[writer("h-1")])
     registry.write_batch(writers=[writer("h-2", checkpoint="other", opened_at=1_700_000_005.0)])

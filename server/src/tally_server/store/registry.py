@@ -282,10 +282,9 @@ class SqlRegistry:
         carrying |= {x.checkpoint for x in events} | {x.checkpoint for x in samples}
         with self._engine.begin() as conn:
             self._fenced(conn, carrying)
-            for checkpoint in checkpoints:
-                self._upsert(conn, checkpoints_table, dataclasses.asdict(checkpoint))
-            for writer in writers:
-                self._upsert(conn, writers_table, dataclasses.asdict(writer))
+            # One executemany a table: a flush carries a row per writer that beat since the last one.
+            self._upsert_many(conn, checkpoints_table, [dataclasses.asdict(x) for x in checkpoints])
+            self._upsert_many(conn, writers_table, [dataclasses.asdict(x) for x in writers])
             if events:
                 self._insert_events(conn, events)
             if samples:
