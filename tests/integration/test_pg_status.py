@@ -45,3 +45,36 @@ def test_only_the_owner_of_the_current_epoch_publishes_and_a_full_publish_drops_
         owner.close()
         replica.close()
         engine.dispose()
+
+
+def test_statuses_published_together_each_come_back_under_their_own_name_unchanged(postgres_url: str) -> None:
+    """One publish of many statuses (sent as one JSON array): each row gets its own status, with every
+    character array and JSON quoting could trip on (quotes, backslashes, braces, commas, non-ASCII)."""
+    url = store_url(postgres_url)
+    lock = StoreLock(url, "many")
+    lock.acquire()
+    owner = StatusBoard(url, lock)
+    replica = StatusBoard(url)
+    tricky = ['"', "\\", "{}", "a,b", "é ✓", '\\"', "NULL", "", "line\nbreak", "[1]"]
+    statuses = {
+        f"many/{i:02d}": {
+            "name": f"many/{i:02d}",
+            "completed_count": i,
+            "writers": [
+                {"writer_id": f"w{j}", "labels": {"note": tricky[(i + j) % len(tricky)]}}
+                for j in range(i % 4)
+            ],
+            "fingerprint": {tricky[i % len(tricky)]: tricky[-1 - i % len(tricky)]},
+        }
+        for i in range(40)
+    }
+    try:
+        assert owner.publish(statuses, list(statuses))
+        assert replica.statuses(list(statuses)) == statuses
+        changed = {name: {**status, "completed_count": -1} for name, status in list(statuses.items())[::3]}
+        assert owner.publish(changed)
+        assert replica.statuses(list(statuses)) == {**statuses, **changed}
+    finally:
+        lock.release()
+        owner.close()
+        replica.close()
