@@ -355,14 +355,16 @@ async def _heartbeats(address: str, checkpoint: str, count: int, inbox: Any, out
         outbox.put(("closed", unhealthy))
 
 
-def heartbeats(count: int, window_s: float) -> dict[str, Any]:
+def heartbeats(count: int, window_s: float, store: str | None = None) -> dict[str, Any]:
     """``count`` SDK writers (asyncio, one process) hold their leases on one checkpoint; the server's
-    CPU is read over ``window_s`` seconds once they are all open."""
+    CPU is read over ``window_s`` seconds once they are all open. ``store``: a PostgreSQL URL to
+    serve from (its owner also publishes the checkpoint's status, every live writer in it, for
+    replicas)."""
     import tally
     from tally_server.testing import running_server
 
     checkpoint = "bench/heartbeats"
-    with running_server(settle_ms=250) as server:
+    with running_server(settle_ms=250, store=store) as server:
         pid = server.process.pid
         inbox, outbox = _CTX.Queue(), _CTX.Queue()
         proc = _CTX.Process(

@@ -19,9 +19,9 @@ Figures (``--only``): durable, deltas, latency, load, heartbeats, rerun. The sma
 figures (latency) are also printed against their floor on this machine, measured in the same round:
 a bare grpcio echo, and the echo plus one ``fdatasync`` (``bench/_floor.py``).
 
-The durable figure also runs ``tally serve --store`` on PostgreSQL (issue #11) when a server answers
-at ``--pg-url`` (default: ``postgresql://postgres@127.0.0.1:5432/postgres``): in a scratch database
-created for the run and dropped after it. ``--no-pg`` leaves it out.
+The durable and heartbeats figures also run ``tally serve --store`` on PostgreSQL (issue #11) when a
+server answers at ``--pg-url`` (default: ``postgresql://postgres@127.0.0.1:5432/postgres``): in a
+scratch database created for the run and dropped after it. ``--no-pg`` leaves it out.
 """
 
 from __future__ import annotations
@@ -424,6 +424,13 @@ class Bench:
             put("T:hb.cpu", res["cpu_fraction"])
             put("T:hb.rss", res["rss"])
             log(f"Tally, {s.hb_writers} writers heartbeating: {res['cpu_fraction']:.0%} of a core")
+            if self.pg is not None:
+                res = tside.heartbeats(s.hb_writers, s.hb_window_s, store=self.pg.url)
+                put("T:hb.cpu_pg", res["cpu_fraction"])
+                log(
+                    f"Tally, {s.hb_writers} writers heartbeating, PostgreSQL store: "
+                    f"{res['cpu_fraction']:.0%} of a core"
+                )
 
     def _replica_reads(self, owner: Any, checkpoint: str) -> None:
         """are_completed ids/s from the owner alone, then from the owner and a replica of the store."""
@@ -852,6 +859,15 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
             load,
         )
 
+    on_pg = [
+        Row(
+            "server CPU, PostgreSQL store (its owner, which also publishes the status for replicas)",
+            "T:hb.cpu_pg",
+            "core",
+            goals=(Goal("tally", "<=", 0.3, "≤ 30 % of a core"),),
+            note="one actor per pipeline",
+        )
+    ]
     yield (
         "heartbeats",
         f"{sizes.hb_writers:,} live writers heartbeating (SDK, one asyncio process; lease 30 s), "
@@ -864,6 +880,7 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
                 goals=(Goal("tally", "<=", 0.3, "≤ 30 % of a core"),),
                 note="one actor per pipeline",
             ),
+            *(on_pg if pg else []),
             Row(
                 "server RSS",
                 "T:hb.rss",
@@ -1088,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
     bench: Bench | None = None
     pg: ScratchDatabase | None = None
     try:
-        if "durable" in figures and not ns.no_pg:
+        if figures & {"durable", "heartbeats"} and not ns.no_pg:
             pg = scratch_database(ns.pg_url, required=ns.pg_url is not None)
             if pg is not None:
                 log(f"PostgreSQL store: scratch database {pg.display}")
