@@ -113,6 +113,31 @@ def test_async_lease_lost_on_heartbeat() -> None:
     run(body, fake)
 
 
+def test_async_a_heartbeat_that_crosses_its_writers_close_is_no_lost_lease(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeTransport(lease_ttl_s=0.03)
+    beat = fake.hold("keep_alive")
+
+    async def body(client: tally.AsyncClient) -> None:
+        w = client.writer("cp")
+        await w.open()
+        await asyncio.to_thread(fake.wait_calls, "keep_alive", 1)
+        fake.fail("keep_alive", tally.NotFound("writer handle 'h-1' is not open"))
+        closing = fake.hold("close_writer")
+        close = asyncio.ensure_future(w.close())
+        await asyncio.to_thread(fake.wait_calls, "close_writer", 1)
+        beat.set()  # the heartbeat's answer arrives while the close is out
+        assert await w._wait_until(lambda: w._core.next_heartbeat() is None, 10.0)
+        closing.set()
+        result = await close
+        assert result.incomplete_count == 1 and not w.health().lease_lost
+
+    with caplog.at_level(logging.WARNING, logger="tally"):
+        run(body, fake)
+    assert not [r for r in caplog.records if "lease" in r.getMessage()]
+
+
 def test_async_refused_batch_raises_on_flush(fake: FakeTransport) -> None:
     fake.fail("apply_deltas", tally.InvalidArgument("empty task id"))
 

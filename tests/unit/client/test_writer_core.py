@@ -285,6 +285,19 @@ def test_heartbeats_every_third_of_the_lease_and_sooner_after_a_blip() -> None:
     assert core.lease_lost and core.next_heartbeat() is None
 
 
+def test_a_heartbeat_not_found_while_closing_stops_the_beats_and_loses_no_lease() -> None:
+    # The keep-alive crossed the writer's close, which ended the session on the coordinator.
+    clock = Clock()
+    core = open_core(clock, ttl=3.0)
+    assert core.begin_close() == "h1"
+    clock.now += 1.0
+    assert core.next_heartbeat() == 0.0  # still beating while the close goes on
+    core.heartbeat_failed(tally.NotFound("writer handle 'h1' is not open"))
+    assert not core.lease_lost and core.last_error is None and core.stop_error is None
+    assert core.next_heartbeat() is None
+    core.raise_if_stopped()  # nothing to raise: the close's own answer decides
+
+
 def test_heartbeats_keep_going_while_the_coordinator_is_unavailable() -> None:
     # What a coordinator restart looks like from here: many UNAVAILABLE in a row, never a lost lease.
     clock = Clock()

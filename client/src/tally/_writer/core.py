@@ -123,6 +123,8 @@ class WriterCore:
         self._next_seq = 1
         self._accepting = True
         self.stopping = False  # background loops must stop
+        # False once a keep-alive crossed this writer's close (``heartbeat_failed``): beats stop.
+        self._beating = True
         # The sender waits for a time that ends within flush_interval_s (set by a sender that
         # waits so): it looks at the buffer by then on its own, so a delta put in an empty buffer
         # need not wake it, as it must when the sender waits for a wake-up only.
@@ -428,13 +430,19 @@ class WriterCore:
 
     def next_heartbeat(self) -> float | None:
         """Seconds until the next keep-alive is due (0: now), or None: heartbeats stop."""
-        return None if self.stopping else self.lease.due_in()
+        return None if self.stopping or not self._beating else self.lease.due_in()
 
     def heartbeat_ok(self, ttl: float) -> None:
         self.lease.renewed(ttl)
 
     def heartbeat_failed(self, err: TallyError) -> None:
         if self.stopping:
+            return
+        if isinstance(err, NotFound) and self.phase is Phase.CLOSING:
+            # A keep-alive that crossed this writer's close: the close ended the session on the
+            # coordinator, so the writer is unknown there now. No lease was lost; had it been,
+            # the close's own calls (its last batches, CloseWriter) say so. Beats stop here.
+            self._beating = False
             return
         self.last_error = describe(err)
         if isinstance(err, NotFound):
