@@ -859,28 +859,24 @@ def rows(sizes: Sizes, pg: bool = False) -> Iterator[tuple[str, str, list[Row]]]
             load,
         )
 
-    on_pg = [
-        Row(
-            "server CPU, PostgreSQL store (its owner, which also publishes the status for replicas)",
-            "T:hb.cpu_pg",
+    on_pg = "server CPU, PostgreSQL store (its owner, which also publishes the status for replicas)"
+
+    def heartbeat_cpu(figure: str, key: str) -> Row:
+        return Row(
+            figure,
+            key,
             "core",
             goals=(Goal("tally", "<=", 0.3, "≤ 30 % of a core"),),
             note="one actor per pipeline",
         )
-    ]
+
     yield (
         "heartbeats",
         f"{sizes.hb_writers:,} live writers heartbeating (SDK, one asyncio process; lease 30 s), "
         f"over {sizes.hb_window_s:g} s",
         [
-            Row(
-                "server CPU",
-                "T:hb.cpu",
-                "core",
-                goals=(Goal("tally", "<=", 0.3, "≤ 30 % of a core"),),
-                note="one actor per pipeline",
-            ),
-            *(on_pg if pg else []),
+            heartbeat_cpu("server CPU", "T:hb.cpu"),
+            *([heartbeat_cpu(on_pg, "T:hb.cpu_pg")] if pg else []),
             Row(
                 "server RSS",
                 "T:hb.rss",
