@@ -338,8 +338,10 @@ class CompletedSet:
     def plan_merge(self) -> MergePlan | None:
         """What a merge moves, as it stands now.
 
-        ``MergePlan.build`` (the costly part: a copy of the whole index) may run in another thread
-        while this set goes on changing; then ``finish_merge`` installs the result.
+        Only the overlay's snapshot is taken here (C passes: ~12 ms at 400,000 ids). ``MergePlan.build``
+        (hashing the ids, leaving out those whose hash prefix is taken, and the costly part: a copy
+        of the whole index) may run in another thread while this set goes on changing; then
+        ``finish_merge`` installs the result.
         """
         overlay, tombstones = self._overlay, self._tombstones
         if self._confirm is None:
@@ -357,30 +359,12 @@ class CompletedSet:
             return None
         if self._index is None:
             self._index = CompactIndex.build([])
-        hashes = self._hasher.of_ids(sids)
-        # An id whose hash prefix another entry has already (or another id merged with it) stays
-        # in the overlay: entries must never leave open which one carries which sequence.
-        _, taken = self._index.first_many(hashes)
-        prefixes = hashes & np.uint64(compact.prefix_mask(self._index.origin_bits, len(self._origins)))
-        _, first, counts = np.unique(prefixes, return_index=True, return_counts=True)
-        alone = np.zeros(len(sids), dtype=bool)
-        alone[first[counts == 1]] = True
-        keep = alone & ~taken
-        if not keep.all():
-            whole = False
-            sids, values, hashes = list(compress(sids, keep.tolist())), values[keep], hashes[keep]
-            if not sids:
-                return None
-        origins = (values & np.uint64(_NO_ORIGIN)).astype(np.uint32)
-        seqs = values >> np.uint64(_SEQ_SHIFT)
         settled = min((v.cutoff for v in self._views), default=self._seq)
         return MergePlan(
             self._index,
             sids,
-            values.tolist(),
-            hashes,
-            origins,
-            seqs,
+            values,
+            self._hasher,
             len(self._origins),
             settled,
             self._overlay_discards,
@@ -403,8 +387,9 @@ class CompletedSet:
             self._mergeable -= moved_count  # each had a file and no tombstone
             self._merge_at = max(self._merge_at, self._index.count // 32)
             return
+        values: list[int] = plan.values.tolist()
         if not tombstones and (
-            self._overlay_discards == plan.discards or list(map(overlay.get, plan.sids)) == plan.values
+            self._overlay_discards == plan.discards or list(map(overlay.get, plan.sids)) == values
         ):
             # Each moved id is in the overlay as planned (nothing was discarded meanwhile): C passes.
             # Each had a file and no tombstone, so each was counted mergeable.
@@ -413,7 +398,7 @@ class CompletedSet:
             self._mergeable -= len(plan.sids)
             moved: Iterable[tuple[str, int]] = ()
         else:
-            moved = zip(plan.sids, plan.values, strict=True)
+            moved = zip(plan.sids, values, strict=True)
         for sid, value in moved:
             if sid in tombstones:
                 # Discarded while the merge was built (and maybe completed again since, which
@@ -474,14 +459,16 @@ class CompletedSet:
 
 @dataclass
 class MergePlan:
-    """Ids of the overlay on their way into the compact index (see ``CompletedSet.plan_merge``)."""
+    """Ids of the overlay on their way into the compact index (see ``CompletedSet.plan_merge``).
+
+    ``build`` narrows ``sids`` and ``values`` to the ids that move (and may clear ``whole``):
+    ``finish_merge`` reads them once it has returned.
+    """
 
     index: CompactIndex
     sids: list[str]  # the ids that move
-    values: list[int]  # each one's overlay value as planned
-    hashes: npt.NDArray[np.uint64]
-    origins: npt.NDArray[np.uint32]
-    seqs: npt.NDArray[np.uint64]
+    values: npt.NDArray[np.uint64]  # each one's overlay value as planned
+    hasher: Hasher
     origin_count: int
     settled: int
     discards: int = 0  # the set's count of overlay discards when planned
@@ -489,13 +476,32 @@ class MergePlan:
     whole: bool = False
 
     def build(self) -> CompactIndex:
-        """The index with the ids added: a copy of it, the costly part (any thread)."""
-        return self.index.merged(
-            self.hashes,
-            self.origins,
-            self.seqs,
+        """The index with the ids added: a copy of it, the costly part (any thread).
+
+        Reads only what was snapshotted and the index (which no one changes): safe beside the set.
+        """
+        index, sids, values = self.index, self.sids, self.values
+        hashes = self.hasher.of_ids(sids)
+        # An id whose hash prefix another entry has already (or another id merged with it) stays
+        # in the overlay: entries must never leave open which one carries which sequence.
+        _, taken = index.first_many(hashes)
+        prefixes = hashes & np.uint64(compact.prefix_mask(index.origin_bits, self.origin_count))
+        _, first, counts = np.unique(prefixes, return_index=True, return_counts=True)
+        alone = np.zeros(len(sids), dtype=bool)
+        alone[first[counts == 1]] = True
+        keep = alone & ~taken
+        if not keep.all():
+            self.whole = False
+            sids, values, hashes = list(compress(sids, keep.tolist())), values[keep], hashes[keep]
+            self.sids, self.values = sids, values
+            if not sids:
+                return index
+        return index.merged(
+            hashes,
+            (values & np.uint64(_NO_ORIGIN)).astype(np.uint32),
+            values >> np.uint64(_SEQ_SHIFT),
             origin_count=self.origin_count,
-            added=len(self.sids),
+            added=len(sids),
             settled=self.settled,
         )
 
