@@ -83,7 +83,11 @@ class CompactSetMachine(RuleBasedStateMachine):
         held = self.files.setdefault(origin, set())
         sources = [s for s in sources if not (s in self.model.completed and s.encode() in held)]
         held.update(s.encode() for s in sources)
-        self.compact.add(sources, origin)
+        # A ledger's completions come without repeats and are taken as they are (``distinct``).
+        if len(sources) == len(set(sources)):
+            self.compact.add(sources, origin, distinct=True)
+        else:
+            self.compact.add(sources, origin)
         self.model.add(sources)
 
     @rule(sid=st.sampled_from(IDS), reaches_files=st.booleans())
@@ -143,6 +147,8 @@ class CompactSetMachine(RuleBasedStateMachine):
         assert len(self.compact) == len(self.model.completed)
         # Kept count of as ids come and go (merge_due reads it); a merge no longer recounts it.
         assert self.compact._mergeable == self.compact.mergeable_recounted()
+        # The overlay's characters, kept (the memory estimate) as ids come, go and merge.
+        assert self.compact._id_chars == sum(map(len, self.compact._overlay))
         if self.compact.declared is self.declared:  # declared totals: remaining is exact
             assert self.compact.declared_done == len(self.declared & self.model.completed.keys())
         live = [sid in self.model.completed for sid in IDS]

@@ -236,8 +236,12 @@ class CompletedSet:
                 self.declared_done -= 1
         return dropped + len(in_index)
 
-    def add(self, sources: Iterable[str], origin: str | None = None) -> None:
-        """``sources`` were committed to ``origin``'s file: they are completed from now on."""
+    def add(self, sources: Iterable[str], origin: str | None = None, *, distinct: bool = False) -> None:
+        """``sources`` were committed to ``origin``'s file: they are completed from now on.
+
+        ``distinct``: ``sources`` is a list in which no id comes twice (a ledger's completions), so
+        it is taken as it is instead of deduplicated first.
+        """
         if self._viewed:
             self._seq += 1
             self._viewed = False
@@ -250,7 +254,9 @@ class CompletedSet:
                 self._origins.append(origin)
         value = (self._seq << _SEQ_SHIFT) | tag
         overlay, tombstones = self._overlay, self._tombstones
-        fresh = dict.fromkeys(sources)
+        fresh: Sequence[str] | dict[str, None] = (
+            sources if distinct and isinstance(sources, list) else dict.fromkeys(sources)
+        )
         # Usually none of them is in the overlay yet (C passes then; else the ones that are not).
         new = (
             list(fresh) if overlay.keys().isdisjoint(fresh) else [sid for sid in fresh if sid not in overlay]
@@ -382,8 +388,11 @@ class CompletedSet:
             # lacks): the moved ids are its first entries, in order. What came after them is the
             # new overlay, copied without a lookup per moved id.
             moved_count = len(plan.sids)
-            self._overlay = dict(islice(overlay.items(), moved_count, None))
-            self._id_chars -= sum(map(len, plan.sids))
+            # Read from the end: the ids added since the plan are few, the moved ones many.
+            since = list(islice(reversed(overlay.items()), len(overlay) - moved_count))
+            since.reverse()
+            self._overlay = dict(since)
+            self._id_chars -= plan.chars
             self._mergeable -= moved_count  # each had a file and no tombstone
             self._merge_at = max(self._merge_at, self._index.count // 32)
             return
@@ -394,7 +403,7 @@ class CompletedSet:
             # Each moved id is in the overlay as planned (nothing was discarded meanwhile): C passes.
             # Each had a file and no tombstone, so each was counted mergeable.
             deque(map(overlay.__delitem__, plan.sids), maxlen=0)
-            self._id_chars -= sum(map(len, plan.sids))
+            self._id_chars -= plan.chars
             self._mergeable -= len(plan.sids)
             moved: Iterable[tuple[str, int]] = ()
         else:
@@ -474,6 +483,7 @@ class MergePlan:
     discards: int = 0  # the set's count of overlay discards when planned
     # ``sids`` are every id of the overlay when planned, in its order (none was left out).
     whole: bool = False
+    chars: int = 0  # the characters of ``sids`` (``build`` counts them)
 
     def build(self) -> CompactIndex:
         """The index with the ids added: a copy of it, the costly part (any thread).
@@ -496,6 +506,7 @@ class MergePlan:
             self.sids, self.values = sids, values
             if not sids:
                 return index
+        self.chars = sum(map(len, sids))
         return index.merged(
             hashes,
             (values & np.uint64(_NO_ORIGIN)).astype(np.uint32),

@@ -51,9 +51,14 @@ def settle_all(ledger: WriterLedger) -> list[str]:
     return ledger.mark_completing(ledger.take_all_settling())
 
 
-def made_durable(completed: CompletedSet, sources: Iterable[str], origin: str | None = None) -> None:
-    """The commit of ``sources`` (to ``origin``'s file) is durable: everyone sees them completed."""
-    completed.add(sources, origin)
+def made_durable(
+    completed: CompletedSet, sources: Iterable[str], origin: str | None = None, *, distinct: bool = False
+) -> None:
+    """The commit of ``sources`` (to ``origin``'s file) is durable: everyone sees them completed.
+
+    ``distinct``: no id comes twice in ``sources`` (what ``mark_completing`` returned).
+    """
+    completed.add(sources, origin, distinct=distinct)
 
 
 def commit_failed(ledger: WriterLedger, sources: Iterable[str], now: float) -> None:

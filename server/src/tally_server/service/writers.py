@@ -227,7 +227,7 @@ class Writers:
             if effects.uncomplete:
                 uncomplete_durable(cp.ids(), effects.uncomplete)
             if effects.complete:
-                made_durable(cp.ids(), effects.complete, session.writer_id)
+                made_durable(cp.ids(), effects.complete, session.writer_id, distinct=True)
                 self.durability.persisted(session, effects.complete)
                 if cp.cursored or cp.failures or cp.claims:
                     self.durability.completed_cleanup(cp, effects.complete)
