@@ -87,15 +87,21 @@ class Tables(RuleBasedStateMachine):
 
     @rule(
         batch=st.lists(st.tuples(keys, keys, values), max_size=8),
+        done=st.none() | st.sets(keys, max_size=4),
     )
-    def apply_new(self, batch: list[tuple[str, str, int]]) -> None:
+    def apply_new(self, batch: list[tuple[str, str, int]], done: set[str] | None) -> None:
+        # ``done``: a writer's own completions, which may be counted only if pending already.
         tasks = [t for t, _, _ in batch]
         sources = [s for _, s, _ in batch]
         deltas = [d for _, _, d in batch]
         assert idmap.COMPILED is not None
         before_applied, before_pending = dict(self.model_applied), dict(self.model_pending)
-        got = idmap.COMPILED.apply_new(self.applied, self.pending, list(tasks), list(sources), list(deltas))
-        want = idmap.py_apply_new(self.model_applied, self.model_pending, tasks, sources, deltas)
+        got = idmap.COMPILED.apply_new(
+            self.applied, self.pending, list(tasks), list(sources), list(deltas), done
+        )
+        want = idmap.py_apply_new(self.model_applied, self.model_pending, tasks, sources, deltas, done)
+        if done and any(sid in done and sid not in before_pending for sid in sources):
+            assert want is None
         if got is None and want is not None:
             # The compiled core also declines a batch whose counts would leave int64 (a dict keeps
             # any int), having changed nothing; the ledger's delta-by-delta path (a dict's
@@ -174,6 +180,21 @@ def test_a_task_twice_in_a_batch_declines_it_unchanged() -> None:
     # A task already applied: declined too (a skip or a rewrite is the delta-by-delta path's).
     assert idmap.COMPILED.apply_new(applied, pending, ["t9", "t0"], ["s", "s"], [1, 1]) is None
     assert list(applied.items()) == [("t0", 1)] and list(pending.items()) == [("s", 1)]
+
+
+def test_a_source_done_and_not_pending_declines_the_batch_unchanged() -> None:
+    applied, pending = compiled_map({"t0": 1}), compiled_map({"s": 1})
+    assert idmap.COMPILED is not None
+    # "a" was completed by the writer (it left pending then): counting it again is an anomaly,
+    # which only the delta-by-delta path makes. Tasks and counts added before it are undone.
+    got = idmap.COMPILED.apply_new(applied, pending, ["t1", "t2", "t3"], ["s", "n", "a"], [-1, 1, 1], {"a"})
+    assert got is None
+    assert list(applied.items()) == [("t0", 1)] and list(pending.items()) == [("s", 1)]
+    # Pending already, a source in the set is counted (it is not the writer's completion).
+    got = idmap.COMPILED.apply_new(applied, pending, ["t1", "t2"], ["s", "n"], [-1, 1], {"s", "x"})
+    assert got == ["s"] and list(pending.items()) == [("s", 0), ("n", 1)]
+    with pytest.raises(TypeError, match="done: set"):
+        idmap.COMPILED.apply_new(applied, pending, [], [], [], ["a"])  # type: ignore[arg-type]
 
 
 def test_sources_at_zero_come_back_in_the_order_they_first_reached_it() -> None:

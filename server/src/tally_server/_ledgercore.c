@@ -7,11 +7,11 @@
  * str's own hash (keyed SipHash, so ids a client chooses cannot be made to collide). Values are int64 in place; an int outside int64 is kept as a Python
  * int object (the rules never make one, but nothing a client sends may overflow a count).
  *
- * apply_new(applied, pending, tasks, sources, values): the rules' common case in one call (every
- * task new, none twice): each task added to the dedup map, each delta added to its source's count,
- * returns the sources whose count is zero at the end of the batch, in the order they first reached
- * zero; or None, having changed nothing, when the case does not apply (the caller then applies the
- * batch delta by delta).
+ * apply_new(applied, pending, tasks, sources, values, done=None): the rules' common case in one call
+ * (every task new, none twice; with `done`, a set, no source that is not pending in it): each task
+ * added to the dedup map, each delta added to its source's count, returns the sources whose count
+ * is zero at the end of the batch, in the order they first reached zero; or None, having changed
+ * nothing, when the case does not apply (the caller then applies the batch delta by delta).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -803,15 +803,18 @@ static PyTypeObject IdMapIterType = {
 static PyObject *
 apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyObject_TypeCheck(args[0], &IdMapType) ||
+    if (nargs < 5 || nargs > 6 || !PyObject_TypeCheck(args[0], &IdMapType) ||
         !PyObject_TypeCheck(args[1], &IdMapType) || !PyList_CheckExact(args[2]) ||
-        !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "apply_new(applied: IdMap, pending: IdMap, tasks: list, sources: list, values: list)");
+        !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4]) ||
+        (nargs == 6 && args[5] != Py_None && !PyAnySet_Check(args[5]))) {
+        PyErr_SetString(PyExc_TypeError, "apply_new(applied: IdMap, pending: IdMap, tasks: list, sources: "
+                                         "list, values: list, done: set | None = None)");
         return NULL;
     }
     IdMap *applied = (IdMap *)args[0], *pending = (IdMap *)args[1];
     PyObject *tasks = args[2], *sources = args[3], *values = args[4];
+    /* Sources that may not be counted unless pending already (a writer's own completions). */
+    PyObject *done = nargs == 6 && args[5] != Py_None && PySet_GET_SIZE(args[5]) > 0 ? args[5] : NULL;
     Py_ssize_t n = PyList_GET_SIZE(tasks);
     if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(values) != n) {
         PyErr_SetString(PyExc_ValueError, "apply_new(): the columns differ in length");
@@ -907,6 +910,16 @@ apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_ssize_t ix = lookup(pending, &k, &slot);
         if (ix < 0) {
+            if (done != NULL) {
+                int in_done = PySet_Contains(done, PyList_GET_ITEM(sources, i));
+                if (in_done != 0) { /* done already (or the lookup failed): nothing changes */
+                    key_release(&k);
+                    if (in_done > 0) {
+                        result = Py_NewRef(Py_None);
+                    }
+                    goto undo;
+                }
+            }
             ix = insert_new(pending, &k, slot, ints[i]);
             e = &pending->entries[ix];
         }
@@ -1728,8 +1741,9 @@ static PyTypeObject IdMapType = {
 
 static PyMethodDef module_methods[] = {
     {"apply_new", (PyCFunction)(void (*)(void))apply_new, METH_FASTCALL,
-     "apply_new(applied, pending, tasks, sources, values): the batch if every task is new and none "
-     "comes twice (returns the sources at zero, in order); else None, nothing changed."},
+     "apply_new(applied, pending, tasks, sources, values, done=None): the batch if every task is new "
+     "and none comes twice, and no source not pending is in the set done (returns the sources at "
+     "zero, in order); else None, nothing changed."},
     {"plain_batch", (PyCFunction)(void (*)(void))plain_batch, METH_FASTCALL,
      "plain_batch(tasks, sources, values, max_id_bytes): if every id is ASCII of 1 to max_id_bytes "
      "characters and every value an int within +-2**62 (exclusive), the three columns as the "

@@ -24,7 +24,13 @@ class IdMap:
     def take_zeros(self, sources: list[str], /) -> bool: ...
 
 def apply_new(
-    applied: IdMap, pending: IdMap, tasks: list[str], sources: list[str], values: list[int], /
+    applied: IdMap,
+    pending: IdMap,
+    tasks: list[str],
+    sources: list[str],
+    values: list[int],
+    done: set[str] | None = None,
+    /,
 ) -> list[str] | None: ...
 def plain_batch(
     tasks: list[str], sources: list[str], values: list[int], max_id_bytes: int, /

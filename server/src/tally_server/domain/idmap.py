@@ -81,13 +81,23 @@ def _all_added(applied: PyIdMap, tasks: list[str], values: list[int]) -> bool:
 
 
 def py_apply_new(
-    applied: PyIdMap, pending: PyIdMap, tasks: list[str], sources: list[str], values: list[int]
+    applied: PyIdMap,
+    pending: PyIdMap,
+    tasks: list[str],
+    sources: list[str],
+    values: list[int],
+    done: set[str] | None = None,
 ) -> list[str] | None:
     """The rules' common case: every task new and none twice (else None, nothing changed).
 
     Adds each task to the dedup map and each delta to its source's count; returns the sources whose
     count is zero at the end of the batch, in the order they first reached zero.
+
+    ``done``: sources that may only be counted if pending already (a writer's own completions,
+    which leave ``pending`` as they complete): one of them not pending makes it None too.
     """
+    if done and not done.isdisjoint(sid for sid in sources if sid not in pending):
+        return None
     if not applied.keys().isdisjoint(tasks) or not _all_added(applied, tasks, values):
         return None
     recheck: dict[str, None] = {}
@@ -107,7 +117,7 @@ class LedgerCore:
     name: str
     new_map: Callable[[], IdMap]
     copy_map: Callable[[Iterable[tuple[str, int]]], IdMap]
-    apply_new: Callable[[IdMap, IdMap, list[str], list[str], list[int]], list[str] | None]
+    apply_new: Callable[[IdMap, IdMap, list[str], list[str], list[int], set[str] | None], list[str] | None]
     # validation's check of a plain batch, packing its ids for the journal (None: validation's own)
     plain_batch: Callable[[list[str], list[str], list[int], int], bytes | None] | None = None
     # an ApplyDeltasRequest's bytes read when they hold a plain batch of columns (grpc_api/columns.py)

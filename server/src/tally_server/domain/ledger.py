@@ -216,6 +216,18 @@ class WriterLedger:
         tasks, sources, values = columns.task_ids, columns.source_ids, columns.values
         pending, applied, settling = self.pending, self.applied, self.settling
         own_completed, uncompleted = self.own_completed, self.uncompleted
+        view = self._completed_before_open
+        if not settling and not uncompleted and getattr(view, "empty", False):
+            # Nothing counted as completed when the writer opened (a new checkpoint), nothing
+            # settling or un-completed: a source is completed for this writer only if it completed
+            # it itself, and a source leaves ``pending`` as it completes. So the core, as it counts,
+            # asks ``own_completed`` about the sources not pending alone (none usually): no dict of
+            # the batch's sources, no lookup per source (8 % of a durable run's time). None: a
+            # task not new or a source completed, nothing changed; the general case below then.
+            zeros = self.core.apply_new(applied, pending, tasks, sources, values, own_completed)
+            if zeros is not None:
+                result.counts.applied = len(tasks)
+                return self._zeros(result, zeros, now)
         touched = dict.fromkeys(sources)
         # The batch's sources that counted as completed when the writer opened, asked once per
         # source (a view with ``many``, a compact index, answers them in one vectorised lookup).
@@ -229,14 +241,13 @@ class WriterLedger:
             asked = list(touched)
         else:
             asked = list(touched.keys() - own_completed - uncompleted)
-        view = self._completed_before_open
         many = getattr(view, "many", None)
         before_open = set(compress(asked, many(asked) if many is not None else map(view, asked)))
         # Every task new (no skip, no rewrite) and no source completed for this writer (no anomaly)
         # or settling: the rules reduce to adding each delta to its source's count (the core's
         # apply_new, which returns None, having changed nothing, when a task is not new).
         zeros = (
-            self.core.apply_new(applied, pending, tasks, sources, values)
+            self.core.apply_new(applied, pending, tasks, sources, values, None)
             if not before_open and untouched and (not settling or settling.keys().isdisjoint(touched))
             else None
         )
@@ -245,6 +256,10 @@ class WriterLedger:
         else:
             recheck = self._apply_each(result, zip(tasks, sources, values, strict=True), before_open)
             zeros = [sid for sid in recheck if pending.get(sid) == 0]
+        return self._zeros(result, zeros, now)
+
+    def _zeros(self, result: BatchResult, zeros: list[str], now: float) -> BatchResult:
+        """The batch applied left ``zeros`` at zero: they complete now, or settle."""
         # The anchor completes a source that touched zero anywhere in the batch, even if a later
         # delta of the same batch moved it again (and then loses that count). Tally completes only
         # what is still at zero at the end of the batch; every other case is identical.
