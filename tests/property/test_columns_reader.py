@@ -120,3 +120,25 @@ def test_the_compiled_reading_is_protobufs_and_validations(request_bytes: tuple[
     assert plain is not None, "the compiled reading took a batch validation would not pass as plain"
     assert (tasks, sources, values) == (plain.task_ids, plain.source_ids, plain.values)
     assert packed == plain.packed
+
+
+def test_a_source_that_comes_again_is_the_same_str() -> None:
+    """A batch holds several deltas per source: the reading makes one str for the bytes it saw a
+    little earlier (its hash then computed once), and each id still reads as sent: 3,000 sources
+    (more than the reading remembers, so they share its slots), each sent 1 to 3 times, apart."""
+    assert idmap.COMPILED is not None and idmap.COMPILED.parse_apply_deltas is not None
+    distinct = [f"{i * 7919:012x}" for i in range(3_000)]
+    sources = [sid for i, sid in enumerate(distinct) for _ in range(1 + i % 3)]
+    sources += distinct[::-1]  # each again, far from where it came first
+    request = pb.ApplyDeltasRequest(handle="h1.0")
+    request.columns.task_ids.extend(f"t{i}" for i in range(len(sources)))
+    request.columns.source_ids.extend(sources)
+    request.columns.deltas.extend([1] * len(sources))
+    got = idmap.COMPILED.parse_apply_deltas(request.SerializeToString(), 1024, 100_000)
+    assert got is not None
+    tasks, read = got[3], got[4]
+    assert read == sources and tasks == [f"t{i}" for i in range(len(sources))]
+    assert read[1] is read[2] and read[3] is read[4] is read[5]  # the same source, one str
+    assert read[0] is not read[1] and len({id(t) for t in tasks}) == len(tasks)
+    # Apart: shared when its slot still held it, a str of its own otherwise; never another id's.
+    assert len({id(s) for s in read}) < len(sources) - len(distinct)

@@ -1254,21 +1254,50 @@ read_columns(const unsigned char *p, const unsigned char *end, Columns *c, Py_ss
     return 1;
 }
 
+/* How many of the ids made last ids_list remembers (a power of two), when `shared`. */
+#define RECENT_IDS 1024
+
+/* The list of str of the ids; with `shared`, an id that came a little earlier in the list (the same
+ * bytes in the slot its bytes pick among RECENT_IDS) is the same str object: a batch's deltas
+ * come several per source, and each str made costs an allocation and, when first looked up, its
+ * SipHash (which the shared object keeps). */
 static PyObject *
-ids_list(Span *spans, Py_ssize_t n)
+ids_list(Span *spans, Py_ssize_t n, int shared)
 {
     PyObject *list = PyList_New(n);
     if (list == NULL) {
         return NULL;
     }
+    Py_ssize_t recent[RECENT_IDS]; /* position in the list of the id last seen in each slot, or -1 */
+    if (shared) {
+        memset(recent, 0xff, sizeof recent);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = PyUnicode_New(spans[i].len, 127);
+        const unsigned char *data = spans[i].data;
+        Py_ssize_t len = spans[i].len;
+        size_t slot = 0;
+        if (shared) {
+            uint64_t h = 14695981039346656037ull; /* FNV-1a of the id's bytes */
+            for (Py_ssize_t b = 0; b < len; b++) {
+                h = (h ^ data[b]) * 1099511628211ull;
+            }
+            slot = (size_t)(h ^ (h >> 32)) & (RECENT_IDS - 1);
+            Py_ssize_t j = recent[slot];
+            if (j >= 0 && spans[j].len == len && memcmp(spans[j].data, data, (size_t)len) == 0) {
+                PyList_SET_ITEM(list, i, Py_NewRef(PyList_GET_ITEM(list, j)));
+                continue;
+            }
+        }
+        PyObject *id = PyUnicode_New(len, 127);
         if (id == NULL) {
             Py_DECREF(list);
             return NULL;
         }
-        memcpy(PyUnicode_DATA(id), spans[i].data, (size_t)spans[i].len);
+        memcpy(PyUnicode_DATA(id), data, (size_t)len);
         PyList_SET_ITEM(list, i, id);
+        if (shared) {
+            recent[slot] = i;
+        }
     }
     return list;
 }
@@ -1362,8 +1391,8 @@ parse_apply_deltas(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None); /* protobuf says what is wrong with it */
         goto done;
     }
-    tasks = ids_list(c.ids[0], count);
-    sources = tasks ? ids_list(c.ids[1], count) : NULL;
+    tasks = ids_list(c.ids[0], count, 0); /* each task comes once */
+    sources = tasks ? ids_list(c.ids[1], count, 1) : NULL;
     values = sources ? PyList_New(count) : NULL;
     if (values == NULL) {
         goto done;
