@@ -77,6 +77,33 @@ def test_status_wide_adds_columns_and_keeps_the_default(
     assert writer["anomalies"] == "1" and writer["closed at"] == "-"
 
 
+def test_status_of_one_checkpoint_lists_its_first_live_writers_and_says_how_to_see_all(
+    server: RunningServer,
+) -> None:
+    # A checkpoint of a SLURM array has hundreds of live writers: the detail lists the first 20
+    # (by writer id), says on stderr how many there are, and -o json keeps every one.
+    with tally.Client(server.grpc_address) as client:
+        opened = [client.writer("cli/array", writer_id=f"task-{i:02d}") for i in range(23)]
+        for w in opened:
+            w.open()
+        table = run("status", "cli/array", address=server.grpc_address)
+        assert table.returncode == 0, table.stderr
+        shown = re.findall(r"task-\d\d", table.stdout)
+        assert shown == [f"task-{i:02d}" for i in range(20)]
+        assert table.stderr.strip() == (
+            "the first 20 of 23 live writers shown; tally writers cli/array --limit 23 lists them all"
+        )
+        wide = run("status", "cli/array", "-o", "wide", address=server.grpc_address)
+        assert len(re.findall(r"task-\d\d", wide.stdout)) == 20 and "of 23 live writers" in wide.stderr
+        whole = run("status", "cli/array", "-o", "json", address=server.grpc_address)
+        assert len(json.loads(whole.stdout)["writers"]) == 23 and whole.stderr == ""
+        opened[-1].close()
+        opened[-2].close()
+        opened[-3].close()
+        few = run("status", "cli/array", address=server.grpc_address)
+        assert len(re.findall(r"task-\d\d", few.stdout)) == 20 and few.stderr == ""
+
+
 def test_writers_json_and_wide(server: RunningServer, busy: tally.Writer) -> None:  # noqa: F811
     live = as_json("writers", "cli/run", address=server.grpc_address)
     assert [w["writer_id"] for w in live] == ["array-7"]

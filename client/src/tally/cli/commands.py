@@ -44,6 +44,8 @@ from tally.cli.common import (
 
 # Window over which `tally watch` measures the completion rate.
 _RATE_WINDOW_S = 60.0
+#: Live writers ``tally status NAME`` lists (a checkpoint may have hundreds: ``tally writers`` pages them).
+STATUS_WRITERS = 20
 
 
 # --------------------------------------------------------------------------- status
@@ -58,8 +60,11 @@ def status(
 ) -> None:
     """Checkpoints at a glance, or one checkpoint in detail.
 
+    With CHECKPOINT, its first 20 live writers (by writer id; a line on stderr says when there are
+    more, and `tally writers CHECKPOINT` lists them all).
+
     -o json: an array of checkpoints by name (their live writers counted, `writers` empty), or with
-    CHECKPOINT one object (with its writers).
+    CHECKPOINT one object (with all its writers).
     """
     with connect(address, token, timeout) as client:
         if checkpoint is None:
@@ -165,7 +170,12 @@ def _status_one(c: tally.CheckpointStatus, *, wide: bool) -> None:
         grid.add_row("owner", "- (one coordinator on LMDB files)")
     out.print(grid)
     if c.writers:
-        out.print(writers_table(c.writers, title="live writers", wide=wide))
+        out.print(writers_table(c.writers[:STATUS_WRITERS], title="live writers", wide=wide))
+    if len(c.writers) > STATUS_WRITERS:
+        err.print(
+            f"the first {STATUS_WRITERS} of {count(len(c.writers), 'live writer')} shown; "
+            f"tally writers {c.name} --limit {len(c.writers)} lists them all"
+        )
 
 
 # --------------------------------------------------------------------------- replicas
