@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tally_server.domain import idmap
 from tally_server.domain.checkpoint import CompletedSet
 from tally_server.domain.compact import CompactIndex, Hasher, distinct_count
+from tests.conftest import compiled_core_required
 
 IDS = [f"s{i}" for i in range(12)] + ["é", "ü-long-id"]
 ORIGINS = ["w0", "w1", "w2"]
@@ -162,6 +164,36 @@ class CompactSetMachine(RuleBasedStateMachine):
 
 TestCompactSet = CompactSetMachine.TestCase
 TestCompactSet.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class PythonCoreSetMachine(CompactSetMachine):
+    """The same on the pure Python core (the overlay's ids added with dict passes, not set_absent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core_before = idmap.current().name
+        idmap.use("python")
+
+    def teardown(self) -> None:
+        idmap.use(self.core_before)
+
+
+TestCompactSetPythonCore = PythonCoreSetMachine.TestCase
+TestCompactSetPythonCore.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
+
+
+def test_set_absent_adds_only_what_the_dict_lacks() -> None:
+    compiled_core_required()
+    assert idmap.COMPILED is not None and idmap.COMPILED.set_absent is not None
+    set_absent = idmap.COMPILED.set_absent
+    overlay = {"a": 1, "b": 3}
+    assert set_absent(overlay, ["x", "y"], 3) is None  # every one added: the caller's list stands
+    assert overlay == {"a": 1, "b": 3, "x": 3, "y": 3}
+    # "b" holds the same small int (one object): it was there, so it is not counted as added.
+    assert set_absent(overlay, ["z", "b", "a", "w", "z"], 3) == ["z", "w"]
+    assert overlay == {"a": 1, "b": 3, "x": 3, "y": 3, "z": 3, "w": 3}
+    assert set_absent(overlay, ["a"], 9) == [] and overlay["a"] == 1
+    assert set_absent({}, [], 0) is None
 
 
 @given(st.lists(st.sampled_from(IDS), unique=True))

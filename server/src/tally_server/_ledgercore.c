@@ -1566,6 +1566,49 @@ done:
 #endif
 }
 
+/* ---- set_absent: a live set's overlay gains the ids it lacks ----------------------------------- */
+
+/* set_absent(d, keys, value): d[key] = value for each key of the list that d lacks, the others left
+ * as they are (dict.setdefault of each, in one pass). Returns None when every key was added (the
+ * usual case: the caller keeps its list), else the list of those added, in order. */
+static PyObject *
+set_absent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "set_absent(d: dict, keys: list, value)");
+        return NULL;
+    }
+    PyObject *d = args[0], *keys = args[1], *value = args[2];
+    PyObject *added = NULL; /* made at the first key d had already */
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        Py_ssize_t before = PyDict_GET_SIZE(d);
+        Py_INCREF(key); /* the list may lose it while the dict hashes it */
+        PyObject *got = PyDict_SetDefault(d, key, value);
+        int fresh = PyDict_GET_SIZE(d) > before;
+        if (got == NULL) {
+            Py_DECREF(key);
+            Py_XDECREF(added);
+            return NULL;
+        }
+        if (added == NULL && !fresh) {
+            added = PyList_GetSlice(keys, 0, i); /* every one before it was added */
+            if (added == NULL) {
+                Py_DECREF(key);
+                return NULL;
+            }
+        }
+        else if (added != NULL && fresh && PyList_Append(added, key) < 0) {
+            Py_DECREF(key);
+            Py_DECREF(added);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return added != NULL ? added : Py_NewRef(Py_None);
+}
+
 /* ---- sort_entries: a compact index's entries, sorted ------------------------------------------ */
 
 /* Sorts v[0 .. n - 1] ascending by the bits below `shift` (every value of v has the same bits from
@@ -1788,6 +1831,9 @@ static PyMethodDef module_methods[] = {
     {"hash_rows", (PyCFunction)(void (*)(void))hash_rows, METH_FASTCALL,
      "hash_rows(words, lengths, out): out[i] = hash() of the first lengths[i] bytes of row i of words "
      "(keys packed as rows of little-endian words); True, or False on a big-endian machine."},
+    {"set_absent", (PyCFunction)(void (*)(void))set_absent, METH_FASTCALL,
+     "set_absent(d, keys, value): d.setdefault(key, value) for each key of the list; None if every key "
+     "was added, else the list of those added, in order."},
     {"sort_entries", (PyCFunction)(void (*)(void))sort_entries, METH_FASTCALL,
      "sort_entries(parts, prefix, out): out = sorted((h & prefix) | i for i, part in enumerate(parts) "
      "for h in part), parts buffers of uint64 and out one of their total length; True."},

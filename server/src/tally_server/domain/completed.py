@@ -11,7 +11,7 @@ from itertools import compress, islice
 import numpy as np
 import numpy.typing as npt
 
-from tally_server.domain import compact
+from tally_server.domain import compact, idmap
 from tally_server.domain.compact import CompactIndex, Hasher
 
 # Measured with tracemalloc on CPython 3.11: a str object is 49 bytes plus its characters, its dict
@@ -254,13 +254,12 @@ class CompletedSet:
                 self._origins.append(origin)
         value = (self._seq << _SEQ_SHIFT) | tag
         overlay, tombstones = self._overlay, self._tombstones
-        fresh: Sequence[str] | dict[str, None] = (
-            sources if distinct and isinstance(sources, list) else dict.fromkeys(sources)
-        )
-        # Usually none of them is in the overlay yet (C passes then; else the ones that are not).
-        new = (
-            list(fresh) if overlay.keys().isdisjoint(fresh) else [sid for sid in fresh if sid not in overlay]
-        )
+        new = sources if distinct and isinstance(sources, list) else list(dict.fromkeys(sources))
+        # Ids the overlay holds already keep their sequence: the compiled core leaves them out as
+        # it adds the others (one pass, below); else they are left out first (usually none: C passes).
+        set_absent = idmap.current().set_absent
+        if set_absent is None and not overlay.keys().isdisjoint(new):
+            new = [sid for sid in new if sid not in overlay]
         index = self._index
         if new and index is not None and len(index):
             # The id is in ``origin``'s file already (committed before it is added), so an entry
@@ -276,7 +275,11 @@ class CompletedSet:
                 }
                 if indexed:
                     new = [sid for sid in new if sid not in indexed]
-        overlay.update(dict.fromkeys(new, value))
+        if set_absent is None:
+            overlay.update(dict.fromkeys(new, value))
+        else:
+            added = set_absent(overlay, new, value)
+            new = new if added is None else added
         self._id_chars += sum(map(len, new))
         if self.declared:
             self.declared_done += len(self.declared.intersection(new))

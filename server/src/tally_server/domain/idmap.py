@@ -132,6 +132,8 @@ class LedgerCore:
     # a compact index's entries made and sorted in one radix pass and bucket sorts, without the GIL
     # (domain/compact.py: 10 M entries in a fifth of numpy's sort)
     sort_entries: Callable[[Sequence[Any], int, Any], bool] | None = None
+    # dict.setdefault of many keys in one pass: the ids a live set's overlay gains (domain/completed.py)
+    set_absent: Callable[[dict[str, int], list[str], int], list[str] | None] | None = None
 
 
 PYTHON = LedgerCore("python", PyIdMap, PyIdMap, py_apply_new)  # type: ignore[arg-type]
@@ -161,6 +163,7 @@ def _compiled() -> LedgerCore | None:
         _ledgercore.hash_rows,
         _ledgercore.pack_rows,
         _ledgercore.sort_entries,
+        _ledgercore.set_absent,
     )
 
 
