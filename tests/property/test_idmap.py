@@ -88,19 +88,28 @@ class Tables(RuleBasedStateMachine):
     @rule(
         batch=st.lists(st.tuples(keys, keys, values), max_size=8),
         done=st.none() | st.sets(keys, max_size=4),
+        settling=st.none() | st.sets(keys, max_size=4),
     )
-    def apply_new(self, batch: list[tuple[str, str, int]], done: set[str] | None) -> None:
-        # ``done``: a writer's own completions, which may be counted only if pending already.
+    def apply_new(
+        self, batch: list[tuple[str, str, int]], done: set[str] | None, settling: set[str] | None
+    ) -> None:
+        # ``done``: a writer's own completions, which may be counted only if pending already;
+        # ``settling``: sources whose delta, while their count is zero, cancels a settle.
         tasks = [t for t, _, _ in batch]
         sources = [s for _, s, _ in batch]
         deltas = [d for _, _, d in batch]
         assert idmap.COMPILED is not None
         before_applied, before_pending = dict(self.model_applied), dict(self.model_pending)
+        window = dict.fromkeys(settling, 1.0) if settling is not None else None
         got = idmap.COMPILED.apply_new(
-            self.applied, self.pending, list(tasks), list(sources), list(deltas), done
+            self.applied, self.pending, list(tasks), list(sources), list(deltas), done, window
         )
-        want = idmap.py_apply_new(self.model_applied, self.model_pending, tasks, sources, deltas, done)
+        want = idmap.py_apply_new(
+            self.model_applied, self.model_pending, tasks, sources, deltas, done, window
+        )
         if done and any(sid in done and sid not in before_pending for sid in sources):
+            assert want is None
+        if settling and any(before_pending.get(sid) == 0 and sid in settling for sid in sources):
             assert want is None
         if got is None and want is not None:
             # The compiled core also declines a batch whose counts would leave int64 (a dict keeps
@@ -195,6 +204,23 @@ def test_a_source_done_and_not_pending_declines_the_batch_unchanged() -> None:
     assert got == ["s"] and list(pending.items()) == [("s", 0), ("n", 1)]
     with pytest.raises(TypeError, match="done: set"):
         idmap.COMPILED.apply_new(applied, pending, [], [], [], ["a"])  # type: ignore[arg-type]
+
+
+def test_a_delta_for_a_settling_source_at_zero_declines_the_batch_unchanged() -> None:
+    applied, pending = compiled_map(), compiled_map({"s": 0, "p": 2})
+    assert idmap.COMPILED is not None
+    settling = {"s": 9.0}
+    # "s" settles at zero: its delta would cancel the settle, which only the delta-by-delta path
+    # does. What was counted before it is undone.
+    got = idmap.COMPILED.apply_new(applied, pending, ["t1", "t2"], ["p", "s"], [-2, 1], None, settling)
+    assert got is None and len(applied) == 0 and list(pending.items()) == [("s", 0), ("p", 2)]
+    # A source of the dict that is not at zero (and one reaching zero in the batch) is counted.
+    got = idmap.COMPILED.apply_new(
+        applied, pending, ["t1", "t2", "t3"], ["p", "n", "n"], [-2, 1, -1], None, {"p": 1.0, "n": 1.0}
+    )
+    assert got == ["p", "n"] and list(pending.items()) == [("s", 0), ("p", 0), ("n", 0)]
+    with pytest.raises(TypeError, match="settling: dict"):
+        idmap.COMPILED.apply_new(applied, pending, [], [], [], None, ["s"])  # type: ignore[arg-type]
 
 
 def test_sources_at_zero_come_back_in_the_order_they_first_reached_it() -> None:

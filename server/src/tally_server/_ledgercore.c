@@ -7,8 +7,9 @@
  * str's own hash (keyed SipHash, so ids a client chooses cannot be made to collide). Values are int64 in place; an int outside int64 is kept as a Python
  * int object (the rules never make one, but nothing a client sends may overflow a count).
  *
- * apply_new(applied, pending, tasks, sources, values, done=None): the rules' common case in one call
- * (every task new, none twice; with `done`, a set, no source that is not pending in it): each task
+ * apply_new(applied, pending, tasks, sources, values, done=None, settling=None): the rules' common
+ * case in one call (every task new, none twice; with `done`, a set, no source that is not pending in
+ * it; with `settling`, a dict, no delta for a source in it while its count is zero): each task
  * added to the dedup map, each delta added to its source's count, returns the sources whose count
  * is zero at the end of the batch, in the order they first reached zero; or None, having changed
  * nothing, when the case does not apply (the caller then applies the batch delta by delta).
@@ -803,18 +804,22 @@ static PyTypeObject IdMapIterType = {
 static PyObject *
 apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 5 || nargs > 6 || !PyObject_TypeCheck(args[0], &IdMapType) ||
+    if (nargs < 5 || nargs > 7 || !PyObject_TypeCheck(args[0], &IdMapType) ||
         !PyObject_TypeCheck(args[1], &IdMapType) || !PyList_CheckExact(args[2]) ||
         !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[4]) ||
-        (nargs == 6 && args[5] != Py_None && !PyAnySet_Check(args[5]))) {
+        (nargs >= 6 && args[5] != Py_None && !PyAnySet_Check(args[5])) ||
+        (nargs == 7 && args[6] != Py_None && !PyDict_Check(args[6]))) {
         PyErr_SetString(PyExc_TypeError, "apply_new(applied: IdMap, pending: IdMap, tasks: list, sources: "
-                                         "list, values: list, done: set | None = None)");
+                                         "list, values: list, done: set | None = None, settling: dict | "
+                                         "None = None)");
         return NULL;
     }
     IdMap *applied = (IdMap *)args[0], *pending = (IdMap *)args[1];
     PyObject *tasks = args[2], *sources = args[3], *values = args[4];
     /* Sources that may not be counted unless pending already (a writer's own completions). */
-    PyObject *done = nargs == 6 && args[5] != Py_None && PySet_GET_SIZE(args[5]) > 0 ? args[5] : NULL;
+    PyObject *done = nargs >= 6 && args[5] != Py_None && PySet_GET_SIZE(args[5]) > 0 ? args[5] : NULL;
+    /* Sources that may not be counted while at zero (settling: a delta cancels their settle). */
+    PyObject *settling = nargs == 7 && args[6] != Py_None && PyDict_GET_SIZE(args[6]) > 0 ? args[6] : NULL;
     Py_ssize_t n = PyList_GET_SIZE(tasks);
     if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(values) != n) {
         PyErr_SetString(PyExc_ValueError, "apply_new(): the columns differ in length");
@@ -926,6 +931,16 @@ apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else {
             e = &pending->entries[ix];
             int64_t sum;
+            if (settling != NULL && !E_HAS(e, F_BIG) && e->v.i == 0) {
+                int in_settling = PyDict_Contains(settling, PyList_GET_ITEM(sources, i));
+                if (in_settling != 0) { /* settling (or the lookup failed): nothing changes */
+                    key_release(&k);
+                    if (in_settling > 0) {
+                        result = Py_NewRef(Py_None);
+                    }
+                    goto undo;
+                }
+            }
             if (E_HAS(e, F_BIG) || __builtin_add_overflow(e->v.i, ints[i], &sum)) {
                 key_release(&k);
                 result = Py_NewRef(Py_None);
@@ -1813,9 +1828,10 @@ static PyTypeObject IdMapType = {
 
 static PyMethodDef module_methods[] = {
     {"apply_new", (PyCFunction)(void (*)(void))apply_new, METH_FASTCALL,
-     "apply_new(applied, pending, tasks, sources, values, done=None): the batch if every task is new "
-     "and none comes twice, and no source not pending is in the set done (returns the sources at "
-     "zero, in order); else None, nothing changed."},
+     "apply_new(applied, pending, tasks, sources, values, done=None, settling=None): the batch if every "
+     "task is new and none comes twice, no source not pending is in the set done and no delta comes for "
+     "a source of the dict settling at zero (returns the sources at zero, in order); else None, nothing "
+     "changed."},
     {"plain_batch", (PyCFunction)(void (*)(void))plain_batch, METH_FASTCALL,
      "plain_batch(tasks, sources, values, max_id_bytes): if every id is ASCII of 1 to max_id_bytes "
      "characters and every value an int within +-2**62 (exclusive), the three columns as the "

@@ -30,6 +30,7 @@ def apply_new(
     sources: list[str],
     values: list[int],
     done: set[str] | None = None,
+    settling: dict[str, float] | None = None,
     /,
 ) -> list[str] | None: ...
 def plain_batch(

@@ -18,7 +18,7 @@ core it is given); the tests run the rules on both cores and check them against 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Protocol, overload
@@ -87,6 +87,7 @@ def py_apply_new(
     sources: list[str],
     values: list[int],
     done: set[str] | None = None,
+    settling: Mapping[str, float] | None = None,
 ) -> list[str] | None:
     """The rules' common case: every task new and none twice (else None, nothing changed).
 
@@ -95,9 +96,18 @@ def py_apply_new(
 
     ``done``: sources that may only be counted if pending already (a writer's own completions,
     which leave ``pending`` as they complete): one of them not pending makes it None too.
+    ``settling``: sources whose delta cancels their settle: a delta for one of them while its count
+    is zero makes it None too.
     """
     if done and not done.isdisjoint(sid for sid in sources if sid not in pending):
         return None
+    if settling:
+        counts: dict[str, int | None] = {}
+        for sid, d in zip(sources, values, strict=True):
+            count = counts[sid] if sid in counts else pending.get(sid)
+            if count == 0 and sid in settling:
+                return None
+            counts[sid] = (count or 0) + d
     if not applied.keys().isdisjoint(tasks) or not _all_added(applied, tasks, values):
         return None
     recheck: dict[str, None] = {}
@@ -117,7 +127,10 @@ class LedgerCore:
     name: str
     new_map: Callable[[], IdMap]
     copy_map: Callable[[Iterable[tuple[str, int]]], IdMap]
-    apply_new: Callable[[IdMap, IdMap, list[str], list[str], list[int], set[str] | None], list[str] | None]
+    apply_new: Callable[
+        [IdMap, IdMap, list[str], list[str], list[int], set[str] | None, Mapping[str, float] | None],
+        list[str] | None,
+    ]
     # validation's check of a plain batch, packing its ids for the journal (None: validation's own)
     plain_batch: Callable[[list[str], list[str], list[int], int], bytes | None] | None = None
     # an ApplyDeltasRequest's bytes read when they hold a plain batch of columns (grpc_api/columns.py)

@@ -217,14 +217,15 @@ class WriterLedger:
         pending, applied, settling = self.pending, self.applied, self.settling
         own_completed, uncompleted = self.own_completed, self.uncompleted
         view = self._completed_before_open
-        if not settling and not uncompleted and getattr(view, "empty", False):
+        if not uncompleted and getattr(view, "empty", False):
             # Nothing counted as completed when the writer opened (a new checkpoint), nothing
-            # settling or un-completed: a source is completed for this writer only if it completed
-            # it itself, and a source leaves ``pending`` as it completes. So the core, as it counts,
-            # asks ``own_completed`` about the sources not pending alone (none usually): no dict of
-            # the batch's sources, no lookup per source (8 % of a durable run's time). None: a
-            # task not new or a source completed, nothing changed; the general case below then.
-            zeros = self.core.apply_new(applied, pending, tasks, sources, values, own_completed)
+            # un-completed: a source is completed for this writer only if it completed it itself,
+            # and a source leaves ``pending`` as it completes. So the core, as it counts, asks
+            # ``own_completed`` about the sources not pending alone (none usually), and
+            # ``settling`` about those at zero (a settling source is pending at zero): no dict of
+            # the batch's sources, no lookup per source (8 % of a durable run's time). None: a task
+            # not new, a source completed or settling, nothing changed; the general case then.
+            zeros = self.core.apply_new(applied, pending, tasks, sources, values, own_completed, settling)
             if zeros is not None:
                 result.counts.applied = len(tasks)
                 return self._zeros(result, zeros, now)
@@ -247,7 +248,7 @@ class WriterLedger:
         # or settling: the rules reduce to adding each delta to its source's count (the core's
         # apply_new, which returns None, having changed nothing, when a task is not new).
         zeros = (
-            self.core.apply_new(applied, pending, tasks, sources, values, None)
+            self.core.apply_new(applied, pending, tasks, sources, values, None, None)
             if not before_open and untouched and (not settling or settling.keys().isdisjoint(touched))
             else None
         )
