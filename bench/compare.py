@@ -627,10 +627,21 @@ def _scaled(values: list[float], unit: str) -> tuple[Callable[[float], str], str
     raise ValueError(unit)
 
 
+def _signed(fmt: Callable[[float], str]) -> Callable[[float], str]:
+    """``fmt`` without a minus on what rounds to zero (a memory growth of -0.3 MB prints 0 MB)."""
+
+    def text(v: float) -> str:
+        out = fmt(v)
+        return out[1:] if out.startswith("-") and not out.strip("-0.,") else out
+
+    return text
+
+
 def cell(values: list[float] | None, unit: str) -> str:
     if not values:
         return "—"
     fmt, suffix = _scaled(values, unit)
+    fmt = _signed(fmt)
     text = fmt(statistics.median(values)) + suffix
     if len(values) > 1:
         text += f" ({fmt(min(values))}–{fmt(max(values))})"

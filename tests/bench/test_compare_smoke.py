@@ -32,7 +32,8 @@ SECTIONS = [
     "10 live writers",
     "A rerun over completed sources",
 ]
-NUMBER = re.compile(r"^\d[\d,.]* ?(k/s|M/s|/s|ms|s|MB|B/id|µs|% of a core|anomalies|sources)\b")
+# A growth may be negative (memory given back): "-3 MB" is measured too; "-0 MB" is not printed.
+NUMBER = re.compile(r"^-?\d[\d,.]* ?(k/s|M/s|/s|ms|s|MB|B/id|µs|% of a core|anomalies|sources)\b")
 TINY_SOURCES = 4 * 50  # compare.py's tiny size: 4 writers × 50 sources
 
 
