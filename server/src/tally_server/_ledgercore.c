@@ -914,33 +914,29 @@ apply_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto undo;
         }
         Py_ssize_t ix = lookup(pending, &k, &slot);
-        if (ix < 0) {
-            if (done != NULL) {
-                int in_done = PySet_Contains(done, PyList_GET_ITEM(sources, i));
-                if (in_done != 0) { /* done already (or the lookup failed): nothing changes */
-                    key_release(&k);
-                    if (in_done > 0) {
-                        result = Py_NewRef(Py_None);
-                    }
-                    goto undo;
-                }
+        /* Not pending and done, or settling at zero: 1, and nothing changes (-1: a lookup failed). */
+        int declined = 0;
+        if (ix < 0 && done != NULL) {
+            declined = PySet_Contains(done, PyList_GET_ITEM(sources, i));
+        }
+        else if (ix >= 0 && settling != NULL && !E_HAS(&pending->entries[ix], F_BIG) &&
+                 pending->entries[ix].v.i == 0) {
+            declined = PyDict_Contains(settling, PyList_GET_ITEM(sources, i));
+        }
+        if (declined != 0) {
+            key_release(&k);
+            if (declined > 0) {
+                result = Py_NewRef(Py_None);
             }
+            goto undo;
+        }
+        if (ix < 0) {
             ix = insert_new(pending, &k, slot, ints[i]);
             e = &pending->entries[ix];
         }
         else {
             e = &pending->entries[ix];
             int64_t sum;
-            if (settling != NULL && !E_HAS(e, F_BIG) && e->v.i == 0) {
-                int in_settling = PyDict_Contains(settling, PyList_GET_ITEM(sources, i));
-                if (in_settling != 0) { /* settling (or the lookup failed): nothing changes */
-                    key_release(&k);
-                    if (in_settling > 0) {
-                        result = Py_NewRef(Py_None);
-                    }
-                    goto undo;
-                }
-            }
             if (E_HAS(e, F_BIG) || __builtin_add_overflow(e->v.i, ints[i], &sum)) {
                 key_release(&k);
                 result = Py_NewRef(Py_None);

@@ -147,8 +147,10 @@ class CompactIndex:
         prefix = np.uint64(M64 ^ ((1 << bits) - 1))
         entries = np.empty(sum(len(h) for h in per_origin), dtype=np.uint64)
         sort = idmap.current().sort_entries
-        hashes = [np.ascontiguousarray(h, np.uint64) for h in per_origin]
-        if sort is None or not sort(hashes, int(prefix), entries):
+        tagged = sort is not None and sort(
+            [np.ascontiguousarray(h, np.uint64) for h in per_origin], int(prefix), entries
+        )
+        if not tagged:
             at = 0
             for i, h in enumerate(per_origin):
                 part = entries[at : at + len(h)]
